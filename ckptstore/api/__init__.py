@@ -1,0 +1,1 @@
+"""The public entry points (re-exported by ckptstore/__init__.py)."""

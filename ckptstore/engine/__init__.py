@@ -1,0 +1,1 @@
+"""Execution: carrying out plans against storage (single-file containers now; the pipeline later)."""

@@ -1,0 +1,237 @@
+"""Write and read the single-file container (format/container.py) from a plan / into buffers."""
+
+from __future__ import annotations
+
+import collections
+import math
+import mmap as _mmap
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .._version import __version__
+from ..errors import CorruptCheckpointError, NotACheckpointError
+from ..format import codecs, container
+from ..format.checksum import checksum, verify
+from ..format.dtypes import dtype_from_name, dtype_name, element_size
+from ..format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
+from ..planning.flatten import Plan
+from ..storage.targets import READ_PIECE, ShortRead, Sink, Source
+from .memory import alloc_bytes
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def io_pool() -> ThreadPoolExecutor:
+    """Threads for parallel reads and chunk encoding; file I/O, hashing and zstd release the GIL."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="ckptstore-io")
+    return _pool
+
+
+def write_container(plan: Plan, sink: Sink) -> Manifest:
+    started = time.perf_counter()
+    pad = bytes(container.ALIGN)
+    sink.write(container.pack_header(0))
+    sink.write(pad[: container.DATA_START - sink.tell()])
+    tensors: dict[str, TensorEntry] = {}
+    for item in plan.items:
+        raw = item.raw_bytes()
+        es = element_size(item.dtype)
+        entry = TensorEntry(dtype=dtype_name(item.dtype) or "uint8", shape=item.shape)
+        for (offsets, sizes, start, length), stored in _encoded(item.codec, raw, es, item.slabs()):
+            offset = sink.tell()
+            sink.write(stored)
+            entry.chunks.append(Chunk(offsets, sizes, None, offset, len(stored), item.codec, checksum(stored)))
+            sink.write(pad[: container.align_up(sink.tell()) - sink.tell()])
+        tensors[item.key] = entry
+    manifest = Manifest(
+        kind="file",
+        tensors=tensors,
+        tree=plan.tree,
+        pickled=plan.pickled,
+        meta={
+            "created_unix": round(time.time(), 3),
+            "torch_version": torch.__version__,
+            "ckptstore_version": __version__,
+            "total_bytes": plan.total_bytes,
+            "write_seconds": round(time.perf_counter() - started, 6),
+        },
+    )
+    body = manifest.to_json_bytes()
+    manifest_offset = sink.tell()
+    sink.write(body)
+    sink.write(container.pack_footer(manifest_offset, body))
+    sink.commit(container.pack_header(sink.tell()))
+    return manifest
+
+
+def _encoded(
+    codec: str, raw: torch.Tensor, es: int, slabs: list[tuple[tuple[int, ...], tuple[int, ...], int, int]]
+) -> Iterator[tuple[tuple[tuple[int, ...], tuple[int, ...], int, int], memoryview]]:
+    if codec == "raw" or len(slabs) == 1:
+        for slab in slabs:
+            yield slab, codecs.encode(codec, raw[slab[2] : slab[2] + slab[3]], es)
+        return
+    # Compress slabs in parallel, a bounded window ahead of the writer so memory stays flat.
+    pool = io_pool()
+    window = 2 * (os.cpu_count() or 2)
+    pending: collections.deque = collections.deque()
+    for slab in slabs:
+        pending.append((slab, pool.submit(codecs.encode, codec, raw[slab[2] : slab[2] + slab[3]], es)))
+        if len(pending) > window:
+            done, fut = pending.popleft()
+            yield done, fut.result()
+    while pending:
+        done, fut = pending.popleft()
+        yield done, fut.result()
+
+
+@dataclass
+class OpenContainer:
+    source: Source
+    manifest: Manifest
+    end: int  # container length
+    data_end: int  # where the manifest begins: no chunk may reach past it
+
+
+def open_container(source: Source) -> OpenContainer:
+    where = source.display
+    try:
+        head = source.read(0, min(container.HEADER.size, source.size))
+        header = container.unpack_header(head, where=where)
+        length = header.length or source.size
+        if length > source.size or length < container.DATA_START + container.FOOTER.size:
+            raise CorruptCheckpointError(
+                f"{where}: file is truncated: the header says {header.length} bytes, the file has {source.size}",
+                location=where,
+            )
+        footer = container.unpack_footer(source.read(length - container.FOOTER.size, container.FOOTER.size), length, where=where)
+        body = source.read(footer.manifest_offset, footer.manifest_length)
+    except ShortRead as exc:
+        raise CorruptCheckpointError(f"{where}: file is truncated ({exc})", location=where) from None
+    container.check_manifest_bytes(body, footer, where=where)
+    manifest = parse_manifest(body, where=where)
+    if manifest.kind != "file":
+        raise NotACheckpointError(f"{where}: manifest kind {manifest.kind!r} is not a single-file checkpoint")
+    for key, entry in manifest.tensors.items():
+        for c in entry.chunks:
+            if c.file is not None or c.offset < container.DATA_START or c.offset + c.length > footer.manifest_offset:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {key!r} points at bytes [{c.offset}, {c.offset + c.length}) outside the data region",
+                    location=where,
+                    key=key,
+                )
+    return OpenContainer(source, manifest, length, footer.manifest_offset)
+
+
+def _slab_range(entry: TensorEntry, c: Chunk, es: int) -> tuple[int, int] | None:
+    """Byte range of chunk ``c`` inside the entry's contiguous buffer, if the box is contiguous there."""
+    if not entry.shape:
+        return 0, es
+    if c.sizes[1:] != entry.shape[1:] or any(c.offsets[1:]):
+        return None
+    row = math.prod(entry.shape[1:]) * es
+    return c.offsets[0] * row, c.sizes[0] * row
+
+
+def read_entries(
+    opened: OpenContainer,
+    keys: list[str],
+    *,
+    verify_checksums: bool = True,
+    use_mmap: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read entries into flat uint8 buffers (one per entry), verifying every chunk's checksum."""
+    source, manifest = opened.source, opened.manifest
+    where = source.display
+    mapped = None
+    if use_mmap:
+        assert source.local_path is not None
+        if opened.end > 0:
+            fd = os.open(source.local_path, os.O_RDONLY)
+            try:
+                # Private, writable mapping as torch.load(mmap=True): writes never reach the file.
+                mapped = _mmap.mmap(fd, 0, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+    out: dict[str, torch.Tensor] = {}
+    pieces: list[tuple[int, memoryview]] = []  # (file offset, destination) raw reads
+    checks: list[tuple[str, Chunk, torch.Tensor]] = []
+    decodes: list[tuple[str, Chunk, torch.Tensor, int]] = []  # compressed or non-contiguous chunks
+    for key in keys:
+        entry = manifest.tensors[key]
+        es = element_size(dtype_from_name(entry.dtype, where=where))
+        nbytes = entry.numel * es
+        if mapped is not None and len(entry.chunks) == 1 and entry.chunks[0].codec == "raw" and nbytes:
+            c = entry.chunks[0]
+            out[key] = torch.frombuffer(mapped, dtype=torch.uint8, count=c.length, offset=c.offset)
+            if verify_checksums:
+                checks.append((key, c, out[key]))
+            continue
+        buf = alloc_bytes(nbytes)
+        out[key] = buf
+        for c in entry.chunks:
+            rng = _slab_range(entry, c, es)
+            if c.codec == "raw" and rng is not None:
+                dest = buf[rng[0] : rng[0] + rng[1]]
+                view = memoryview(dest.numpy())
+                for p in range(0, c.length, READ_PIECE):
+                    pieces.append((c.offset + p, view[p : p + READ_PIECE]))
+                if verify_checksums:
+                    checks.append((key, c, dest))
+            else:
+                decodes.append((key, c, buf, es))
+
+    def read_piece(piece: tuple[int, memoryview]) -> int:
+        source.readinto(piece[0], piece[1])
+        return len(piece[1])
+
+    try:
+        if source.parallel and len(pieces) > 1 and source.local_path is not None:
+            for n in io_pool().map(read_piece, pieces):
+                if progress:
+                    progress(n)
+        elif len(pieces) > 1 and source.local_path is None and source.parallel:
+            datas = source.read_many([(o, len(v)) for o, v in pieces])
+            for (_, v), data in zip(pieces, datas):
+                v[:] = data
+                if progress:
+                    progress(len(v))
+        else:
+            for piece in pieces:
+                n = read_piece(piece)
+                if progress:
+                    progress(n)
+        for key, c, buf, es in decodes:
+            stored = source.read(c.offset, c.length)
+            if verify_checksums:
+                verify(stored, c.checksum, location=where, key=key)
+            _place(manifest.tensors[key], c, stored, buf, es, where=f"{where}: tensor {key!r}")
+            if progress:
+                progress(c.length)
+    except ShortRead as exc:
+        raise CorruptCheckpointError(f"{where}: file is truncated ({exc})", location=where) from None
+    for key, c, dest in checks:
+        verify(memoryview(dest.numpy()), c.checksum, location=where, key=key)
+    return out
+
+
+def _place(entry: TensorEntry, c: Chunk, stored: bytes, buf: torch.Tensor, es: int, *, where: str) -> None:
+    rng = _slab_range(entry, c, es)
+    if rng is not None:
+        codecs.decode_into(c.codec, stored, buf[rng[0] : rng[0] + rng[1]], es, where=where)
+        return
+    tmp = torch.empty(c.numel * es, dtype=torch.uint8)
+    codecs.decode_into(c.codec, stored, tmp, es, where=where)
+    dtype = dtype_from_name(entry.dtype, where=where)
+    region = buf.view(dtype).view(entry.shape)
+    for d, (o, s) in enumerate(zip(c.offsets, c.sizes)):
+        region = region.narrow(d, o, s)
+    region.copy_(tmp.view(dtype).view(c.sizes))

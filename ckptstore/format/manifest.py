@@ -1,0 +1,245 @@
+"""The manifest: one JSON document that describes a whole checkpoint, for every layout ckptstore writes.
+
+A tensor is described by dtype, global shape and a list of chunks. A chunk is a box of the global
+tensor (``offsets`` and ``sizes`` per dimension) whose bytes sit in one file at one byte range,
+encoded by one codec and protected by one checksum. The single-file container (``kind="file"``)
+and the sharded directory layout share this schema; only where the bytes live differs
+(``file=None`` means "the container this manifest is in").
+
+Parsing validates everything a reader later relies on (types, bounds, chunk coverage), so that a
+damaged or hostile manifest is refused with a clear error before any data is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._version import __version__
+from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
+from .checksum import validate_checksum_string
+from .codecs import CODECS
+from .dtypes import dtype_from_name, element_size
+
+FORMAT_NAME = "ckptstore"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
+
+# Chunk file names are relative, portable, and cannot climb out of the checkpoint's root.
+_FILE_RE = re.compile(r"^(?!/)(?!.*(?:^|/)\.\.?(?:/|$))[A-Za-z0-9._\-/]{1,255}$")
+_MAX_DIMS = 64
+_MAX_BYTES = 1 << 60
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str | None
+    offset: int
+    length: int
+    codec: str
+    checksum: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "offsets": list(self.offsets),
+            "sizes": list(self.sizes),
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "codec": self.codec,
+            "checksum": self.checksum,
+        }
+
+
+@dataclass
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * element_size(dtype_from_name(self.dtype, where="tensor entry"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
+
+
+@dataclass
+class Manifest:
+    kind: str
+    tensors: dict[str, TensorEntry]
+    tree: Any
+    pickled: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    format_version: str = FORMAT_VERSION
+    writer: str = f"ckptstore {__version__}"
+
+    def to_json_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "writer": self.writer,
+            "kind": self.kind,
+            "byte_order": "little",
+            "tensors": {k: e.to_json() for k, e in self.tensors.items()},
+            "pickled": self.pickled,
+            "meta": self.meta,
+            "tree": self.tree,
+        }
+        # allow_nan=False: non-finite floats are tagged by the tree encoder; a bare NaN here is a bug.
+        return json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.tensors.values())
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _check_version(doc: dict[str, Any], where: str) -> None:
+    version = doc.get("format_version")
+    m = re.fullmatch(r"(\d{1,6})\.(\d{1,6})", version) if isinstance(version, str) else None
+    if m is None:
+        raise CorruptCheckpointError(f"{where}: manifest has no valid format_version (got {version!r})", location=where)
+    major = int(m.group(1))
+    if major > FORMAT_MAJOR:
+        raise UnsupportedFormatVersionError(
+            f"{where} was written in ckptstore format {version} (by {doc.get('writer', 'an unknown writer')}); "
+            f"this ckptstore {__version__} reads format {FORMAT_MAJOR}.x only. Upgrade ckptstore to read it."
+        )
+    if major < 1:
+        raise CorruptCheckpointError(f"{where}: format_version {version!r} is not a released version", location=where)
+
+
+def parse_manifest(data: bytes, *, where: str) -> Manifest:
+    """Parse and validate manifest bytes; every failure is a CorruptCheckpointError naming ``where``."""
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: manifest is not valid JSON: {exc}", location=where) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: manifest is not a ckptstore manifest", location=where)
+    _check_version(doc, where)
+    if doc.get("byte_order", "little") != "little":
+        raise CorruptCheckpointError(f"{where}: byte_order {doc.get('byte_order')!r} is not supported", location=where)
+    kind = doc.get("kind")
+    raw_tensors = doc.get("tensors")
+    pickled = doc.get("pickled", [])
+    meta = doc.get("meta", {})
+    if not isinstance(kind, str) or not isinstance(raw_tensors, dict) or not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{where}: manifest lacks kind/tensors/meta", location=where)
+    if not isinstance(pickled, list) or any(not isinstance(p, str) or p not in raw_tensors for p in pickled):
+        raise CorruptCheckpointError(f"{where}: manifest 'pickled' must list tensor keys", location=where)
+    if "tree" not in doc:
+        raise CorruptCheckpointError(f"{where}: manifest has no tree", location=where)
+    tensors = {key: _parse_entry(key, value, where) for key, value in raw_tensors.items()}
+    return Manifest(
+        kind=kind,
+        tensors=tensors,
+        tree=doc["tree"],
+        pickled=list(pickled),
+        meta=meta,
+        format_version=doc["format_version"],
+        writer=str(doc.get("writer", "")),
+    )
+
+
+def _int_list(value: Any, what: str, where: str, *, allow_empty: bool = True) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list)
+        or len(value) > _MAX_DIMS
+        or (not allow_empty and not value)
+        or any(type(v) is not int or v < 0 or v > _MAX_BYTES for v in value)
+    ):
+        raise CorruptCheckpointError(f"{where}: {what} must be a list of non-negative ints, got {value!r}", location=where)
+    return tuple(value)
+
+
+def _parse_entry(key: str, value: Any, where: str) -> TensorEntry:
+    at = f"{where}: tensor {key!r}"
+    if not isinstance(value, dict) or not isinstance(value.get("chunks"), list):
+        raise CorruptCheckpointError(f"{at}: entry must be an object with chunks", location=where, key=key)
+    dtype = dtype_from_name(value.get("dtype"), where=at)
+    elsize = element_size(dtype)
+    shape = _int_list(value.get("shape"), "shape", at)
+    if math.prod(shape) * elsize > _MAX_BYTES:
+        raise CorruptCheckpointError(f"{at}: shape {list(shape)} is absurdly large", location=where, key=key)
+    chunks = []
+    for i, raw in enumerate(value["chunks"]):
+        cat = f"{at} chunk {i}"
+        if not isinstance(raw, dict):
+            raise CorruptCheckpointError(f"{cat}: must be an object", location=where, key=key)
+        offsets = _int_list(raw.get("offsets"), "offsets", cat)
+        sizes = _int_list(raw.get("sizes"), "sizes", cat)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise CorruptCheckpointError(f"{cat}: offsets/sizes must have {len(shape)} dims", location=where, key=key)
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            raise CorruptCheckpointError(
+                f"{cat}: box offsets={list(offsets)} sizes={list(sizes)} exceeds shape {list(shape)}",
+                location=where,
+                key=key,
+            )
+        file = raw.get("file")
+        if file is not None and (not isinstance(file, str) or not _FILE_RE.match(file)):
+            raise CorruptCheckpointError(f"{cat}: file {file!r} is not a safe relative path", location=where, key=key)
+        offset, length = raw.get("offset"), raw.get("length")
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 or offset + length > _MAX_BYTES:
+            raise CorruptCheckpointError(f"{cat}: offset/length must be non-negative ints", location=where, key=key)
+        codec = raw.get("codec")
+        if codec not in CODECS:
+            raise CorruptCheckpointError(
+                f"{cat}: unknown codec {codec!r} (known: {', '.join(CODECS)})", location=where, key=key
+            )
+        if codec == "raw" and length != math.prod(sizes) * elsize:
+            raise CorruptCheckpointError(
+                f"{cat}: raw chunk length {length} != {math.prod(sizes) * elsize} bytes of its box",
+                location=where,
+                key=key,
+            )
+        chunks.append(Chunk(offsets, sizes, file, offset, length, codec, validate_checksum_string(raw.get("checksum"), where=cat)))
+    _check_coverage(key, shape, chunks, where)
+    return TensorEntry(dtype=value["dtype"], shape=shape, chunks=chunks)
+
+
+def _check_coverage(key: str, shape: tuple[int, ...], chunks: list[Chunk], where: str) -> None:
+    """Chunks must tile the tensor exactly: no gap (uninitialised memory) and no overlap (ambiguity)."""
+    total = math.prod(shape)
+    covered = sum(c.numel for c in chunks)
+    if covered != total:
+        raise CorruptCheckpointError(
+            f"{where}: tensor {key!r}: chunks cover {covered} of {total} elements", location=where, key=key
+        )
+    if total == 0 or len(chunks) < 2:
+        return
+    # Equal volume plus no pairwise overlap implies an exact tiling. Sweep along dim 0 so only boxes
+    # whose dim-0 ranges intersect are compared.
+    boxes = sorted((c for c in chunks if c.numel), key=lambda c: c.offsets[0] if c.offsets else 0)
+    active: list[Chunk] = []
+    for box in boxes:
+        start = box.offsets[0] if box.offsets else 0
+        active = [a for a in active if (a.offsets[0] + a.sizes[0] if a.offsets else 1) > start]
+        for other in active:
+            if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(box.offsets, box.sizes, other.offsets, other.sizes)):
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {key!r}: chunks at offsets {list(other.offsets)} and {list(box.offsets)} overlap",
+                    location=where,
+                    key=key,
+                )
+        active.append(box)

@@ -1,0 +1,278 @@
+"""Tagged JSON for the structure and the non-tensor leaves of a checkpoint.
+
+Plain JSON values stand for themselves: ``null``, ``true``/``false``, strings, ints within
+±2**53 (exact in every JSON reader), finite floats (``1.0`` stays a float, ``1`` an int),
+arrays (Python lists) and objects (dicts whose keys are all strings not starting with ``$``).
+Everything else is an object whose *first* key starts with ``$`` (the tag); docs/format.md lists
+every tag. The tags ``$tensor``, ``$view``, ``$ndarray``, ``$pickle`` (which refer to
+entries of the manifest's ``tensors`` table) and ``$npscalar`` are resolved by the caller.
+
+No tag ever names code to run: a namedtuple is rebuilt from its field names, and from the class
+only when that class is already imported (no import is triggered by loading).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import math
+import sys
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedObjectError
+from .dtypes import NAME_TO_DTYPE, dtype_name
+
+_SAFE_INT = 2**53
+RESOLVED_TAGS = frozenset({"$tensor", "$view", "$ndarray", "$pickle", "$npscalar"})
+
+LeafHook = Callable[[Any, list], "Any | None"]
+Resolver = Callable[[str, dict], Any]
+
+
+def format_path(path: list[Any]) -> str:
+    """A key path as a Python subscript expression users can paste: ``obj['model']['w'][0]``."""
+    return "obj" + "".join(f"[{p!r}]" for p in path)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _float(value: float) -> Any:
+    if math.isfinite(value):
+        return value
+    return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+
+
+class Encoder:
+    """Turns an object tree into tagged JSON.
+
+    ``leaf_hook(obj, path)`` is asked first for every value that is not a plain container or
+    scalar; it returns a JSON node for tensors (and friends) or None when it does not handle the
+    value (``path`` is the list of keys from the root). ``pickle_hook(obj, path)`` stores an unsupported object when pickle is allowed; when it
+    is None such objects raise :class:`UnsupportedObjectError` naming their path.
+    """
+
+    def __init__(self, leaf_hook: LeafHook, pickle_hook: LeafHook | None) -> None:
+        self._leaf_hook = leaf_hook
+        self._pickle_hook = pickle_hook
+        self._active: set[int] = set()
+
+    def encode(self, obj: Any) -> Any:
+        return self._enc(obj, [])
+
+    def _enc(self, obj: Any, path: list[Any]) -> Any:
+        # Exact type checks: a subclass (np.float64 is a float, IntEnum is an int) must not be
+        # silently narrowed to its base class.
+        t = type(obj)
+        if obj is None or t is bool or t is str:
+            return obj
+        if t is int:
+            return obj if -_SAFE_INT <= obj <= _SAFE_INT else {"$int": str(obj)}
+        if t is float:
+            return _float(obj)
+        if t is complex:
+            return {"$complex": [_float(obj.real), _float(obj.imag)]}
+        if t is bytes:
+            return {"$bytes": _b64(obj)}
+        if t is bytearray:
+            return {"$bytearray": _b64(bytes(obj))}
+        if t is torch.dtype:
+            name = dtype_name(obj)
+            if name is not None:
+                return {"$dtype": name}
+        if t is torch.device:
+            return {"$device": str(obj)}
+        handled = self._leaf_hook(obj, path)
+        if handled is not None:
+            return handled
+        if t in (dict, collections.OrderedDict, list, tuple, torch.Size, set, frozenset) or _is_namedtuple(obj):
+            return self._container(obj, path)
+        return self._unsupported(obj, path)
+
+    def _container(self, obj: Any, path: list[Any]) -> Any:
+        if id(obj) in self._active:
+            raise UnsupportedObjectError(
+                f"{format_path(path)} contains itself (a reference cycle); checkpoints hold trees, not graphs"
+            )
+        self._active.add(id(obj))
+        try:
+            t = type(obj)
+            if t is list:
+                return [self._enc(v, path + [i]) for i, v in enumerate(obj)]
+            if t is tuple:
+                return {"$tuple": [self._enc(v, path + [i]) for i, v in enumerate(obj)]}
+            if t is torch.Size:
+                return {"$size": list(obj)}
+            if t is set or t is frozenset:
+                items = [self._enc(v, path + [f"<item {i}>"]) for i, v in enumerate(_stable_order(obj))]
+                return {"$set" if t is set else "$frozenset": items}
+            if _is_namedtuple(obj):
+                return {
+                    "$namedtuple": f"{t.__module__}:{t.__qualname__}",
+                    "fields": list(t._fields),
+                    "values": [self._enc(v, path + [f]) for f, v in zip(t._fields, obj)],
+                }
+            pairs_plain = all(type(k) is str and not k.startswith("$") for k in obj)
+            if t is dict and pairs_plain:
+                return {k: self._enc(v, path + [k]) for k, v in obj.items()}
+            pairs = [[self._enc(k, path + [f"<key {k!r}>"]), self._enc(v, path + [k])] for k, v in obj.items()]
+            if t is dict:
+                return {"$dict": pairs}
+            node: dict[str, Any] = {"$odict": pairs}
+            # model.state_dict() carries per-module versions in `_metadata`; load_state_dict uses it.
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None:
+                node["meta"] = self._enc(meta, path + ["_metadata"])
+            return node
+        finally:
+            self._active.discard(id(obj))
+
+    def _unsupported(self, obj: Any, path: list[Any]) -> Any:
+        where = format_path(path)
+        if self._pickle_hook is not None:
+            node = self._pickle_hook(obj, path)
+            if node is not None:
+                return node
+        raise UnsupportedObjectError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which ckptstore cannot store "
+            "without pickle. Convert it to tensors, numbers, strings, bytes, lists, tuples or dicts "
+            "(for example obj.state_dict(), or tensor.tolist()), or pass allow_pickle=True to save it "
+            "pickled (loading it then needs weights_only=False)."
+        )
+
+
+def _stable_order(items: Any) -> list[Any]:
+    try:
+        return sorted(items)
+    except TypeError:
+        return list(items)
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    t = type(obj)
+    return isinstance(obj, tuple) and t is not tuple and isinstance(getattr(t, "_fields", None), tuple)
+
+
+_namedtuple_cache: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def _namedtuple_type(qualified: str, fields: tuple[str, ...]) -> type:
+    module_name, _, qualname = qualified.partition(":")
+    module = sys.modules.get(module_name)
+    cls: Any = module
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None) if cls is not None else None
+    if isinstance(cls, type) and issubclass(cls, tuple) and getattr(cls, "_fields", None) == fields:
+        return cls
+    key = (qualified, fields)
+    if key not in _namedtuple_cache:
+        name = qualname.rsplit(".", 1)[-1]
+        safe = name if name.isidentifier() else "Record"
+        _namedtuple_cache[key] = collections.namedtuple(safe, fields, rename=True)  # type: ignore[misc]
+    return _namedtuple_cache[key]
+
+
+class Decoder:
+    """Rebuilds objects from tagged JSON; tensor-like tags go to ``resolve(tag, node)``."""
+
+    def __init__(self, resolve: Resolver, where: str) -> None:
+        self._resolve = resolve
+        self._where = where
+
+    def bad(self, msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self._where}: manifest tree: {msg}", location=self._where)
+
+    def decode(self, node: Any) -> Any:
+        t = type(node)
+        if node is None or t is bool or t is str or t is int or t is float:
+            return node
+        if t is list:
+            return [self.decode(v) for v in node]
+        if t is not dict:
+            raise self.bad(f"unexpected JSON value of type {t.__name__}")
+        if not node:
+            return {}
+        tag = next(iter(node))
+        if not tag.startswith("$"):
+            if any(k.startswith("$") for k in node):
+                raise self.bad(f"object mixes plain keys and tags: {sorted(node)[:5]}")
+            return {k: self.decode(v) for k, v in node.items()}
+        try:
+            return self._tagged(tag, node)
+        except CorruptCheckpointError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise self.bad(f"malformed {tag} node: {exc}") from None
+
+    def _float(self, v: Any) -> float:
+        if type(v) is dict and set(v) == {"$float"} and v["$float"] in ("nan", "inf", "-inf"):
+            return float(v["$float"])
+        if type(v) in (int, float):
+            return float(v)
+        raise self.bad(f"not a float: {v!r}")
+
+    def _pairs(self, v: Any) -> list[tuple[Any, Any]]:
+        if type(v) is not list or any(type(p) is not list or len(p) != 2 for p in v):
+            raise self.bad("dict entries must be [key, value] pairs")
+        return [(_hashable(self.decode(k)), self.decode(val)) for k, val in v]
+
+    def _tagged(self, tag: str, node: dict) -> Any:
+        v = node[tag]
+        if tag in RESOLVED_TAGS:
+            return self._resolve(tag, node)
+        if tag == "$int":
+            if type(v) is not str or len(v) > 100_000:
+                raise self.bad("$int must be a decimal string")
+            return int(v)
+        if tag == "$float":
+            return self._float(node)
+        if tag == "$complex":
+            return complex(self._float(v[0]), self._float(v[1]))
+        if tag in ("$bytes", "$bytearray"):
+            data = base64.b64decode(v.encode("ascii"), validate=True)
+            return data if tag == "$bytes" else bytearray(data)
+        if tag == "$tuple":
+            return tuple(self.decode(x) for x in _list(v, self))
+        if tag == "$size":
+            if any(type(x) is not int for x in _list(v, self)):
+                raise self.bad("$size holds ints only")
+            return torch.Size(v)
+        if tag in ("$set", "$frozenset"):
+            items = [_hashable(self.decode(x)) for x in _list(v, self)]
+            return set(items) if tag == "$set" else frozenset(items)
+        if tag == "$dict":
+            return dict(self._pairs(v))
+        if tag == "$odict":
+            out = collections.OrderedDict(self._pairs(v))
+            if "meta" in node:
+                out._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
+            return out
+        if tag == "$namedtuple":
+            fields = tuple(_list(node["fields"], self))
+            if type(v) is not str or any(type(f) is not str for f in fields):
+                raise self.bad("$namedtuple needs a class name and string fields")
+            cls = _namedtuple_type(v, fields)
+            return cls(*(self.decode(x) for x in _list(node["values"], self)))
+        if tag == "$dtype":
+            if v not in NAME_TO_DTYPE:
+                raise self.bad(f"unknown dtype {v!r}")
+            return NAME_TO_DTYPE[v]
+        if tag == "$device":
+            return torch.device(v)
+        raise self.bad(f"unknown tag {tag!r}; the checkpoint may come from a newer ckptstore")
+
+
+def _list(v: Any, dec: Decoder) -> list:
+    if type(v) is not list:
+        raise dec.bad(f"expected a JSON array, got {type(v).__name__}")
+    return v
+
+
+def _hashable(v: Any) -> Any:
+    # JSON has no tuples: keys that were tuples come back tagged; a list key would be a bug/attack.
+    if isinstance(v, (list, dict, set, bytearray)):
+        raise CorruptCheckpointError(f"manifest tree: unhashable dict key or set item {v!r}")
+    return v

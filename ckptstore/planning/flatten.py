@@ -1,0 +1,257 @@
+"""Flatten a Python object tree into a manifest tree plus the list of tensor entries to write.
+
+Tensors are grouped by the storage they live in, so that what torch.save preserves survives here
+too: the same tensor object referenced twice is written once and loads as one object, and several
+views of one storage load as views of one storage. A tensor that shares its storage with nothing
+else is written compactly (only its own elements, contiguous), so a small slice of a huge tensor
+does not drag the whole storage into the file the way torch.save does.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import UnsupportedObjectError
+from ..format import codecs
+from ..format.dtypes import dtype_name, element_size
+from ..format.tree import Encoder, format_path
+
+_NUMPY_KINDS = frozenset("biufc")
+# Compressed tensors are cut into dim-0 slabs of about this many raw bytes, so chunks can be
+# encoded and decoded in parallel and no single zstd frame needs a huge buffer.
+COMPRESSED_CHUNK_BYTES = 16 << 20
+
+
+@dataclass
+class WriteItem:
+    """One manifest tensor entry to write: ``source`` holds exactly the bytes of the entry."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    source: torch.Tensor
+    codec: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * element_size(self.dtype)
+
+    def raw_bytes(self) -> torch.Tensor:
+        """The entry's bytes as a contiguous 1-D uint8 CPU tensor (a copy only when unavoidable)."""
+        t = self.source.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    def slabs(self) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
+        """Chunk boxes as (offsets, sizes, byte start, byte length) within :meth:`raw_bytes`."""
+        nbytes = self.nbytes
+        if self.codec == "raw" or not self.shape or self.shape[0] <= 1 or nbytes <= COMPRESSED_CHUNK_BYTES:
+            return [((0,) * len(self.shape), self.shape, 0, nbytes)]
+        row_bytes = nbytes // self.shape[0]
+        rows = max(1, COMPRESSED_CHUNK_BYTES // max(1, row_bytes))
+        out = []
+        for start in range(0, self.shape[0], rows):
+            n = min(rows, self.shape[0] - start)
+            out.append(((start,) + (0,) * (len(self.shape) - 1), (n,) + self.shape[1:], start * row_bytes, n * row_bytes))
+        return out
+
+
+@dataclass
+class Plan:
+    tree: Any
+    items: list[WriteItem]
+    pickled: list[str]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+
+def _escape(part: Any) -> str:
+    return str(part).replace("~", "~0").replace("/", "~1")
+
+
+class _Planner:
+    def __init__(self, compression: str | None, allow_pickle: bool) -> None:
+        self.compression = compression
+        self.allow_pickle = allow_pickle
+        self.items: list[WriteItem] = []
+        self.pickled: list[str] = []
+        self.keys: set[str] = set()
+        # id(tensor) -> (tensor, leaf node, path); a tensor seen twice reuses its node (tied weights).
+        self.tensors: dict[int, tuple[torch.Tensor, dict[str, Any], list[Any]]] = {}
+        self.next_obj = 0
+
+    def key_for(self, path: list[Any], suffix: str = "") -> str:
+        base = "/".join(_escape(p) for p in path) + suffix or "<root>"
+        key, n = base, 1
+        while key in self.keys:
+            n += 1
+            key = f"{base}#{n}"
+        self.keys.add(key)
+        return key
+
+    def leaf(self, obj: Any, path: list[Any]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self.tensor_leaf(obj, path)
+        if type(obj) is np.ndarray:
+            return self.ndarray_leaf(obj, path)
+        if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
+            import base64
+
+            return {"$npscalar": obj.dtype.str, "b64": base64.b64encode(obj.tobytes()).decode("ascii")}
+        return None
+
+    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> Any:
+        seen = self.tensors.get(id(t))
+        if seen is not None:
+            return seen[1]
+        problem = _tensor_problem(t)
+        if problem is not None:
+            if self.allow_pickle:
+                return None  # falls through to the pickle hook
+            raise UnsupportedObjectError(
+                f"{format_path(path)}: {problem}. Convert it to a plain dense tensor (for example t.to_dense() "
+                "or t.dequantize()), or pass allow_pickle=True to save it pickled (loading then needs "
+                "weights_only=False)."
+            )
+        node: dict[str, Any] = {"$tensor": None, "obj": self.next_obj}
+        self.next_obj += 1
+        if type(t) is torch.nn.Parameter:
+            node["param"] = True
+        if t.requires_grad:
+            node["requires_grad"] = True
+        if t.device.type != "cpu":
+            node["device"] = str(t.device)
+        self.tensors[id(t)] = (t, node, path)
+        return node
+
+    def ndarray_leaf(self, a: np.ndarray, path: list[Any]) -> Any:
+        if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
+            return None
+        data = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy())
+        key = self.key_for(path)
+        self.items.append(WriteItem(key, torch.uint8, (data.numel(),), data, "raw"))
+        return {"$ndarray": key, "dtype": a.dtype.str, "shape": list(a.shape)}
+
+    def pickle_leaf(self, obj: Any, path: list[Any]) -> Any:
+        try:
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise UnsupportedObjectError(f"{format_path(path)} cannot be pickled either: {exc}") from exc
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        key = self.key_for(path, "#pickle")
+        self.items.append(WriteItem(key, torch.uint8, (data.numel(),), data, "raw"))
+        self.pickled.append(key)
+        return {"$pickle": key}
+
+    def finish(self) -> None:
+        """Decide, storage by storage, between compact entries and shared-storage view entries."""
+        groups: dict[tuple[str, int], list[tuple[torch.Tensor, dict[str, Any], list[Any]]]] = {}
+        for t, node, path in self.tensors.values():
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or t.is_conj() or t.is_neg():
+                gkey = ("id", id(t))
+            else:
+                gkey = (str(t.device), storage.data_ptr())
+            groups.setdefault(gkey, []).append((t, node, path))
+        for members in groups.values():
+            if len(members) == 1:
+                t, node, path = members[0]
+                if _overlaps_itself(t):
+                    self.view_entry(members)
+                else:
+                    node["$tensor"] = key = self.key_for(path)
+                    self.add_item(key, t.dtype, tuple(t.shape), t)
+            else:
+                self.view_entry(members)
+
+    def add_item(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], source: torch.Tensor) -> None:
+        codec = codecs.resolve_compression(self.compression, dtype)
+        self.items.append(WriteItem(key, dtype, shape, source, codec))
+
+    def view_entry(self, members: list[tuple[torch.Tensor, dict[str, Any], list[Any]]]) -> None:
+        """Store the byte span of one storage that all ``members`` view, and each member as a view of it."""
+        lo, hi = None, 0
+        for t, _, _ in members:
+            es = t.element_size()
+            if t.numel() == 0:
+                continue
+            start = t.storage_offset() * es
+            end = (t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * es
+            lo = start if lo is None else min(lo, start)
+            hi = max(hi, end)
+        lo = 0 if lo is None else lo
+        dtypes = {t.dtype for t, _, _ in members}
+        entry_dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+        es = element_size(entry_dtype)
+        # Align the span start so every view's offset is a whole number of its own elements
+        # (element sizes are powers of two up to 16).
+        lo -= lo % 16
+        hi = max(hi, lo)
+        hi += (-(hi - lo)) % es
+        first_path = members[0][2]
+        key = self.key_for(first_path, "#storage")
+        t0 = members[0][0].detach()
+        span = torch.empty(0, dtype=torch.uint8, device=t0.device).set_(t0.untyped_storage(), lo, (hi - lo,), (1,))
+        span = span.view(entry_dtype) if es > 1 else span
+        self.add_item(key, entry_dtype, (span.numel(),), span)
+        for t, node, _ in members:
+            tes = t.element_size()
+            node.pop("$tensor", None)
+            flags = {k: node.pop(k) for k in list(node) if k != "obj"}
+            obj = node.pop("obj")
+            node.update(
+                {
+                    "$view": key,
+                    "obj": obj,
+                    "dtype": dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                    "stride": list(t.stride()),
+                    "offset": (t.storage_offset() * tes - lo) // tes if t.numel() else 0,
+                }
+            )
+            node.update(flags)
+
+
+def _tensor_problem(t: torch.Tensor) -> str | None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return f"is a tensor subclass {type(t).__module__}.{type(t).__qualname__}"
+    if t.layout != torch.strided:
+        return f"is a {t.layout} tensor"
+    if t.is_quantized:
+        return "is a quantized tensor"
+    if t.is_nested:
+        return "is a nested tensor"
+    if dtype_name(t.dtype) is None:
+        return f"has dtype {t.dtype}, which the format cannot store"
+    if t.device.type == "meta":
+        return "is a meta tensor, which has no data to save"
+    return None
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """True for views whose elements alias each other (expand, as_strided with zero strides)."""
+    if t.numel() <= 1:
+        return False
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    return span < t.numel()
+
+
+def plan(obj: Any, *, compression: str | None = None, allow_pickle: bool = False) -> Plan:
+    planner = _Planner(compression, allow_pickle)
+    encoder = Encoder(planner.leaf, planner.pickle_leaf if allow_pickle else None)
+    tree = encoder.encode(obj)
+    planner.finish()
+    return Plan(tree=tree, items=planner.items, pickled=planner.pickled)

@@ -1,0 +1,1 @@
+"""Where bytes go: local paths, binary file objects and fsspec URLs behind one small sink/source API."""

@@ -1,0 +1,432 @@
+"""Resolve what users pass as ``f`` (path, PathLike, file object, fsspec URL) to byte sinks and sources.
+
+Writes never destroy what was there before a failure: a local file is written under a temporary
+name, fsynced, renamed over the destination and the directory fsynced; an object store upload is
+only committed (multipart completed) after the last byte, and discarded on failure; other fsspec
+filesystems get a temporary key that is moved into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import IO, Any, Union
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ..errors import CheckpointNotFoundError, InvalidArgumentError, StorageError, UnknownProtocolError
+
+FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
+
+# Reads larger than this are cut into pieces so several threads can fill one big tensor.
+READ_PIECE = 32 << 20
+
+
+@dataclass(frozen=True)
+class Target:
+    """A resolved location: exactly one of ``path`` (local), ``fs``+``fspath`` or ``fileobj`` is set."""
+
+    display: str
+    path: str | None = None
+    fs: Any = None
+    fspath: str | None = None
+    fileobj: Any = None
+
+
+def _install_hint(protocol: str) -> str:
+    from fsspec.registry import known_implementations
+
+    known = known_implementations.get(protocol)
+    if known and known.get("err"):
+        return str(known["err"])
+    return "check the URL's spelling, or install the fsspec implementation that provides it"
+
+
+def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
+    if isinstance(f, (str, os.PathLike)):
+        s = os.fspath(f)
+        if not isinstance(s, str):
+            raise InvalidArgumentError(f"paths must be str, not {type(s).__name__}")
+        if "://" not in s:
+            if storage_options:
+                raise InvalidArgumentError("storage_options only apply to fsspec URLs, not to local paths")
+            return Target(display=s, path=os.path.abspath(s))
+        protocol = s.split("://", 1)[0]
+        try:
+            fs, fspath = fsspec.core.url_to_fs(s, **(storage_options or {}))
+        except ImportError as exc:
+            raise UnknownProtocolError(f"cannot open {s!r}: {exc}. {_install_hint(protocol)}") from None
+        except ValueError as exc:
+            if "Protocol not known" in str(exc):
+                raise UnknownProtocolError(
+                    f"cannot open {s!r}: fsspec knows no protocol {protocol!r}. {_install_hint(protocol)}"
+                ) from None
+            raise
+        if isinstance(fs, LocalFileSystem):
+            return Target(display=s, path=os.path.abspath(fspath))
+        return Target(display=s, fs=fs, fspath=fspath)
+    if hasattr(f, "write") or hasattr(f, "read"):
+        if storage_options:
+            raise InvalidArgumentError("storage_options only apply to fsspec URLs, not to file objects")
+        name = getattr(f, "name", None)
+        return Target(display=f"<{type(f).__name__}{' ' + repr(name) if isinstance(name, str) else ''}>", fileobj=f)
+    raise InvalidArgumentError(
+        f"f must be a path, an os.PathLike, a binary file object or an fsspec URL, not {type(f).__name__}"
+    )
+
+
+def storage_error(exc: OSError, action: str, where: str, *, previous_kept: bool = False) -> StorageError:
+    code = exc.errno
+    tail = " The previous file at that path is untouched." if previous_kept else ""
+    if code == errno.ENOSPC or code == errno.EDQUOT:
+        hint = "no space left on the device; free space or choose another destination."
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        hint = "the destination is read-only or not writable by this user; choose another destination."
+    elif code == errno.ENOENT:
+        hint = "its directory does not exist; create it first."
+    elif code == errno.EISDIR:
+        hint = "that path is a directory; give a file name."
+    else:
+        hint = f"{exc.strerror or exc}."
+    return StorageError(f"cannot {action} {where}: {hint}{tail}", errno=code)
+
+
+class Sink:
+    """Sequential writer with commit/abort; offsets are relative to where the container starts."""
+
+    def write(self, data: bytes | memoryview) -> None:
+        raise NotImplementedError
+
+    def tell(self) -> int:
+        raise NotImplementedError
+
+    def commit(self, header: bytes) -> None:
+        """Make the written bytes visible at the destination; ``header`` replaces the first bytes if possible."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class LocalSink(Sink):
+    def __init__(self, path: str, display: str) -> None:
+        self.path, self.display = path, display
+        directory, base = os.path.split(path)
+        self.tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        if os.path.isdir(path):
+            raise storage_error(IsADirectoryError(errno.EISDIR, "is a directory"), "write", display)
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            raise storage_error(exc, "write", display, previous_kept=os.path.exists(path)) from None
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                n = os.write(self.fd, view)
+                view = view[n:]
+                self.pos += n
+        except OSError as exc:
+            raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
+
+    def tell(self) -> int:
+        return self.pos
+
+    def commit(self, header: bytes) -> None:
+        try:
+            os.pwrite(self.fd, header, 0)
+            # An fsync error means the data may be lost: it is reported, never retried into success.
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
+        _fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename itself is already done
+    finally:
+        os.close(fd)
+
+
+class FileObjectSink(Sink):
+    def __init__(self, f: Any, display: str) -> None:
+        self.f, self.display = f, display
+        self.seekable = bool(getattr(f, "seekable", lambda: False)())
+        self.start = f.tell() if self.seekable else 0
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = self.f.write(view)
+            if n is None:
+                n = len(view)
+            view = view[n:]
+            self.pos += n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def commit(self, header: bytes) -> None:
+        if self.seekable:
+            end = self.f.tell()
+            self.f.seek(self.start)
+            self.f.write(header)
+            self.f.seek(end)
+        flush = getattr(self.f, "flush", None)
+        if flush is not None:
+            flush()
+
+    def abort(self) -> None:
+        pass  # a caller's stream cannot be rolled back; what was written stays invalid (no footer)
+
+
+class FsspecSink(Sink):
+    def __init__(self, fs: Any, path: str, display: str) -> None:
+        self.fs, self.path, self.display = fs, path, display
+        # Async filesystems (s3fs, gcsfs, adlfs) write through buffered files that upload on commit
+        # and can be discarded; others get a temporary key moved into place afterwards.
+        self.transactional = bool(getattr(fs, "async_impl", False))
+        self.tmp = None if self.transactional else f"{path}.ckptstore-tmp-{secrets.token_hex(4)}"
+        try:
+            if self.transactional:
+                self.f = fs.open(path, "wb", autocommit=False)
+            else:
+                self.f = fs.open(self.tmp, "wb")
+        except OSError as exc:
+            raise storage_error(exc, "write", display) from None
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        try:
+            self.f.write(data)
+        except OSError as exc:
+            raise storage_error(exc, "write", self.display, previous_kept=True) from None
+        self.pos += len(memoryview(data).cast("B"))
+
+    def tell(self) -> int:
+        return self.pos
+
+    def commit(self, header: bytes) -> None:
+        # Object stores cannot patch the header in place: its length field stays 0, meaning
+        # "the container ends where the object ends".
+        try:
+            if self.transactional:
+                self.f.commit()
+            else:
+                self.f.close()
+                self.fs.mv(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise storage_error(exc, "write", self.display, previous_kept=True) from None
+
+    def abort(self) -> None:
+        try:
+            if self.transactional:
+                self.f.discard()
+            else:
+                self.f.close()
+                self.fs.rm(self.tmp)
+        except Exception:  # noqa: BLE001 - cleanup must not mask the original error
+            pass
+
+
+def open_sink(target: Target) -> Sink:
+    if target.path is not None:
+        return LocalSink(target.path, target.display)
+    if target.fileobj is not None:
+        return FileObjectSink(target.fileobj, target.display)
+    return FsspecSink(target.fs, target.fspath, target.display)
+
+
+class Source:
+    """Random-access reader over one container; ``start`` is where the container begins."""
+
+    display: str
+    size: int  # bytes available from the container start to the end of the file
+    parallel: bool = False
+    local_path: str | None = None
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.readinto(offset, memoryview(buf))
+        return bytes(buf)
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        raise NotImplementedError
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        return [self.read(o, n) for o, n in ranges]
+
+    def close(self) -> None:
+        pass
+
+    def finish(self, end: int) -> None:
+        """Called after a successful load; ``end`` is the container's end offset."""
+
+
+class _ShortRead(Exception):
+    def __init__(self, offset: int, wanted: int, got: int) -> None:
+        super().__init__(f"wanted {wanted} bytes at offset {offset}, the file ends after {got}")
+        self.offset, self.wanted, self.got = offset, wanted, got
+
+
+class LocalSource(Source):
+    parallel = True
+
+    def __init__(self, path: str, display: str) -> None:
+        self.display = display
+        self.local_path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint at {display}: the file does not exist") from None
+        except IsADirectoryError:
+            raise CheckpointNotFoundError(
+                f"{display} is a directory; ckptstore.load reads a single file (sharded directories load "
+                "with ckptstore.load_sharded)"
+            ) from None
+        except OSError as exc:
+            raise storage_error(exc, "read", display) from None
+        self.size = os.fstat(self.fd).st_size
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        done = 0
+        total = len(out)
+        while done < total:
+            n = os.preadv(self.fd, [out[done:]], offset + done)
+            if n == 0:
+                raise _ShortRead(offset, total, done)
+            done += n
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class FileObjectSource(Source):
+    def __init__(self, f: Any, display: str) -> None:
+        self.f, self.display = f, display
+        if not (getattr(f, "seekable", lambda: False)() and hasattr(f, "read")):
+            raise InvalidArgumentError(f"{display} must be a readable, seekable binary file object")
+        self.start = f.tell()
+        self.size = f.seek(0, io.SEEK_END) - self.start
+        f.seek(self.start)
+        self.lock = threading.Lock()
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        with self.lock:
+            self.f.seek(self.start + offset)
+            done = 0
+            while done < len(out):
+                if hasattr(self.f, "readinto"):
+                    n = self.f.readinto(out[done:])
+                else:
+                    chunk = self.f.read(len(out) - done)
+                    n = len(chunk)
+                    out[done : done + n] = chunk
+                if not n:
+                    raise _ShortRead(offset, len(out), done)
+                done += n
+
+    def finish(self, end: int) -> None:
+        # Leave the stream just past the container, so several checkpoints can share one stream.
+        self.f.seek(self.start + end)
+
+    def rewind(self) -> None:
+        self.f.seek(self.start)
+
+
+class FsspecSource(Source):
+    def __init__(self, fs: Any, path: str, display: str) -> None:
+        self.fs, self.path, self.display = fs, path, display
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint at {display}: the object does not exist") from None
+        except OSError as exc:
+            raise storage_error(exc, "read", display) from None
+        if info.get("type") == "directory":
+            raise CheckpointNotFoundError(
+                f"{display} is a directory; ckptstore.load reads a single file (sharded directories load "
+                "with ckptstore.load_sharded)"
+            )
+        self.size = int(info["size"])
+        self.parallel = bool(getattr(fs, "async_impl", False))
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        data = self.read(offset, len(out))
+        out[:] = data
+
+    def read(self, offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        if offset + length > self.size:
+            raise _ShortRead(offset, length, max(0, self.size - offset))
+        try:
+            data = self.fs.cat_file(self.path, start=offset, end=offset + length)
+        except OSError as exc:
+            raise storage_error(exc, "read", self.display) from None
+        if len(data) != length:
+            raise _ShortRead(offset, length, len(data))
+        return bytes(data)
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        if not self.parallel or len(ranges) <= 1:
+            return super().read_many(ranges)
+        for o, n in ranges:
+            if o + n > self.size:
+                raise _ShortRead(o, n, max(0, self.size - o))
+        try:
+            # One batched call: s3fs issues the ranged GETs concurrently on its own event loop.
+            out = self.fs.cat_ranges([self.path] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges])
+        except OSError as exc:
+            raise storage_error(exc, "read", self.display) from None
+        for (o, n), data in zip(ranges, out):
+            if isinstance(data, Exception):
+                raise storage_error(OSError(str(data)), "read", self.display)
+            if len(data) != n:
+                raise _ShortRead(o, n, len(data))
+        return [bytes(d) for d in out]
+
+
+def open_source(target: Target) -> Source:
+    if target.path is not None:
+        return LocalSource(target.path, target.display)
+    if target.fileobj is not None:
+        return FileObjectSource(target.fileobj, target.display)
+    return FsspecSource(target.fs, target.fspath, target.display)
+
+
+ShortRead = _ShortRead
