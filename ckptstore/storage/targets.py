@@ -242,6 +242,9 @@ class FsspecSink(Sink):
         # "the container ends where the object ends".
         try:
             if self.transactional:
+                # close() uploads the last part without completing the upload (autocommit=False);
+                # commit() completes it: only then does the object appear, whole.
+                self.f.close()
                 self.f.commit()
             else:
                 self.f.close()
@@ -253,7 +256,8 @@ class FsspecSink(Sink):
     def abort(self) -> None:
         try:
             if self.transactional:
-                self.f.discard()
+                self.f.discard()  # aborts the multipart upload
+                self.f.closed = True  # or fsspec's __del__ would flush, and start a new upload
             else:
                 self.f.close()
                 self.fs.rm(self.tmp)

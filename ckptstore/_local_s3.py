@@ -1,0 +1,50 @@
+"""A local S3 endpoint (moto's server on 127.0.0.1, port 0) for the demo and the tests: no cloud account needed."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class LocalS3:
+    endpoint_url: str
+    bucket: str
+    _server: Any
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"},
+            # s3fs caches filesystem objects per options; a stopped server must not be reused.
+            "skip_instance_cache": True,
+        }
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key.lstrip('/')}"
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+def start_local_s3(bucket: str = "ckptstore") -> LocalS3:
+    """Start moto's S3 server on a free loopback port and create ``bucket`` in it."""
+    try:
+        import boto3
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("the local S3 server needs moto: pip install 'moto[server]' boto3") from exc
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(name, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
+    client.create_bucket(Bucket=bucket)
+    return LocalS3(endpoint_url=endpoint, bucket=bucket, _server=server)
