@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import base64
 import pickle
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import numpy as np
 import torch
 
+from .._buffers import byte_view
+from ..engine.single_file import open_container, read_entries, write_container
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -22,10 +25,9 @@ from ..format.manifest import Manifest
 from ..format.tree import Decoder
 from ..planning.flatten import plan as make_plan
 from ..storage.targets import FileLike, FileObjectSource, Source, open_sink, open_source, resolve
-from ..engine.single_file import open_container, read_entries, write_container
 
-MapLocation = Union[
-    None, str, torch.device, dict[str, Union[str, torch.device]], Callable[[torch.UntypedStorage, str], Any]
+MapLocation = Union[  # noqa: UP007 - a runtime alias; X | Y with None first is not valid at runtime
+    None, str, torch.device, dict[str, str | torch.device], Callable[[torch.UntypedStorage, str], Any]
 ]
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -101,13 +103,16 @@ def load(
 def _torch_load(source: Source, fileobj: Any, map_location: MapLocation, weights_only: bool, mmap: bool) -> Any:
     """Files written by torch.save are handed to torch.load unchanged, so migration can be gradual."""
     if source.local_path is not None:
-        return torch.load(source.local_path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        return torch.load(source.local_path, map_location=map_location,  # type: ignore[arg-type]
+            weights_only=weights_only, mmap=mmap)
     if isinstance(source, FileObjectSource):
         source.rewind()
-        return torch.load(fileobj, map_location=map_location, weights_only=weights_only)
+        return torch.load(fileobj, map_location=map_location,  # type: ignore[arg-type]
+            weights_only=weights_only)
     import io
 
-    return torch.load(io.BytesIO(source.read(0, source.size)), map_location=map_location, weights_only=weights_only)
+    return torch.load(io.BytesIO(source.read(0, source.size)), map_location=map_location,  # type: ignore[arg-type]
+            weights_only=weights_only)
 
 
 def _load_container(
@@ -154,7 +159,7 @@ class _Materializer:
             return np.frombuffer(base64.b64decode(node["b64"]), dtype=dt)[0].copy()
         if tag == "$pickle":
             # Reached only with weights_only=False: load() refused pickled manifests before.
-            return pickle.loads(memoryview(self.entry_buffer(node["$pickle"]).numpy()))  # noqa: S301
+            return pickle.loads(byte_view(self.entry_buffer(node["$pickle"])))  # noqa: S301
         if tag == "$ndarray":
             dt = _numpy_dtype(node["dtype"], self)
             shape = tuple(node["shape"])

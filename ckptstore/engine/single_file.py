@@ -7,12 +7,13 @@ import math
 import mmap as _mmap
 import os
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
+from .._buffers import byte_view
 from .._version import __version__
 from ..errors import CorruptCheckpointError, NotACheckpointError
 from ..format import codecs, container
@@ -44,7 +45,7 @@ def write_container(plan: Plan, sink: Sink) -> Manifest:
         raw = item.raw_bytes()
         es = element_size(item.dtype)
         entry = TensorEntry(dtype=dtype_name(item.dtype) or "uint8", shape=item.shape)
-        for (offsets, sizes, start, length), stored in _encoded(item.codec, raw, es, item.slabs()):
+        for (offsets, sizes, _start, _length), stored in _encoded(item.codec, raw, es, item.slabs()):
             offset = sink.tell()
             sink.write(stored)
             entry.chunks.append(Chunk(offsets, sizes, None, offset, len(stored), item.codec, checksum(stored)))
@@ -181,7 +182,7 @@ def read_entries(
             rng = _slab_range(entry, c, es)
             if c.codec == "raw" and rng is not None:
                 dest = buf[rng[0] : rng[0] + rng[1]]
-                view = memoryview(dest.numpy())
+                view = byte_view(dest)
                 for p in range(0, c.length, READ_PIECE):
                     pieces.append((c.offset + p, view[p : p + READ_PIECE]))
                 if verify_checksums:
@@ -219,7 +220,7 @@ def read_entries(
     except ShortRead as exc:
         raise CorruptCheckpointError(f"{where}: file is truncated ({exc})", location=where) from None
     for key, c, dest in checks:
-        verify(memoryview(dest.numpy()), c.checksum, location=where, key=key)
+        verify(byte_view(dest), c.checksum, location=where, key=key)
     return out
 
 

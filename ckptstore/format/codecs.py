@@ -14,6 +14,7 @@ import threading
 import torch
 import zstandard
 
+from .._buffers import byte_view
 from ..errors import CorruptCheckpointError, InvalidArgumentError
 
 CODECS = ("raw", "zstd", "shuffle+zstd")
@@ -62,10 +63,10 @@ def _unshuffle(data: torch.Tensor, elsize: int) -> torch.Tensor:
 def encode(codec: str, raw: torch.Tensor, elsize: int) -> memoryview:
     """Encode ``raw`` (a contiguous 1-D uint8 CPU tensor) into the stored bytes of ``codec``."""
     if codec == "raw":
-        return memoryview(raw.numpy()).cast("B")
+        return byte_view(raw)
     if codec == "shuffle+zstd":
         raw = _shuffle(raw, elsize)
-    return memoryview(_cctx().compress(memoryview(raw.numpy())))
+    return memoryview(_cctx().compress(byte_view(raw)))
 
 
 def decode_into(codec: str, stored: bytes | memoryview, out: torch.Tensor, elsize: int, *, where: str) -> None:

@@ -17,7 +17,8 @@ import base64
 import collections
 import math
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

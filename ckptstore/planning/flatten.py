@@ -183,13 +183,14 @@ class _Planner:
 
     def view_entry(self, members: list[tuple[torch.Tensor, dict[str, Any], list[Any]]]) -> None:
         """Store the byte span of one storage that all ``members`` view, and each member as a view of it."""
-        lo, hi = None, 0
+        lo: int | None = None
+        hi = 0
         for t, _, _ in members:
             es = t.element_size()
             if t.numel() == 0:
                 continue
-            start = t.storage_offset() * es
-            end = (t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * es
+            start = int(t.storage_offset()) * es
+            end = (int(t.storage_offset()) + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * es
             lo = start if lo is None else min(lo, start)
             hi = max(hi, end)
         lo = 0 if lo is None else lo

@@ -270,6 +270,7 @@ def open_sink(target: Target) -> Sink:
         return LocalSink(target.path, target.display)
     if target.fileobj is not None:
         return FileObjectSink(target.fileobj, target.display)
+    assert target.fspath is not None
     return FsspecSink(target.fs, target.fspath, target.display)
 
 
@@ -430,6 +431,7 @@ def open_source(target: Target) -> Source:
         return LocalSource(target.path, target.display)
     if target.fileobj is not None:
         return FileObjectSource(target.fileobj, target.display)
+    assert target.fspath is not None
     return FsspecSource(target.fs, target.fspath, target.display)
 
 
