@@ -128,7 +128,7 @@ def _load_container(
         )
     verify_checksums = (not mmap) if verify is None else verify
     buffers = read_entries(opened, list(manifest.tensors), verify_checksums=verify_checksums, use_mmap=mmap)
-    result = _Materializer(manifest, buffers, map_location, source.display).build()
+    result = _Materializer(manifest, buffers, map_location, source.display, weights_only=weights_only).build()
     source.finish(opened.end)
     return result
 
@@ -136,8 +136,17 @@ def _load_container(
 class _Materializer:
     """Turns the manifest tree plus raw entry buffers back into the user's objects."""
 
-    def __init__(self, manifest: Manifest, buffers: dict[str, torch.Tensor], map_location: MapLocation, where: str) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        buffers: dict[str, torch.Tensor],
+        map_location: MapLocation,
+        where: str,
+        *,
+        weights_only: bool,
+    ) -> None:
         self.manifest, self.buffers, self.where = manifest, buffers, where
+        self.weights_only = weights_only
         self.map_location = map_location
         self.objects: dict[int, torch.Tensor] = {}
         self.bases: dict[str, torch.Tensor] = {}
@@ -158,8 +167,16 @@ class _Materializer:
             dt = _numpy_dtype(node["$npscalar"], self)
             return np.frombuffer(base64.b64decode(node["b64"]), dtype=dt)[0].copy()
         if tag == "$pickle":
-            # Reached only with weights_only=False: load() refused pickled manifests before.
-            return pickle.loads(byte_view(self.entry_buffer(node["$pickle"])))  # noqa: S301
+            key = node["$pickle"]
+            # Checked here too, not only against the manifest's `pickled` list in load(): a crafted
+            # tree could point a $pickle node at an entry that list does not name.
+            if self.weights_only or key not in self.manifest.pickled:
+                raise PickleNotAllowedError(
+                    f"{self.where}: {key!r} is a pickled object"
+                    + (" not declared in the manifest's 'pickled' list; refusing it" if key not in self.manifest.pickled
+                       else "; load with weights_only=False only if you trust where the file came from")
+                )
+            return pickle.loads(byte_view(self.entry_buffer(key)))  # noqa: S301
         if tag == "$ndarray":
             dt = _numpy_dtype(node["dtype"], self)
             shape = tuple(node["shape"])
@@ -200,7 +217,7 @@ class _Materializer:
         base = self.placed(key, node.get("device", "cpu"))
         dtype = dtype_from_name(node["dtype"], where=self.where)
         shape, stride, offset = tuple(node["shape"]), tuple(node["stride"]), node["offset"]
-        es = torch.empty((), dtype=dtype).element_size()
+        es = dtype.itemsize
         if any(type(x) is not int or x < 0 for x in (*shape, *stride, offset)) or len(shape) != len(stride):
             raise self.bad(f"view of {key!r} has a malformed shape/stride/offset", key)
         needed = (offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * es if all(shape) else 0

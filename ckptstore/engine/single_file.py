@@ -108,9 +108,9 @@ def open_container(source: Source) -> OpenContainer:
         header = container.unpack_header(head, where=where)
         length = header.length or source.size
         if length > source.size or length < container.DATA_START + container.FOOTER.size:
+            expected = f"the header says {header.length} bytes" if header.length else "a container needs more"
             raise CorruptCheckpointError(
-                f"{where}: file is truncated: the header says {header.length} bytes, the file has {source.size}",
-                location=where,
+                f"{where}: file is truncated: {expected}, the file has {source.size}", location=where
             )
         footer = container.unpack_footer(source.read(length - container.FOOTER.size, container.FOOTER.size), length, where=where)
         body = source.read(footer.manifest_offset, footer.manifest_length)
@@ -118,6 +118,11 @@ def open_container(source: Source) -> OpenContainer:
         raise CorruptCheckpointError(f"{where}: file is truncated ({exc})", location=where) from None
     container.check_manifest_bytes(body, footer, where=where)
     manifest = parse_manifest(body, where=where)
+    if int(manifest.format_version.split(".")[0]) != header.major:
+        raise CorruptCheckpointError(
+            f"{where}: header says format {header.major}.x but the manifest says {manifest.format_version}",
+            location=where,
+        )
     if manifest.kind != "file":
         raise NotACheckpointError(f"{where}: manifest kind {manifest.kind!r} is not a single-file checkpoint")
     for key, entry in manifest.tensors.items():

@@ -46,7 +46,7 @@ def resolve_compression(compression: str | None, dtype: torch.dtype) -> str:
         return "zstd"
     if compression == "shuffle+zstd":
         # Shuffling single-byte elements is the identity: skip the copy.
-        return "shuffle+zstd" if torch.empty((), dtype=dtype).element_size() > 1 else "zstd"
+        return "shuffle+zstd" if dtype.itemsize > 1 else "zstd"
     raise InvalidArgumentError(
         f"compression={compression!r} is not supported; use None, 'zstd' or 'shuffle+zstd'"
     )
@@ -79,7 +79,7 @@ def decode_into(codec: str, stored: bytes | memoryview, out: torch.Tensor, elsiz
     if codec not in ("zstd", "shuffle+zstd"):
         raise CorruptCheckpointError(f"{where}: unknown codec {codec!r}; known codecs are {', '.join(CODECS)}")
     try:
-        plain = _dctx().decompress(stored, max_output_size=out.numel())
+        plain = _dctx().decompress(stored, max_output_size=out.numel(), allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptCheckpointError(f"{where}: zstd frame does not decode: {exc}") from None
     if len(plain) != out.numel():

@@ -58,6 +58,8 @@ def unpack_header(data: bytes, *, where: str) -> Header:
     magic, major, minor, _flags, length, _ = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise CorruptCheckpointError(f"{where}: bad header magic {magic!r}", location=where)
+    if major == 0:
+        raise CorruptCheckpointError(f"{where}: header format version 0.{minor} was never released", location=where)
     if major > FORMAT_MAJOR:
         raise UnsupportedFormatVersionError(
             f"{where} was written in ckptstore format {major}.{minor}; this ckptstore reads format "

@@ -46,4 +46,5 @@ def dtype_from_name(name: object, *, where: str) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    # dtype.itemsize needs no allocation (allocating complex32 warns "experimental").
+    return dtype.itemsize

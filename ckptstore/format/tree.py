@@ -71,7 +71,10 @@ class Encoder:
         if obj is None or t is bool or t is str:
             return obj
         if t is int:
-            return obj if -_SAFE_INT <= obj <= _SAFE_INT else {"$int": str(obj)}
+            if -_SAFE_INT <= obj <= _SAFE_INT:
+                return obj
+            # Python refuses decimal conversion past 4300 digits; hex has no such limit.
+            return {"$int": str(obj)} if obj.bit_length() < 13_000 else {"$int": hex(obj), "base": 16}
         if t is float:
             return _float(obj)
         if t is complex:
@@ -165,7 +168,8 @@ def _namedtuple_type(qualified: str, fields: tuple[str, ...]) -> type:
     module = sys.modules.get(module_name)
     cls: Any = module
     for part in qualname.split("."):
-        cls = getattr(cls, part, None) if cls is not None else None
+        # __dict__, not getattr: a module-level __getattr__ may import code (lazy submodules).
+        cls = vars(cls).get(part) if cls is not None and hasattr(cls, "__dict__") else None
     if isinstance(cls, type) and issubclass(cls, tuple) and getattr(cls, "_fields", None) == fields:
         return cls
     key = (qualified, fields)
@@ -225,9 +229,10 @@ class Decoder:
         if tag in RESOLVED_TAGS:
             return self._resolve(tag, node)
         if tag == "$int":
-            if type(v) is not str or len(v) > 100_000:
-                raise self.bad("$int must be a decimal string")
-            return int(v)
+            base = node.get("base", 10)
+            if type(v) is not str or len(v) > 100_000 or base not in (10, 16):
+                raise self.bad("$int must be a decimal string, or a hex string with base 16")
+            return int(v, base)
         if tag == "$float":
             return self._float(node)
         if tag == "$complex":

@@ -94,7 +94,7 @@ class _Planner:
         self.next_obj = 0
 
     def key_for(self, path: list[Any], suffix: str = "") -> str:
-        base = "/".join(_escape(p) for p in path) + suffix or "<root>"
+        base = ("/".join(_escape(p) for p in path) or "<root>") + suffix
         key, n = base, 1
         while key in self.keys:
             n += 1

@@ -318,8 +318,7 @@ class LocalSource(Source):
             raise CheckpointNotFoundError(f"no checkpoint at {display}: the file does not exist") from None
         except IsADirectoryError:
             raise CheckpointNotFoundError(
-                f"{display} is a directory; ckptstore.load reads a single file (sharded directories load "
-                "with ckptstore.load_sharded)"
+                f"{display} is a directory; ckptstore.load reads a single checkpoint file"
             ) from None
         except OSError as exc:
             raise storage_error(exc, "read", display) from None
@@ -384,8 +383,7 @@ class FsspecSource(Source):
             raise storage_error(exc, "read", display) from None
         if info.get("type") == "directory":
             raise CheckpointNotFoundError(
-                f"{display} is a directory; ckptstore.load reads a single file (sharded directories load "
-                "with ckptstore.load_sharded)"
+                f"{display} is a directory; ckptstore.load reads a single checkpoint file"
             )
         self.size = int(info["size"])
         self.parallel = bool(getattr(fs, "async_impl", False))

@@ -1,0 +1,853 @@
+"""An independent reader of the ckptstore format, written from docs/format.md alone.
+
+The reader below uses only struct, json, base64, xxhash, zstandard and numpy. It does not import
+ckptstore's format, engine, planning or api modules; ``ckptstore`` itself is imported only to call
+``ckptstore.save`` and produce the files under test. Even the dtype element sizes come from the table
+in docs/format.md. If these tests pass, the specification is complete enough to read every file
+``ckptstore.save`` writes for the objects covered here, byte for byte, with every checksum verified.
+
+torch is used only on the *original* side of comparisons (to build objects and take their bytes).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import fractions
+import io
+import json
+import math
+import pathlib
+import pickle
+import re
+import struct
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+import zstandard
+
+import ckptstore
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "format.md"
+DOC_TEXT = DOC.read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reader (sections 2-9 of docs/format.md)
+# ---------------------------------------------------------------------------------------------
+
+
+def _doc_section(begin: str, end: str) -> str:
+    start = DOC_TEXT.index(f"<!-- {begin} -->")
+    return DOC_TEXT[start : DOC_TEXT.index(f"<!-- {end} -->", start)]
+
+
+def _dtype_table_from_doc() -> dict[str, int]:
+    """Section 4: dtype name -> element size in bytes, parsed from the spec itself."""
+    table = {}
+    for m in re.finditer(
+        r"^\|\s*`([a-z0-9_]+)`\s*\|\s*(\d+)\s*\|", _doc_section("dtype-table-begin", "dtype-table-end"), re.M
+    ):
+        table[m.group(1)] = int(m.group(2))
+    return table
+
+
+DTYPE_SIZES = _dtype_table_from_doc()
+
+HEADER = struct.Struct("<8sHHIQQ")
+FOOTER = struct.Struct("<QQQ8s")
+MAGIC, FOOTER_MAGIC = b"CKPTSTOR", b"CKPTFOOT"
+DATA_START = 4096
+SUPPORTED_MAJOR = 1
+MAX_BYTES = 2**60
+MAX_DIMS = 64
+CODECS = ("raw", "zstd", "shuffle+zstd")
+CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
+FILE_RE = re.compile(r"^(?!/)(?!.*(?:^|/)\.\.?(?:/|$))[A-Za-z0-9._\-/]{1,255}$")
+
+
+class FormatError(Exception):
+    pass
+
+
+class VersionError(FormatError):
+    pass
+
+
+class PickleRefused(FormatError):
+    pass
+
+
+@dataclass
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    offset: int
+    length: int
+    codec: str
+    checksum: str
+
+
+@dataclass
+class Entry:
+    dtype: str
+    shape: tuple[int, ...]
+    es: int
+    chunks: list[Chunk]
+    data: bytes = b""  # the entry's raw bytes, C order, little-endian elements
+
+
+@dataclass(eq=False)
+class Tensor:
+    """What the reader returns for $tensor / $view: a dtype name, a shape and C-order bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+    entry: str
+    is_view: bool
+    param: bool = False
+    requires_grad: bool = False
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+
+
+@dataclass(frozen=True)
+class Size:
+    dims: tuple[int, ...]
+
+
+@dataclass
+class Checkpoint:
+    manifest: dict[str, Any]
+    entries: dict[str, Entry]
+    value: Any
+    header_length: int
+    container_length: int
+    manifest_offset: int
+    chunks_verified: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def _is_int(v: Any, lo: int = 0, hi: int = MAX_BYTES) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def _int_list(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_DIMS or not all(_is_int(x) for x in v):
+        raise FormatError(f"{what} must be a list of at most {MAX_DIMS} ints in [0, 2**60]: {v!r}")
+    return tuple(v)
+
+
+def _no_constants(name: str) -> Any:
+    raise FormatError(f"non-standard JSON constant {name}")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise FormatError(f"duplicate member {k!r}")
+        out[k] = v
+    return out
+
+
+def _parse_version(doc: dict[str, Any]) -> tuple[int, int]:
+    v = doc.get("format_version")
+    m = re.fullmatch(r"(\d{1,6})\.(\d{1,6})", v) if isinstance(v, str) else None
+    if m is None:
+        raise FormatError(f"bad format_version {v!r}")
+    major, minor = int(m.group(1)), int(m.group(2))
+    if major > SUPPORTED_MAJOR:
+        raise VersionError(f"format {v} is newer than {SUPPORTED_MAJOR}.x")
+    if major < 1:
+        raise FormatError(f"format_version {v} was never released")
+    return major, minor
+
+
+def _parse_entry(key: str, raw: Any, manifest_offset: int) -> Entry:
+    if not isinstance(raw, dict) or not isinstance(raw.get("chunks"), list):
+        raise FormatError(f"{key}: entry must be an object with chunks")
+    dtype = raw.get("dtype")
+    if dtype not in DTYPE_SIZES:
+        raise FormatError(f"{key}: unknown dtype {dtype!r}")
+    es = DTYPE_SIZES[dtype]
+    shape = _int_list(raw.get("shape"), "shape")
+    if math.prod(shape) * es > MAX_BYTES:
+        raise FormatError(f"{key}: too large")
+    chunks = []
+    for c in raw["chunks"]:
+        if not isinstance(c, dict):
+            raise FormatError(f"{key}: chunk must be an object")
+        offsets, sizes = _int_list(c.get("offsets"), "offsets"), _int_list(c.get("sizes"), "sizes")
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise FormatError(f"{key}: box rank differs from shape")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            raise FormatError(f"{key}: box outside the shape")
+        if c.get("file") is not None:
+            if not isinstance(c["file"], str) or not FILE_RE.match(c["file"]):
+                raise FormatError(f"{key}: unsafe file {c['file']!r}")
+            raise FormatError(f"{key}: chunk file {c['file']!r}: sharded layout not supported by this reader")
+        offset, length = c.get("offset"), c.get("length")
+        if not (_is_int(offset) and _is_int(length) and offset + length <= MAX_BYTES):
+            raise FormatError(f"{key}: bad offset/length")
+        if offset < DATA_START or offset + length > manifest_offset:
+            raise FormatError(f"{key}: chunk bytes [{offset}, {offset + length}) outside the data region")
+        codec = c.get("codec")
+        if codec not in CODECS:
+            raise FormatError(f"{key}: unknown codec {codec!r}")
+        if codec == "raw" and length != math.prod(sizes) * es:
+            raise FormatError(f"{key}: raw chunk length {length} != box bytes")
+        checksum = c.get("checksum")
+        if not isinstance(checksum, str) or not CHECKSUM_RE.fullmatch(checksum):
+            raise FormatError(f"{key}: bad checksum string {checksum!r}")
+        chunks.append(Chunk(offsets, sizes, offset, length, codec, checksum))
+    # Coverage (3.5): equal volume and no overlap between non-empty boxes.
+    if sum(math.prod(c.sizes) for c in chunks) != math.prod(shape):
+        raise FormatError(f"{key}: chunks do not cover the tensor")
+    boxes = [c for c in chunks if math.prod(c.sizes)]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                raise FormatError(f"{key}: chunks overlap")
+    return Entry(dtype, shape, es, chunks)
+
+
+def _decode_chunk(c: Chunk, stored: bytes, es: int) -> bytes:
+    expected = math.prod(c.sizes) * es
+    if c.codec == "raw":
+        return stored
+    try:
+        plain = zstandard.ZstdDecompressor().decompress(stored, max_output_size=expected, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"bad zstd frame: {exc}") from None
+    if len(plain) != expected:
+        raise FormatError(f"chunk decodes to {len(plain)} bytes, expected {expected}")
+    if c.codec == "shuffle+zstd" and expected:
+        n = expected // es
+        plain = np.frombuffer(plain, dtype=np.uint8).reshape(es, n).T.tobytes()  # unshuffle
+    return plain
+
+
+def read_container(buf: bytes, start: int = 0, *, allow_pickle: bool = False, verify: bool = True) -> Checkpoint:
+    """Read the container that begins at ``buf[start]`` (section 2.4, then sections 3-7)."""
+    available = len(buf) - start
+    if available < HEADER.size:
+        raise FormatError("truncated: no header")
+    magic, major, _minor, _flags, length, _reserved = HEADER.unpack_from(buf, start)
+    if magic != MAGIC:
+        raise FormatError("not a ckptstore container")
+    if major > SUPPORTED_MAJOR:
+        raise VersionError(f"header major {major}")
+    total = length or available
+    if total > available or total < DATA_START + FOOTER.size:
+        raise FormatError("truncated: container length")
+    m_off, m_len, m_sum, fmagic = FOOTER.unpack_from(buf, start + total - FOOTER.size)
+    if fmagic != FOOTER_MAGIC:
+        raise FormatError("footer magic missing")
+    if m_off < DATA_START or m_off + m_len != total - FOOTER.size:
+        raise FormatError("footer does not point at the manifest")
+    body = bytes(buf[start + m_off : start + m_off + m_len])
+    if xxhash.xxh3_64_intdigest(body) != m_sum:
+        raise FormatError("manifest checksum mismatch")
+    try:
+        doc = json.loads(body.decode("utf-8"), parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"manifest is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != "ckptstore":
+        raise FormatError("not a ckptstore manifest")
+    _parse_version(doc)
+    if doc.get("byte_order", "little") != "little":
+        raise FormatError("byte order")
+    if doc.get("kind") != "file":
+        raise FormatError(f"kind {doc.get('kind')!r} is not a single-file container")
+    tensors, pickled, meta = doc.get("tensors"), doc.get("pickled", []), doc.get("meta", {})
+    if not isinstance(tensors, dict) or not isinstance(meta, dict) or "tree" not in doc:
+        raise FormatError("manifest lacks tensors/meta/tree")
+    if not isinstance(pickled, list) or any(not isinstance(p, str) or p not in tensors for p in pickled):
+        raise FormatError("pickled must list entry keys")
+    entries = {k: _parse_entry(k, v, m_off) for k, v in tensors.items()}
+    if pickled and not allow_pickle:
+        raise PickleRefused(f"pickled entries {pickled}")
+    verified = 0
+    for entry in entries.values():
+        out = np.zeros(math.prod(entry.shape) * entry.es, dtype=np.uint8)
+        grid = out.reshape(entry.shape + (entry.es,))
+        for c in entry.chunks:
+            stored = bytes(buf[start + c.offset : start + c.offset + c.length])
+            if len(stored) != c.length:
+                raise FormatError("truncated chunk")
+            if verify:
+                if "xxh3_64:" + xxhash.xxh3_64_hexdigest(stored) != c.checksum:
+                    raise FormatError(f"chunk checksum mismatch in {entry}")
+                verified += 1
+            raw = np.frombuffer(_decode_chunk(c, stored, entry.es), dtype=np.uint8)
+            box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+            grid[box] = raw.reshape(c.sizes + (entry.es,))
+        entry.data = out.tobytes()
+    value = _TreeDecoder(entries, set(pickled), allow_pickle).decode(doc["tree"])
+    return Checkpoint(doc, entries, value, length, total, m_off, verified)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, (list, dict, set, bytearray)):
+        raise FormatError(f"unhashable key or set item {v!r}")
+    return v
+
+
+def _b64(s: Any) -> bytes:
+    if not isinstance(s, str):
+        raise FormatError("base64 must be a string")
+    return base64.b64decode(s.encode("ascii"), validate=True)
+
+
+def _numpy_dtype(spec: Any) -> np.dtype:
+    dt = np.dtype(spec) if isinstance(spec, str) else None
+    if dt is None or dt.kind not in "biufc" or dt.fields is not None:
+        raise FormatError(f"numpy dtype {spec!r} is not plain numeric")
+    return dt
+
+
+class _TreeDecoder:
+    """Section 7."""
+
+    def __init__(self, entries: dict[str, Entry], pickled: set[str], allow_pickle: bool) -> None:
+        self.entries, self.pickled, self.allow_pickle = entries, pickled, allow_pickle
+        self.objects: dict[int, Tensor] = {}
+
+    def entry(self, key: Any) -> Entry:
+        if not isinstance(key, str) or key not in self.entries:
+            raise FormatError(f"tree refers to missing entry {key!r}")
+        return self.entries[key]
+
+    def decode(self, node: Any) -> Any:
+        t = type(node)
+        if node is None or t in (bool, int, float, str):
+            return node
+        if t is list:
+            return [self.decode(v) for v in node]
+        if t is not dict:
+            raise FormatError(f"unexpected JSON value {node!r}")
+        if not node:
+            return {}
+        tag = next(iter(node))
+        if not tag.startswith("$"):
+            if any(k.startswith("$") for k in node):
+                raise FormatError("object mixes plain members and tags")
+            return {k: self.decode(v) for k, v in node.items()}
+        return self.tagged(tag, node[tag], node)
+
+    def float_(self, v: Any) -> float:
+        if type(v) is dict and list(v) == ["$float"] and v["$float"] in ("nan", "inf", "-inf"):
+            return float(v["$float"])
+        if type(v) in (int, float):
+            return float(v)
+        raise FormatError(f"not a float: {v!r}")
+
+    def pairs(self, v: Any) -> list[tuple[Any, Any]]:
+        if type(v) is not list or any(type(p) is not list or len(p) != 2 for p in v):
+            raise FormatError("pairs must be [key, value] arrays")
+        return [(_hashable(self.decode(k)), self.decode(x)) for k, x in v]
+
+    def tagged(self, tag: str, v: Any, node: dict[str, Any]) -> Any:
+        if tag == "$int":
+            if type(v) is not str or not re.fullmatch(r"-?[0-9]+", v):
+                raise FormatError(f"bad $int {v!r}")
+            return int(v)
+        if tag == "$float":
+            return self.float_(node)
+        if tag == "$complex":
+            return complex(self.float_(v[0]), self.float_(v[1]))
+        if tag == "$bytes":
+            return _b64(v)
+        if tag == "$bytearray":
+            return bytearray(_b64(v))
+        if tag == "$tuple":
+            return tuple(self.decode(x) for x in v)
+        if tag == "$size":
+            if type(v) is not list or any(type(x) is not int for x in v):
+                raise FormatError("$size holds ints")
+            return Size(tuple(v))
+        if tag in ("$set", "$frozenset"):
+            items = [_hashable(self.decode(x)) for x in v]
+            return set(items) if tag == "$set" else frozenset(items)
+        if tag == "$dict":
+            return dict(self.pairs(v))
+        if tag == "$odict":
+            out = collections.OrderedDict(self.pairs(v))
+            if "meta" in node:
+                out._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
+            return out
+        if tag == "$namedtuple":
+            # Never import: synthesise the type from the field names (section 9).
+            fields, values = node["fields"], node["values"]
+            if type(v) is not str or type(fields) is not list or any(type(f) is not str for f in fields):
+                raise FormatError("bad $namedtuple")
+            name = v.partition(":")[2].rsplit(".", 1)[-1]
+            cls = collections.namedtuple(name if name.isidentifier() else "Record", fields, rename=True)
+            return cls(*(self.decode(x) for x in values))
+        if tag == "$dtype":
+            if v not in DTYPE_SIZES:
+                raise FormatError(f"unknown dtype {v!r}")
+            return DType(v)
+        if tag == "$device":
+            return Device(v)
+        if tag == "$ndarray":
+            dt, shape = _numpy_dtype(node["dtype"]), tuple(_int_list(node["shape"], "shape"))
+            data = self.entry(v).data
+            if len(data) != math.prod(shape) * dt.itemsize:
+                raise FormatError("ndarray byte count")
+            return np.frombuffer(data, dtype=dt).reshape(shape).copy()
+        if tag == "$npscalar":
+            dt, data = _numpy_dtype(v), _b64(node["b64"])
+            if len(data) != dt.itemsize:
+                raise FormatError("npscalar byte count")
+            return np.frombuffer(data, dtype=dt)[0].copy()
+        if tag == "$pickle":
+            if v not in self.pickled:
+                raise FormatError(f"$pickle entry {v!r} is not listed in 'pickled'")
+            if not self.allow_pickle:
+                raise PickleRefused(v)
+            return pickle.loads(self.entry(v).data)  # noqa: S301 - explicit opt-in, test data only
+        if tag in ("$tensor", "$view"):
+            obj = node.get("obj")
+            if obj in self.objects:
+                return self.objects[obj]
+            t = self.tensor(v, node) if tag == "$tensor" else self.view(v, node)
+            t.param = node.get("param") is True
+            t.requires_grad = node.get("requires_grad") is True
+            t.device = node.get("device", "cpu")
+            if obj is not None:
+                self.objects[obj] = t
+            return t
+        raise FormatError(f"unknown tag {tag!r}")
+
+    def tensor(self, key: str, node: dict[str, Any]) -> Tensor:
+        e = self.entry(key)
+        return Tensor(e.dtype, e.shape, e.data, key, is_view=False)
+
+    def view(self, key: str, node: dict[str, Any]) -> Tensor:
+        storage = np.frombuffer(self.entry(key).data, dtype=np.uint8)
+        dtype = node["dtype"]
+        if dtype not in DTYPE_SIZES:
+            raise FormatError(f"unknown dtype {dtype!r}")
+        es = DTYPE_SIZES[dtype]
+        shape, stride, offset = _int_list(node["shape"], "shape"), _int_list(node["stride"], "stride"), node["offset"]
+        if len(shape) != len(stride) or not _is_int(offset):
+            raise FormatError("malformed view")
+        if not all(shape):
+            return Tensor(dtype, shape, b"", key, is_view=True)
+        if (offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * es > len(storage):
+            raise FormatError("view reaches past its storage")
+        first = np.full(shape, offset, dtype=np.int64)  # element index of every view element, C order
+        for d, (s, st) in enumerate(zip(shape, stride)):
+            first = first + (np.arange(s, dtype=np.int64) * st).reshape((s,) + (1,) * (len(shape) - d - 1))
+        byte_index = (first.reshape(-1, 1) * es + np.arange(es)).reshape(-1)
+        return Tensor(dtype, shape, storage[byte_index].tobytes(), key, is_view=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing what the reader found with the original objects
+# ---------------------------------------------------------------------------------------------
+
+NUMPY_EQUIVALENT = {
+    "bool": "|b1", "uint8": "|u1", "int8": "|i1", "uint16": "<u2", "int16": "<i2", "uint32": "<u4",
+    "int32": "<i4", "uint64": "<u8", "int64": "<i8", "float16": "<f2", "float32": "<f4", "float64": "<f8",
+    "complex64": "<c8", "complex128": "<c16",
+}  # fmt: skip
+
+
+def torch_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def bfloat16_to_float32(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """Section 4: a bfloat16 is the upper 16 bits of a binary32."""
+    return (np.frombuffer(data, dtype="<u2").astype("<u4") << 16).view("<f4").reshape(shape)
+
+
+def assert_same(orig: Any, got: Any, path: str = "obj") -> None:
+    if isinstance(orig, torch.Tensor):
+        assert isinstance(got, Tensor), path
+        assert got.dtype == str(orig.dtype).removeprefix("torch."), path
+        assert got.shape == tuple(orig.shape), path
+        assert got.data == torch_bytes(orig), path
+        assert got.param == isinstance(orig, torch.nn.Parameter), path
+        assert got.requires_grad == orig.requires_grad, path
+        assert got.device == str(orig.device), path
+        if got.dtype in NUMPY_EQUIVALENT:
+            values = np.frombuffer(got.data, dtype=NUMPY_EQUIVALENT[got.dtype]).reshape(got.shape)
+            np.testing.assert_array_equal(values, orig.detach().resolve_conj().resolve_neg().numpy(), err_msg=path)
+        elif got.dtype == "bfloat16":
+            np.testing.assert_array_equal(
+                bfloat16_to_float32(got.data, got.shape), orig.detach().float().numpy(), err_msg=path
+            )
+        return
+    if isinstance(orig, torch.dtype):
+        assert got == DType(str(orig).removeprefix("torch.")), path
+        return
+    if isinstance(orig, torch.device):
+        assert got == Device(str(orig)), path
+        return
+    if isinstance(orig, torch.Size):
+        assert got == Size(tuple(orig)), path
+        return
+    if isinstance(orig, np.ndarray):
+        assert type(got) is np.ndarray and got.dtype.str == orig.dtype.str and got.shape == orig.shape, path
+        np.testing.assert_array_equal(got, orig, err_msg=path)
+        return
+    if isinstance(orig, np.generic):
+        assert type(got) is type(orig) and got.tobytes() == orig.tobytes(), path
+        return
+    if isinstance(orig, tuple) and hasattr(type(orig), "_fields"):
+        assert type(got).__name__ == type(orig).__name__ and type(got)._fields == type(orig)._fields, path
+        for f, a, b in zip(type(orig)._fields, orig, got):
+            assert_same(a, b, f"{path}.{f}")
+        return
+    assert type(got) is type(orig), f"{path}: {type(got).__name__} != {type(orig).__name__}"
+    if isinstance(orig, float) and math.isnan(orig):
+        assert math.isnan(got), path
+    elif isinstance(orig, float):
+        assert got == orig and math.copysign(1, got) == math.copysign(1, orig), path
+    elif isinstance(orig, complex):
+        assert repr(got) == repr(orig), path  # nan-safe
+    elif isinstance(orig, (list, tuple)):
+        assert len(got) == len(orig), path
+        for i, (a, b) in enumerate(zip(orig, got)):
+            assert_same(a, b, f"{path}[{i}]")
+    elif isinstance(orig, dict):
+        assert list(got) == list(orig), path  # same keys, same order
+        for k in orig:
+            assert_same(orig[k], got[k], f"{path}[{k!r}]")
+        if isinstance(orig, collections.OrderedDict) and hasattr(orig, "_metadata"):
+            assert_same(orig._metadata, got._metadata, f"{path}._metadata")
+    else:
+        assert got == orig, path
+
+
+# ---------------------------------------------------------------------------------------------
+# Objects under test
+# ---------------------------------------------------------------------------------------------
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def make_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.arange(20, dtype=torch.float32).reshape(4, 5)
+    tied = torch.randn(3, 2, generator=g)
+    nan = float("nan")
+    return {
+        "model": torch.nn.Linear(3, 2).state_dict(),  # OrderedDict with _metadata
+        "f32": torch.randn(3, 4, generator=g),
+        "f64": torch.tensor([1.5, nan, float("inf"), -0.0], dtype=torch.float64),
+        "f16": torch.randn(7, generator=g).half(),
+        "bf16": torch.randn(5, 3, generator=g).bfloat16(),
+        "i64": torch.tensor([0, -1, 2**62, -(2**63), 2**63 - 1], dtype=torch.int64),
+        "i32": torch.arange(-6, 6, dtype=torch.int32).reshape(3, 4),
+        "u8": torch.arange(0, 256, 17, dtype=torch.uint8),
+        "bool": torch.tensor([[True, False], [False, True]]),
+        "c64": torch.complex(torch.randn(3, generator=g), torch.randn(3, generator=g)),
+        "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(3.25),
+        "scalar_i64": torch.tensor(-(2**40), dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+        "empty_bf16": torch.empty(2, 0, dtype=torch.bfloat16),
+        "noncontig": torch.arange(24.0).reshape(4, 6)[:, ::2],  # sole user of its storage: compact
+        "slice": torch.arange(1000, dtype=torch.int64)[10:14],
+        "views": {
+            "base": base,
+            "row": base[1],
+            "col": base[:, 2],
+            "t": base.t(),
+            "elem": base[3, 4],  # 0-d view
+            "none": base[:, 5:],  # empty view
+            "as_int": base.view(torch.int32)[2],  # another dtype: the storage entry becomes uint8
+        },
+        "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),  # aliases itself
+        "tied_a": tied,
+        "tied_b": tied,
+        "param": torch.nn.Parameter(torch.randn(2, generator=g)),
+        "frozen": torch.nn.Parameter(torch.randn(2, generator=g), requires_grad=False),
+        "grad": torch.ones(2, requires_grad=True),
+        "nested": {
+            "list": [1, 2.5, "s", None, True, False, (1, (2, [3]))],
+            "empty_tuple": (),
+            "big": 2**70,
+            "neg_big": -(2**64),
+            "edge": 2**53,
+            "edge_plus": 2**53 + 1,
+            "nan": nan,
+            "inf": float("inf"),
+            "ninf": float("-inf"),
+            "neg0": -0.0,
+            "complex": complex(1.5, nan),
+            "bytes": b"\x00\xff\x10",
+            "bytearray": bytearray(b"abc"),
+            "set": {3, 1, 2},
+            "frozenset": frozenset({"a", "b"}),
+            "odd_keys": {1: "one", (2, 3): "pair", None: 0, "$x": 1},
+            "empty_dict": {},
+            "empty_odict": collections.OrderedDict(),
+            "dtype": torch.bfloat16,
+            "device": torch.device("cpu"),
+            "size": torch.Size([2, 3]),
+            "point": Point(1, [2, 3.5]),
+            "unicode": "h\u00e9llo \u2603 \U0001f600",
+            "key/with~slash": torch.ones(1),
+        },
+        "numpy": {
+            "big_endian": np.arange(6, dtype=">i4").reshape(2, 3),
+            "f8": np.array([[1.5, np.nan]], dtype="<f8"),
+            "bool": np.array([True, False]),
+            "f32": np.float32(1.5),
+            "i64": np.int64(-3),
+            "c64": np.complex64(1 + 2j),
+        },
+    }
+
+
+def _container_invariants(buf: bytes, ck: Checkpoint, start: int = 0) -> None:
+    """The writer-side layout rules of section 2.3 (what the reference writer promises)."""
+    assert buf[start + HEADER.size : start + DATA_START] == bytes(DATA_START - HEADER.size)
+    _, major, minor, flags, _, reserved = HEADER.unpack_from(buf, start)
+    assert (major, minor, flags, reserved) == (1, 0, 0, 0)
+    assert ck.manifest_offset % 4096 == 0
+    ranges = sorted((c.offset, c.length) for e in ck.entries.values() for c in e.chunks)
+    end = DATA_START
+    for offset, length in ranges:
+        assert offset % 4096 == 0 and offset >= end
+        assert buf[start + end : start + offset] == bytes(offset - end)  # zero padding
+        end = offset + length
+    assert buf[start + end : start + ck.manifest_offset] == bytes(ck.manifest_offset - end)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "shuffle+zstd"])
+def test_reader_recovers_everything(tmp_path: pathlib.Path, compression: str | None) -> None:
+    state = make_state()
+    path = tmp_path / "state.ckpt"
+    ckptstore.save(state, path, compression=compression)
+    buf = path.read_bytes()
+    ck = read_container(buf)
+
+    assert ck.header_length == len(buf)  # local files carry their length (2.2)
+    _container_invariants(buf, ck)
+    n_chunks = sum(len(e.chunks) for e in ck.entries.values())
+    assert ck.chunks_verified == n_chunks > 0
+    assert ck.manifest["format_version"] == "1.0" and ck.manifest["pickled"] == []
+    assert_same(state, ck.value)
+
+    # Codec choice (section 5): raw for NumPy entries; 1-byte dtypes never shuffled.
+    for key, e in ck.entries.items():
+        codecs = {c.codec for c in e.chunks}
+        if compression is None or key.startswith("numpy/"):
+            assert codecs == {"raw"}, key
+        elif compression == "shuffle+zstd" and e.es == 1:
+            assert codecs == {"zstd"}, key
+        else:
+            assert codecs == {compression}, key
+        if codecs == {"raw"}:
+            assert len(e.chunks) == 1 and e.chunks[0].sizes == e.shape
+
+    got = ck.value
+    # Identity (7.4): one object per "obj"; views of one storage share one entry.
+    assert got["tied_a"] is got["tied_b"]
+    views = got["views"]
+    assert len({id(v) for v in views.values()}) == len(views)
+    assert {v.entry for v in views.values()} == {"views/base#storage"}
+    assert all(v.is_view for v in views.values())
+    assert ck.entries["views/base#storage"].dtype == "uint8"  # mixed dtypes
+    assert got["expanded"].is_view and not got["noncontig"].is_view and not got["slice"].is_view
+    assert len(ck.entries["slice"].data) == 4 * 8  # only the slice is stored, not its storage
+    assert got["nested"]["key/with~slash"].entry == "nested/key~1with~0slash"  # 7.8
+    assert ck.manifest["tree"]["nested"]["edge"] == 2**53 and ck.manifest["tree"]["nested"]["edge_plus"] == {
+        "$int": str(2**53 + 1)
+    }
+    assert ck.manifest["meta"]["total_bytes"] == sum(len(e.data) for e in ck.entries.values())
+
+
+@pytest.mark.parametrize("compression", ["zstd", "shuffle+zstd"])
+def test_compressed_tensor_split_into_slabs(compression: str) -> None:
+    big = torch.arange(4300 * 1000, dtype=torch.float32).reshape(4300, 1000)  # 17.2 MB > 16 MiB
+    f = io.BytesIO()
+    ckptstore.save({"big": big, "small": torch.ones(3)}, f, compression=compression)
+    ck = read_container(f.getvalue())
+    chunks = ck.entries["big"].chunks
+    assert len(chunks) == 2 and ck.chunks_verified == 3
+    assert [c.offsets for c in chunks] == [(0, 0), (4194, 0)]  # floor(16 MiB / 4000 B) rows
+    assert ck.value["big"].data == torch_bytes(big)
+
+
+def test_every_dtype_in_the_table() -> None:
+    state = {}
+    for name, es in DTYPE_SIZES.items():
+        t = torch.arange(6 * es, dtype=torch.uint8).view(getattr(torch, name)).reshape(2, 3)
+        state[name] = t
+        state[name + "_view"] = t[1]  # shares t's storage: a $view of a storage entry of this dtype
+    for compression in (None, "shuffle+zstd"):
+        f = io.BytesIO()
+        with warnings.catch_warnings():
+            # torch itself warns that complex32 is experimental when ckptstore sizes its elements.
+            warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
+            ckptstore.save(state, f, compression=compression)
+        ck = read_container(f.getvalue())
+        for name in DTYPE_SIZES:
+            assert ck.value[name].dtype == name and ck.value[name].data == torch_bytes(state[name]), name
+            assert ck.value[name + "_view"].data == torch_bytes(state[name + "_view"]), name
+            assert ck.entries[f"{name}#storage"].dtype == name
+
+
+def test_dtype_table_lists_every_torch_dtype() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # some torch attributes are deprecated
+        values = [getattr(torch, attr, None) for attr in dir(torch)]
+    names = {str(v).removeprefix("torch.") for v in values if isinstance(v, torch.dtype)}
+    names = {n for n in names if not n.startswith(("qint", "quint"))}
+    assert set(DTYPE_SIZES) == names
+    assert all(getattr(torch, n).itemsize == es for n, es in DTYPE_SIZES.items())
+
+
+class _NonSeekable:
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, b: Any) -> int:
+        self.data += bytes(b)
+        return len(b)
+
+
+def test_length_zero_means_to_the_end() -> None:
+    sink = _NonSeekable()
+    state = {"w": torch.randn(4, 4), "v": torch.arange(3)}
+    ckptstore.save(state, sink)
+    buf = bytes(sink.data)
+    assert HEADER.unpack_from(buf)[4] == 0  # not patchable: length stays 0 (2.2)
+    ck = read_container(buf)
+    assert ck.container_length == len(buf)
+    assert_same(state, ck.value)
+
+
+def test_container_inside_a_stream() -> None:
+    f = io.BytesIO()
+    f.write(b"some prefix")
+    state = {"w": torch.randn(2, 3), "n": 5}
+    ckptstore.save(state, f, compression="zstd")
+    f.write(b"trailing data that is not part of the container")
+    buf = f.getvalue()
+    ck = read_container(buf, start=len(b"some prefix"))
+    assert 0 < ck.header_length < len(buf) - len(b"some prefix")
+    _container_invariants(buf, ck, start=len(b"some prefix"))
+    assert_same(state, ck.value)
+
+
+def test_pickle_only_with_opt_in() -> None:
+    f = io.BytesIO()
+    ckptstore.save({"frac": fractions.Fraction(1, 3), "w": torch.ones(2)}, f, allow_pickle=True)
+    buf = f.getvalue()
+    with pytest.raises(PickleRefused):
+        read_container(buf)
+    ck = read_container(buf, allow_pickle=True)
+    assert ck.manifest["pickled"] == ["frac#pickle"] and ck.manifest["tree"]["frac"] == {"$pickle": "frac#pickle"}
+    e = ck.entries["frac#pickle"]
+    assert e.dtype == "uint8" and [c.codec for c in e.chunks] == ["raw"]
+    assert ck.value["frac"] == fractions.Fraction(1, 3)
+
+
+def _rewrite_manifest(buf: bytes, edit: Any) -> bytes:
+    m_off, m_len, _, _ = FOOTER.unpack_from(buf, len(buf) - FOOTER.size)
+    doc = json.loads(buf[m_off : m_off + m_len])
+    edit(doc)
+    body = json.dumps(doc).encode()
+    out = bytearray(buf[:m_off]) + body + FOOTER.pack(m_off, len(body), xxhash.xxh3_64_intdigest(body), FOOTER_MAGIC)
+    out[16:24] = struct.pack("<Q", len(out))
+    return bytes(out)
+
+
+def test_reader_validates() -> None:
+    f = io.BytesIO()
+    ckptstore.save({"w": torch.arange(8.0), "x": torch.ones(2)}, f)
+    buf = f.getvalue()
+    ck = read_container(buf)
+    chunk = ck.entries["w"].chunks[0]
+
+    damaged = bytearray(buf)
+    damaged[chunk.offset + 3] ^= 1
+    with pytest.raises(FormatError, match="chunk checksum"):
+        read_container(bytes(damaged))
+    damaged = bytearray(buf)
+    damaged[ck.manifest_offset + 10] ^= 1
+    with pytest.raises(FormatError, match="manifest checksum"):
+        read_container(bytes(damaged))
+    with pytest.raises(FormatError, match="truncated"):
+        read_container(buf[:-1])
+    with pytest.raises(VersionError):
+        read_container(buf[:8] + struct.pack("<H", 2) + buf[10:])
+    with pytest.raises(VersionError):
+        read_container(_rewrite_manifest(buf, lambda d: d.update(format_version="2.0")))
+    # A newer minor version with unknown members stays readable (section 8).
+    newer = _rewrite_manifest(
+        buf, lambda d: (d.update(format_version="1.7", future={"x": 1}), d["tensors"]["w"]["chunks"][0].update(hint=1))
+    )
+    assert read_container(newer).value["w"].data == torch_bytes(torch.arange(8.0))
+
+    def overlap(d: dict[str, Any]) -> None:
+        c = d["tensors"]["w"]["chunks"][0]
+        d["tensors"]["w"]["chunks"] = [dict(c, sizes=[4], length=16), dict(c, offsets=[2], sizes=[4], length=16)]
+
+    with pytest.raises(FormatError, match="overlap"):
+        read_container(_rewrite_manifest(buf, overlap))
+    # A $pickle node whose entry is not listed in "pickled" is refused even with the opt-in (section 9).
+    with pytest.raises(FormatError, match="not listed"):
+        read_container(_rewrite_manifest(buf, lambda d: d.update(tree={"$pickle": "x"})), allow_pickle=True)
+
+
+def test_worked_example_is_true() -> None:
+    """Section 11 was generated by ckptstore.save; it must stay what save writes."""
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    state = {
+        "w": w,
+        "w_t": w.t(),
+        "b": torch.tensor([0.5, -1.0], dtype=torch.bfloat16),
+        "step": 7,
+        "betas": (0.9, 0.999),
+        "best": float("nan"),
+    }
+    f = io.BytesIO()
+    ckptstore.save(state, f)
+    buf = f.getvalue()
+    ck = read_container(buf)
+    block = _doc_section("example-manifest-begin", "example-manifest-end")
+    documented = json.loads(block[block.index("```json") + len("```json") : block.rindex("```")])
+    actual = dict(ck.manifest)
+    # Only "meta" (times, versions) and "writer" (the package version) change between runs.
+    assert set(actual.pop("meta")) == set(documented.pop("meta"))
+    assert actual.pop("writer").startswith("ckptstore ") and documented.pop("writer").startswith("ckptstore ")
+    assert actual == documented
+    assert ck.manifest_offset == 12288
+    assert buf[4096:4112] == bytes.fromhex("0000803f000000400000404000008040")
+    assert buf[8192:8196] == bytes.fromhex("003f80bf")
+    assert_same(state, ck.value)
+    # The shuffle example of section 11.
+    raw = buf[4096:4112]
+    shuffled = np.frombuffer(raw, dtype=np.uint8).reshape(4, 4).T.tobytes()
+    assert shuffled == bytes.fromhex("0000000000000000800040803f404040")
