@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ class LocalS3:
     endpoint_url: str
     bucket: str
     _server: Any
+    client: Any  # a boto3 S3 client for the endpoint
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -37,8 +38,8 @@ def start_local_s3(bucket: str = "ckptstore") -> LocalS3:
         from moto.server import ThreadedMotoServer
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("the local S3 server needs moto: pip install 'moto[server]' boto3") from exc
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
-        os.environ.setdefault(name, value)
+    # werkzeug logs every request of the server to stderr.
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -47,4 +48,4 @@ def start_local_s3(bucket: str = "ckptstore") -> LocalS3:
         "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
     )
     client.create_bucket(Bucket=bucket)
-    return LocalS3(endpoint_url=endpoint, bucket=bucket, _server=server)
+    return LocalS3(endpoint_url=endpoint, bucket=bucket, _server=server, client=client)

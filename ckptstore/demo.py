@@ -7,7 +7,6 @@ bitwise equal, and prints what it measured. No cloud account, no GPU.
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import time
@@ -76,7 +75,6 @@ def run_demo(directory: str | None = None, mib: int = 96, use_s3: bool = True) -
     if use_s3:
         from ._local_s3 import start_local_s3
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
         s3 = start_local_s3()
         try:
             url, opts = s3.url("demo/demo.ckpt"), s3.storage_options

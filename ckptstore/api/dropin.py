@@ -31,7 +31,8 @@ MapLocation = Union[  # noqa: UP007 - a runtime alias; X | Y with None first is 
 ]
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_PICKLE_PROTO = 0x80
+# torch's legacy (pre-1.6) format starts with the pickled magic number 0x1950a86a20f9469cfc6c.
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 
 
 def save(
@@ -83,16 +84,16 @@ def load(
                 f"mmap=True needs a local file path, but {source.display} is not a local file; "
                 "load without mmap, or copy the file to local disk first"
             )
-        head = source.read(0, min(8, source.size))
-        if head.startswith(container.MAGIC[: len(head)]) and len(head) == 8:
+        head = source.read(0, min(len(_LEGACY_TORCH_MAGIC), source.size))
+        if head.startswith(container.MAGIC):
             result = _load_container(source, map_location, weights_only, mmap, verify)
-        elif head.startswith(_ZIP_MAGIC) or (head[:1] and head[0] == _PICKLE_PROTO):
+        elif head.startswith(_ZIP_MAGIC) or head.startswith(_LEGACY_TORCH_MAGIC):
             result = _torch_load(source, target.fileobj, map_location, weights_only, mmap)
         elif not head:
             raise NotACheckpointError(f"{source.display} is empty (0 bytes): it is not a checkpoint")
         else:
             raise NotACheckpointError(
-                f"{source.display} is not a checkpoint: it starts with {head!r}; ckptstore.load reads files "
+                f"{source.display} is not a checkpoint: it starts with {head[:8]!r}; ckptstore.load reads files "
                 "written by ckptstore.save or torch.save"
             )
     finally:
@@ -209,7 +210,7 @@ class _Materializer:
             raise self.bad(f"tree refers to tensor {key!r}, which the manifest does not have")
         base = self.placed(key, node.get("device", "cpu"))
         dtype = dtype_from_name(entry.dtype, where=self.where)
-        flat = base.view(dtype) if base.numel() else torch.empty(0, dtype=dtype, device=base.device)
+        flat = base.view(dtype) if base.numel() else _empty(dtype, base.device)
         return flat.view(entry.shape)
 
     def view(self, node: dict[str, Any]) -> torch.Tensor:
@@ -226,8 +227,12 @@ class _Materializer:
         start = base.storage_offset() * base.element_size()
         if start % es:
             raise self.bad(f"view of {key!r} is misaligned for {dtype}", key)
-        out = torch.empty(0, dtype=dtype, device=base.device)
-        return out.set_(base.untyped_storage(), start // es + offset, shape, stride)
+        return _empty(dtype, base.device).set_(base.untyped_storage(), start // es + offset, shape, stride)
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Through uint8: allocating some dtypes directly warns (complex32 is "experimental").
+    return torch.empty(0, dtype=torch.uint8, device=device).view(dtype)
 
 
 def _numpy_dtype(spec: Any, m: _Materializer) -> np.dtype:

@@ -102,7 +102,11 @@ class Manifest:
             "tree": self.tree,
         }
         # allow_nan=False: non-finite floats are tagged by the tree encoder; a bare NaN here is a bug.
-        return json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        try:
+            return json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            # Lone surrogates (str from undecodable file names) have no UTF-8 form; JSON's \u escapes do.
+            return json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
     @property
     def total_bytes(self) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, UnsupportedObjectError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedObjectError
 from .dtypes import NAME_TO_DTYPE, dtype_name
 
 _SAFE_INT = 2**53
@@ -207,8 +207,8 @@ class Decoder:
             return {k: self.decode(v) for k, v in node.items()}
         try:
             return self._tagged(tag, node)
-        except CorruptCheckpointError:
-            raise
+        except CheckpointError:
+            raise  # raised on purpose by a resolver (map_location misuse, pickle refusal, ...)
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise self.bad(f"malformed {tag} node: {exc}") from None
 
@@ -230,9 +230,13 @@ class Decoder:
             return self._resolve(tag, node)
         if tag == "$int":
             base = node.get("base", 10)
-            if type(v) is not str or len(v) > 100_000 or base not in (10, 16):
+            if type(v) is not str or base not in (10, 16):
                 raise self.bad("$int must be a decimal string, or a hex string with base 16")
-            return int(v, base)
+            try:
+                return int(v, base)
+            except ValueError:
+                # Also Python's cap on decimal digits (quadratic conversion): writers use hex past it.
+                raise self.bad(f"$int {v[:40]!r}... is not a valid base-{base} integer") from None
         if tag == "$float":
             return self._float(node)
         if tag == "$complex":

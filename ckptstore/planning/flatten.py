@@ -26,6 +26,7 @@ _NUMPY_KINDS = frozenset("biufc")
 # Compressed tensors are cut into dim-0 slabs of about this many raw bytes, so chunks can be
 # encoded and decoded in parallel and no single zstd frame needs a huge buffer.
 COMPRESSED_CHUNK_BYTES = 16 << 20
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -51,7 +52,12 @@ class WriteItem:
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
-        return t.contiguous().reshape(-1).view(torch.uint8)
+        if not t.is_contiguous():
+            # Copy through a same-size integer view: torch has no copy kernel for sub-byte dtypes
+            # (int4, uint1..7) and warns when it touches complex32.
+            same_size = _SAME_SIZE_INT.get(t.element_size())
+            t = t.view(same_size).contiguous() if same_size is not None and t.dim() else t.contiguous()
+        return t.reshape(-1).view(torch.uint8)
 
     def slabs(self) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
         """Chunk boxes as (offsets, sizes, byte start, byte length) within :meth:`raw_bytes`."""
@@ -251,6 +257,7 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
 
 
 def plan(obj: Any, *, compression: str | None = None, allow_pickle: bool = False) -> Plan:
+    codecs.resolve_compression(compression, torch.float32)  # refuse an unknown name even with no tensors
     planner = _Planner(compression, allow_pickle)
     encoder = Encoder(planner.leaf, planner.pickle_leaf if allow_pickle else None)
     tree = encoder.encode(obj)

@@ -12,6 +12,7 @@ import errno
 import io
 import os
 import secrets
+import stat
 import threading
 from dataclasses import dataclass
 from typing import IO, Any, Union
@@ -187,12 +188,15 @@ class FileObjectSink(Sink):
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
-        while view:
-            n = self.f.write(view)
-            if n is None:
-                n = len(view)
-            view = view[n:]
-            self.pos += n
+        try:
+            while view:
+                n = self.f.write(view)
+                if n is None:
+                    n = len(view)
+                view = view[n:]
+                self.pos += n
+        except OSError as exc:  # includes io.UnsupportedOperation for a stream opened read-only
+            raise storage_error(exc, "write", self.display) from None
 
     def tell(self) -> int:
         return self.pos
@@ -322,13 +326,22 @@ class LocalSource(Source):
             ) from None
         except OSError as exc:
             raise storage_error(exc, "read", display) from None
-        self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        if stat.S_ISDIR(st.st_mode):
+            # Linux opens directories read-only without complaint; the error would come at read time.
+            os.close(self.fd)
+            self.fd = -1
+            raise CheckpointNotFoundError(f"{display} is a directory; ckptstore.load reads a single checkpoint file")
+        self.size = st.st_size
 
     def readinto(self, offset: int, out: memoryview) -> None:
         done = 0
         total = len(out)
         while done < total:
-            n = os.preadv(self.fd, [out[done:]], offset + done)
+            try:
+                n = os.preadv(self.fd, [out[done:]], offset + done)
+            except OSError as exc:
+                raise storage_error(exc, "read", self.display) from None
             if n == 0:
                 raise _ShortRead(offset, total, done)
             done += n

@@ -1,0 +1,200 @@
+"""Shared fixtures and comparison helpers for the ckptstore test suite.
+
+The helpers compare what users rely on: exact types (np.float64 stays np.float64, an
+OrderedDict stays an OrderedDict), the sign of zero and NaN-ness of floats, and tensors
+bit for bit (NaN payloads included), which torch.equal cannot do.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptstore.format import container
+
+# --------------------------------------------------------------------------------------------
+# Tensor and tree comparison
+# --------------------------------------------------------------------------------------------
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The logical elements of ``t`` (row-major order) as a flat contiguous uint8 tensor.
+
+    Works for every dtype (including the sub-byte shell dtypes that have no copy kernel, and
+    complex32), for 0-d, empty, non-contiguous and expanded tensors: the tensor is first
+    reinterpreted as a same-sized integer dtype (a view that is legal for any strides), then copied.
+    """
+    t = t.detach()
+    size = t.dtype.itemsize
+    same_size_int = _INT_OF_SIZE.get(size)  # None for complex128, which has a copy kernel of its own
+    if same_size_int is not None and t.dtype != same_size_int:
+        t = t.view(same_size_int)
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_tensor_identical(actual: Any, expected: torch.Tensor, where: str = "tensor") -> None:
+    assert type(actual) is type(expected), f"{where}: type {type(actual)} != {type(expected)}"
+    assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.device == expected.device, f"{where}: device {actual.device} != {expected.device}"
+    assert actual.requires_grad == expected.requires_grad, f"{where}: requires_grad differs"
+    a, e = tensor_bytes(actual), tensor_bytes(expected)
+    assert torch.equal(a, e), f"{where}: bytes differ (first at {int((a != e).nonzero()[0])})"
+
+
+def _same_float(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def assert_same(actual: Any, expected: Any, where: str = "obj") -> None:
+    """Deep, type-exact equality; floats compare NaN-ness and the sign of zero; tensors bitwise."""
+    assert type(actual) is type(expected), f"{where}: type {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert_tensor_identical(actual, expected, where)
+    elif isinstance(expected, np.ndarray):
+        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{where}: shape {actual.shape} != {expected.shape}"
+        assert actual.tobytes() == expected.tobytes(), f"{where}: array bytes differ"
+    elif isinstance(expected, np.generic):
+        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.tobytes() == expected.tobytes(), f"{where}: scalar bytes differ"
+    elif type(expected) is float:
+        assert _same_float(actual, expected), f"{where}: {actual!r} != {expected!r}"
+    elif type(expected) is complex:
+        assert _same_float(actual.real, expected.real) and _same_float(actual.imag, expected.imag), (
+            f"{where}: {actual!r} != {expected!r}"
+        )
+    elif isinstance(expected, dict):
+        a_keys, e_keys = list(actual), list(expected)
+        assert [(type(k), k) for k in a_keys] == [(type(k), k) for k in e_keys], (
+            f"{where}: keys {a_keys!r} != {e_keys!r}"
+        )
+        for k in e_keys:
+            assert_same(actual[k], expected[k], f"{where}[{k!r}]")
+        if hasattr(expected, "_metadata"):
+            assert hasattr(actual, "_metadata"), f"{where}: _metadata attribute lost"
+            assert_same(actual._metadata, expected._metadata, f"{where}._metadata")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+# --------------------------------------------------------------------------------------------
+# Container inspection (read the layout of a saved file without going through ckptstore.load)
+# --------------------------------------------------------------------------------------------
+
+
+def container_layout(data: bytes) -> dict[str, Any]:
+    """Parse header and footer of a single-file container; return offsets and the manifest JSON."""
+    magic, major, minor, _flags, length, _ = container.HEADER.unpack_from(data)
+    assert magic == container.MAGIC
+    length = length or len(data)
+    m_off, m_len, _digest, fmagic = container.FOOTER.unpack_from(data, length - container.FOOTER.size)
+    assert fmagic == container.FOOTER_MAGIC
+    manifest = json.loads(data[m_off : m_off + m_len].decode("utf-8"))
+    chunks = [(key, c["offset"], c["length"]) for key, entry in manifest["tensors"].items() for c in entry["chunks"]]
+    return {
+        "length": length,
+        "major": major,
+        "minor": minor,
+        "manifest_offset": m_off,
+        "manifest_length": m_len,
+        "footer_offset": length - container.FOOTER.size,
+        "manifest": manifest,
+        "chunks": chunks,  # (manifest key, byte offset, byte length) of every stored chunk
+    }
+
+
+def rewrite_manifest(data: bytes, edit) -> bytes:
+    """Return ``data`` with its manifest JSON replaced by ``edit(manifest_dict)`` and a valid footer/header."""
+    lay = container_layout(data)
+    doc = edit(lay["manifest"])
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    out = data[: lay["manifest_offset"]] + body + container.pack_footer(lay["manifest_offset"], body)
+    return container.pack_header(len(out)) + out[container.HEADER.size :]
+
+
+# --------------------------------------------------------------------------------------------
+# Sample objects
+# --------------------------------------------------------------------------------------------
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+def directory_entries(path: os.PathLike | str) -> list[str]:
+    return sorted(os.listdir(path))
+
+
+# --------------------------------------------------------------------------------------------
+# S3 (moto) server
+# --------------------------------------------------------------------------------------------
+
+BUCKET = "ckptstore-test"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1 (port chosen by the OS) with one bucket.
+
+    Yields a dict: ``endpoint_url``, ``bucket``, ``storage_options`` (for s3fs) and a boto3 ``client``.
+    """
+    from ckptstore._local_s3 import start_local_s3
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SECURITY_TOKEN": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    # Dummy credentials, so nothing the tests run can pick up real ones from the environment.
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    server = start_local_s3(BUCKET)
+    try:
+        yield {
+            "endpoint_url": server.endpoint_url,
+            "bucket": BUCKET,
+            "client": server.client,
+            "storage_options": {
+                "key": "testing",
+                "secret": "testing",
+                "client_kwargs": {"endpoint_url": server.endpoint_url, "region_name": "us-east-1"},
+            },
+        }
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3(s3_server, request):
+    """Per-test view of the S3 server: a unique key prefix and fresh s3fs options.
+
+    s3fs caches filesystem instances (and their directory listings) per set of options; every
+    test gets ``skip_instance_cache=True`` so a listing cached by an earlier test cannot hide
+    what this one wrote.
+    """
+    import re
+
+    prefix = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:80]
+    opts = dict(s3_server["storage_options"], skip_instance_cache=True)
+    return dict(s3_server, prefix=prefix, storage_options=opts)

@@ -1,0 +1,126 @@
+"""The public surface: exported names, the exception tree, and the save/load signatures."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import ckptstore
+
+EXPECTED_ALL = [
+    "__version__",
+    "save",
+    "load",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "InvalidArgumentError",
+    "NotACheckpointError",
+    "PickleNotAllowedError",
+    "StorageError",
+    "UnknownProtocolError",
+    "UnsupportedFormatVersionError",
+    "UnsupportedObjectError",
+]
+
+EXCEPTIONS = [n for n in EXPECTED_ALL if n.endswith("Error")]
+
+# Builtin bases that existing torch.save/torch.load error handlers catch.
+BUILTIN_BASES = {
+    "CheckpointNotFoundError": FileNotFoundError,
+    "NotACheckpointError": ValueError,
+    "UnsupportedObjectError": TypeError,
+    "UnknownProtocolError": ValueError,
+    "StorageError": OSError,
+    "InvalidArgumentError": ValueError,
+}
+
+P = inspect.Parameter
+
+
+def test_all_is_exactly_the_documented_list():
+    assert list(ckptstore.__all__) == EXPECTED_ALL
+    assert len(set(ckptstore.__all__)) == len(ckptstore.__all__)
+
+
+def test_every_exported_name_resolves():
+    namespace: dict = {}
+    exec("from ckptstore import *", namespace)  # noqa: S102 - exercising star-import on purpose
+    for name in EXPECTED_ALL:
+        assert hasattr(ckptstore, name), name
+        if name != "__version__":
+            assert name in namespace, f"'from ckptstore import *' does not provide {name}"
+    assert callable(ckptstore.save) and callable(ckptstore.load)
+
+
+def test_version_is_a_release_string():
+    from ckptstore._version import __version__
+
+    assert isinstance(ckptstore.__version__, str)
+    assert ckptstore.__version__ == __version__
+    parts = ckptstore.__version__.split(".")
+    assert len(parts) >= 2 and all(p.isdigit() for p in parts[:2])
+
+
+@pytest.mark.parametrize("name", EXCEPTIONS)
+def test_every_exception_derives_from_checkpoint_error(name):
+    cls = getattr(ckptstore, name)
+    assert isinstance(cls, type) and issubclass(cls, Exception)
+    assert issubclass(cls, ckptstore.CheckpointError)
+    assert cls is getattr(ckptstore.errors, name)
+
+
+@pytest.mark.parametrize("name, base", sorted(BUILTIN_BASES.items()))
+def test_builtin_bases(name, base):
+    assert issubclass(getattr(ckptstore, name), base)
+
+
+def test_error_attributes_and_messages():
+    err = ckptstore.CorruptCheckpointError("bad chunk", location="/x/y.ckpt", key="model/w")
+    assert (err.location, err.key, str(err)) == ("/x/y.ckpt", "model/w", "bad chunk")
+    plain = ckptstore.CorruptCheckpointError("bad")
+    assert plain.location is None and plain.key is None
+
+    storage = ckptstore.StorageError("cannot write /x: disk full", errno=28)
+    assert storage.errno == 28 and str(storage) == "cannot write /x: disk full"
+    assert ckptstore.StorageError("no errno").errno is None
+
+    missing = ckptstore.CheckpointNotFoundError("no checkpoint at /x")
+    assert str(missing) == "no checkpoint at /x"
+    assert missing.errno == 2
+
+
+def _shape(func):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(func).parameters.values()]
+
+
+def test_save_signature():
+    assert _shape(ckptstore.save) == [
+        ("obj", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("f", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("compression", P.KEYWORD_ONLY, None),
+        ("allow_pickle", P.KEYWORD_ONLY, False),
+        ("storage_options", P.KEYWORD_ONLY, None),
+    ]
+
+
+def test_load_signature():
+    assert _shape(ckptstore.load) == [
+        ("f", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("map_location", P.POSITIONAL_OR_KEYWORD, None),
+        ("weights_only", P.KEYWORD_ONLY, True),
+        ("mmap", P.KEYWORD_ONLY, False),
+        ("storage_options", P.KEYWORD_ONLY, None),
+        ("verify", P.KEYWORD_ONLY, None),
+    ]
+
+
+def test_keyword_only_options_cannot_be_passed_positionally(tmp_path):
+    path = tmp_path / "x.ckpt"
+    with pytest.raises(TypeError):
+        ckptstore.save({}, path, "zstd")  # type: ignore[misc]
+    assert not path.exists()
+    ckptstore.save({}, path)
+    with pytest.raises(TypeError):
+        ckptstore.load(path, None, False)  # type: ignore[misc]
