@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import mmap as _mmap
 import os
@@ -25,13 +26,17 @@ from ..storage.targets import READ_PIECE, ShortRead, Sink, Source
 from .memory import alloc_bytes
 
 _pool: ThreadPoolExecutor | None = None
+WRITE_WINDOW = 256 << 20
+# Threads mostly wait on the disk (or on page faults), so more than the core count helps: with 2
+# cores, 4 readers of 32 MiB pieces read an uncached file at ~2.6 GB/s against ~1.7 GB/s with 2.
+IO_THREADS = max(4, min(8, 2 * (os.cpu_count() or 2)))
 
 
 def io_pool() -> ThreadPoolExecutor:
     """Threads for parallel reads and chunk encoding; file I/O, hashing and zstd release the GIL."""
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="ckptstore-io")
+        _pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="ckptstore-io")
     return _pool
 
 
@@ -40,17 +45,20 @@ def write_container(plan: Plan, sink: Sink) -> Manifest:
     pad = bytes(container.ALIGN)
     sink.write(container.pack_header(0))
     sink.write(pad[: container.DATA_START - sink.tell()])
-    tensors: dict[str, TensorEntry] = {}
-    for item in plan.items:
-        raw = item.raw_bytes()
-        es = element_size(item.dtype)
-        entry = TensorEntry(dtype=dtype_name(item.dtype) or "uint8", shape=item.shape)
-        for (offsets, sizes, _start, _length), stored in _encoded(item.codec, raw, es, item.slabs()):
-            offset = sink.tell()
-            sink.write(stored)
-            entry.chunks.append(Chunk(offsets, sizes, None, offset, len(stored), item.codec, checksum(stored)))
-            sink.write(pad[: container.align_up(sink.tell()) - sink.tell()])
-        tensors[item.key] = entry
+    if sink.positional and all(item.codec == "raw" for item in plan.items):
+        tensors = _write_raw_parallel(plan, sink)
+    else:
+        tensors = {}
+        for item in plan.items:
+            raw = item.raw_bytes()
+            es = element_size(item.dtype)
+            entry = TensorEntry(dtype=dtype_name(item.dtype) or "uint8", shape=item.shape)
+            for (offsets, sizes, _start, _length), stored in _encoded(item.codec, raw, es, item.slabs()):
+                offset = sink.tell()
+                sink.write(stored)
+                entry.chunks.append(Chunk(offsets, sizes, None, offset, len(stored), item.codec, checksum(stored)))
+                sink.write(pad[: container.align_up(sink.tell()) - sink.tell()])
+            tensors[item.key] = entry
     manifest = Manifest(
         kind="file",
         tensors=tensors,
@@ -70,6 +78,53 @@ def write_container(plan: Plan, sink: Sink) -> Manifest:
     sink.write(container.pack_footer(manifest_offset, body))
     sink.commit(container.pack_header(sink.tell()))
     return manifest
+
+
+def _write_raw_parallel(plan: Plan, sink: Sink) -> dict[str, TensorEntry]:
+    """Raw chunks have sizes known in advance, so every one gets its offset up front and pieces are
+    written by several threads at once: copying into the page cache (and faulting its pages in) is
+    CPU work that one thread cannot saturate. Copies made for non-contiguous or device tensors stay
+    bounded by WRITE_WINDOW bytes in flight."""
+    pool = io_pool()
+    tensors: dict[str, TensorEntry] = {}
+    pending: collections.deque = collections.deque()
+    in_flight = 0
+    pos = sink.tell()
+    all_futures: list = []
+
+    def finish_oldest() -> int:
+        key, dtype, shape, offset, length, hash_future, futures, _keepalive = pending.popleft()
+        for f in futures:
+            f.result()
+        chunk = Chunk((0,) * len(shape), shape, None, offset, length, "raw", hash_future.result())
+        tensors[key] = TensorEntry(dtype=dtype, shape=shape, chunks=[chunk])
+        return length
+
+    try:
+        for item in plan.items:
+            raw = item.raw_bytes()
+            view = byte_view(raw)
+            length = len(view)
+            futures = [pool.submit(sink.write_at, pos + p, view[p : p + READ_PIECE]) for p in range(0, length, READ_PIECE)]
+            hash_future = pool.submit(checksum, view)
+            all_futures.extend(futures)
+            all_futures.append(hash_future)
+            pending.append((item.key, dtype_name(item.dtype) or "uint8", item.shape, pos, length, hash_future, futures, raw))
+            pos = container.align_up(pos + length)
+            in_flight += length
+            while in_flight > WRITE_WINDOW and len(pending) > 1:
+                in_flight -= finish_oldest()
+        while pending:
+            finish_oldest()
+    except BaseException:
+        # The sink is about to be aborted (its fd closed): no thread may still be writing to it.
+        for f in all_futures:
+            f.cancel()
+        concurrent.futures.wait(all_futures)
+        raise
+    sink.skip_to(pos)
+    # Tensors finish out of order; keep the manifest in plan order.
+    return {item.key: tensors[item.key] for item in plan.items}
 
 
 def _encoded(

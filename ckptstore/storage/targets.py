@@ -8,6 +8,7 @@ filesystems get a temporary key that is moved into place.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -21,6 +22,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointNotFoundError, InvalidArgumentError, StorageError, UnknownProtocolError
+from . import direct
 
 FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
 
@@ -98,7 +100,19 @@ def storage_error(exc: OSError, action: str, where: str, *, previous_kept: bool 
 
 
 class Sink:
-    """Sequential writer with commit/abort; offsets are relative to where the container starts."""
+    """Sequential writer with commit/abort; offsets are relative to where the container starts.
+
+    A sink with ``positional = True`` also accepts :meth:`write_at` from several threads at once
+    and :meth:`skip_to`, so independent regions can be written in parallel.
+    """
+
+    positional = False
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        raise NotImplementedError
+
+    def skip_to(self, offset: int) -> None:
+        raise NotImplementedError
 
     def write(self, data: bytes | memoryview) -> None:
         raise NotImplementedError
@@ -125,17 +139,45 @@ class LocalSink(Sink):
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except OSError as exc:
             raise storage_error(exc, "write", display, previous_kept=os.path.exists(path)) from None
+        # Bulk data goes through O_DIRECT where the filesystem allows it (see direct.py); small
+        # and unaligned writes (header, manifest, footer) through the ordinary descriptor.
+        self._dfd = direct.open_direct(self.tmp)
+        self.dfd = self._dfd  # set to None, not closed, if writes turn out to be refused
         self.pos = 0
+
+    positional = True
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
+        self._pwrite(view, self.pos)
+        self.pos += len(view)
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """Bulk write of a chunk (or a piece of one) that starts on a 4 KiB boundary and owns the
+        padding up to the next boundary."""
+        view = memoryview(data).cast("B")
+        dfd = self.dfd
+        if dfd is not None and offset % direct.ALIGN == 0:
+            try:
+                direct.pwrite_direct(dfd, view, offset)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
+                self.dfd = None  # this filesystem takes O_DIRECT opens but not writes: stay buffered
+        self._pwrite(view, offset)
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
         try:
             while view:
-                n = os.write(self.fd, view)
+                n = os.pwrite(self.fd, view, offset)
                 view = view[n:]
-                self.pos += n
+                offset += n
         except OSError as exc:
             raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
+
+    def skip_to(self, offset: int) -> None:
+        self.pos = offset  # the gap reads back as zeros (padding), and a later write extends the file
 
     def tell(self) -> int:
         return self.pos
@@ -143,15 +185,23 @@ class LocalSink(Sink):
     def commit(self, header: bytes) -> None:
         try:
             os.pwrite(self.fd, header, 0)
+            os.ftruncate(self.fd, self.pos)  # direct writes pad to a block: the file ends at the footer
             # An fsync error means the data may be lost: it is reported, never retried into success.
             os.fsync(self.fd)
             os.close(self.fd)
             self.fd = -1
+            self._close_direct()
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()
             raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
         _fsync_dir(os.path.dirname(self.path))
+
+    def _close_direct(self) -> None:
+        dfd, self._dfd, self.dfd = self._dfd, None, None
+        if dfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(dfd)
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -160,6 +210,7 @@ class LocalSink(Sink):
             except OSError:
                 pass
             self.fd = -1
+        self._close_direct()
         try:
             os.unlink(self.tmp)
         except FileNotFoundError:
