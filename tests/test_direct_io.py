@@ -8,12 +8,11 @@ import struct
 
 import pytest
 import torch
+from conftest import assert_same
 
 import ckptstore
 from ckptstore.format import container
 from ckptstore.storage import direct
-
-from conftest import assert_same
 
 
 def _odd_state() -> dict:
