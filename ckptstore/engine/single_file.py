@@ -279,6 +279,9 @@ def read_entries(
                 progress(c.length)
     except ShortRead as exc:
         raise CorruptCheckpointError(f"{where}: file is truncated ({exc})", location=where) from None
+    # Serially, after all reads. Measured on 1.13 GiB in a fresh process: hashing inside the read
+    # jobs, or in the thread pool afterwards, took 0.39-0.41 s against 0.32 s like this (xxhash holds
+    # the GIL, so threads only add hand-offs while other threads fault pages in).
     for key, c, dest in checks:
         verify(byte_view(dest), c.checksum, location=where, key=key)
     return out
