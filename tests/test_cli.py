@@ -34,7 +34,7 @@ def test_inspect_json_is_machine_readable(tmp_path, capsys):
     assert info["num_tensors"] == 2
     assert {t["key"]: t["shape"] for t in info["tensors"]} == {"model/w": [3, 4], "model/b": [3]}
     assert info["tensor_bytes"] == 12 * 4 + 3 * 4
-    assert info["format_version"] == "1.0"
+    assert info["format_version"] == "1.1"
 
 
 def test_verify_sound_file_exits_0(tmp_path, capsys):

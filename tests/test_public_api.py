@@ -12,6 +12,9 @@ EXPECTED_ALL = [
     "__version__",
     "save",
     "load",
+    "save_sharded",
+    "load_sharded",
+    "PerRank",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -113,6 +116,28 @@ def test_load_signature():
         ("mmap", P.KEYWORD_ONLY, False),
         ("storage_options", P.KEYWORD_ONLY, None),
         ("verify", P.KEYWORD_ONLY, None),
+    ]
+
+
+def test_save_sharded_signature():
+    assert _shape(ckptstore.save_sharded) == [
+        ("state_dict", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("url", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("process_group", P.KEYWORD_ONLY, None),
+        ("storage_options", P.KEYWORD_ONLY, None),
+        ("overwrite", P.KEYWORD_ONLY, False),
+    ]
+
+
+def test_load_sharded_signature():
+    assert _shape(ckptstore.load_sharded) == [
+        ("state_dict", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("url", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("process_group", P.KEYWORD_ONLY, None),
+        ("storage_options", P.KEYWORD_ONLY, None),
+        ("strict", P.KEYWORD_ONLY, True),
+        ("per_rank", P.KEYWORD_ONLY, "error"),
+        ("buffer_bytes", P.KEYWORD_ONLY, 256 << 20),
     ]
 
 

@@ -80,36 +80,54 @@ def write_container(plan: Plan, sink: Sink) -> Manifest:
     return manifest
 
 
-def _write_raw_parallel(plan: Plan, sink: Sink) -> dict[str, TensorEntry]:
-    """Raw chunks have sizes known in advance, so every one gets its offset up front and pieces are
-    written by several threads at once: copying into the page cache (and faulting its pages in) is
-    CPU work that one thread cannot saturate. Copies made for non-contiguous or device tensors stay
-    bounded by WRITE_WINDOW bytes in flight."""
+@dataclass(frozen=True)
+class Written:
+    offset: int
+    length: int
+    checksum: str
+    block_checksums: tuple[str, ...] | None  # per block_size piece, for ranged reads that verify
+
+
+def write_raw_parallel(
+    sink: Sink, raws: list[Callable[[], torch.Tensor]], *, block_size: int | None = None
+) -> list[Written]:
+    """Write raw byte tensors (produced lazily by ``raws``) each at a 4 KiB-aligned offset from the
+    sink's position, in parallel, and return where each went with its checksums.
+
+    Raw chunks have sizes known in advance, so every one gets its offset up front and pieces are
+    written by several threads at once (O_DIRECT through the bounce buffers on local disks).
+    Copies made for non-contiguous or device tensors stay bounded by WRITE_WINDOW bytes in flight.
+    """
     pool = io_pool()
-    tensors: dict[str, TensorEntry] = {}
+    written: list[Written | None] = [None] * len(raws)
     pending: collections.deque = collections.deque()
     in_flight = 0
     pos = sink.tell()
     all_futures: list = []
 
+    def hashes(view: memoryview) -> tuple[str, tuple[str, ...] | None]:
+        if block_size is None or len(view) <= block_size:
+            return checksum(view), None
+        return checksum(view), tuple(checksum(view[b : b + block_size]) for b in range(0, len(view), block_size))
+
     def finish_oldest() -> int:
-        key, dtype, shape, offset, length, hash_future, futures, _keepalive = pending.popleft()
+        index, offset, length, hash_future, futures, _keepalive = pending.popleft()
         for f in futures:
             f.result()
-        chunk = Chunk((0,) * len(shape), shape, None, offset, length, "raw", hash_future.result())
-        tensors[key] = TensorEntry(dtype=dtype, shape=shape, chunks=[chunk])
+        whole, blocks = hash_future.result()
+        written[index] = Written(offset, length, whole, blocks)
         return length
 
     try:
-        for item in plan.items:
-            raw = item.raw_bytes()
+        for index, make_raw in enumerate(raws):
+            raw = make_raw()
             view = byte_view(raw)
             length = len(view)
             futures = [pool.submit(sink.write_at, pos + p, view[p : p + READ_PIECE]) for p in range(0, length, READ_PIECE)]
-            hash_future = pool.submit(checksum, view)
+            hash_future = pool.submit(hashes, view)
             all_futures.extend(futures)
             all_futures.append(hash_future)
-            pending.append((item.key, dtype_name(item.dtype) or "uint8", item.shape, pos, length, hash_future, futures, raw))
+            pending.append((index, pos, length, hash_future, futures, raw))
             pos = container.align_up(pos + length)
             in_flight += length
             while in_flight > WRITE_WINDOW and len(pending) > 1:
@@ -123,8 +141,37 @@ def _write_raw_parallel(plan: Plan, sink: Sink) -> dict[str, TensorEntry]:
         concurrent.futures.wait(all_futures)
         raise
     sink.skip_to(pos)
-    # Tensors finish out of order; keep the manifest in plan order.
-    return {item.key: tensors[item.key] for item in plan.items}
+    return [w for w in written if w is not None]
+
+
+def write_raw(sink: Sink, raws: list[Callable[[], torch.Tensor]], *, block_size: int | None = None) -> list[Written]:
+    """:func:`write_raw_parallel` where the sink allows it, else the same layout written in order."""
+    if sink.positional:
+        return write_raw_parallel(sink, raws, block_size=block_size)
+    pad = bytes(container.ALIGN)
+    out = []
+    for make_raw in raws:
+        view = byte_view(make_raw())
+        offset = sink.tell()
+        sink.write(view)
+        sink.write(pad[: container.align_up(sink.tell()) - sink.tell()])
+        blocks = None
+        if block_size is not None and len(view) > block_size:
+            blocks = tuple(checksum(view[b : b + block_size]) for b in range(0, len(view), block_size))
+        out.append(Written(offset, len(view), checksum(view), blocks))
+    return out
+
+
+def _write_raw_parallel(plan: Plan, sink: Sink) -> dict[str, TensorEntry]:
+    done = write_raw_parallel(sink, [item.raw_bytes for item in plan.items])
+    return {
+        item.key: TensorEntry(
+            dtype=dtype_name(item.dtype) or "uint8",
+            shape=item.shape,
+            chunks=[Chunk((0,) * len(item.shape), item.shape, None, w.offset, w.length, "raw", w.checksum)],
+        )
+        for item, w in zip(plan.items, done)
+    }
 
 
 def _encoded(

@@ -26,7 +26,7 @@ from .dtypes import dtype_from_name, element_size
 
 FORMAT_NAME = "ckptstore"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 
 # Chunk file names are relative, portable, and cannot climb out of the checkpoint's root.
@@ -44,6 +44,10 @@ class Chunk:
     length: int
     codec: str
     checksum: str
+    # Optional (format 1.1): checksums of each block_size piece of the stored bytes, so a reader that
+    # needs only part of a large chunk reads and verifies whole blocks around that part.
+    block_size: int | None = None
+    block_checksums: tuple[str, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -58,6 +62,11 @@ class Chunk:
             "length": self.length,
             "codec": self.codec,
             "checksum": self.checksum,
+            **(
+                {"block_size": self.block_size, "block_checksums": list(self.block_checksums)}
+                if self.block_checksums is not None
+                else {}
+            ),
         }
 
 
@@ -217,7 +226,31 @@ def _parse_entry(key: str, value: Any, where: str) -> TensorEntry:
                 location=where,
                 key=key,
             )
-        chunks.append(Chunk(offsets, sizes, file, offset, length, codec, validate_checksum_string(raw.get("checksum"), where=cat)))
+        block_size, blocks = raw.get("block_size"), raw.get("block_checksums")
+        if blocks is not None or block_size is not None:
+            if (
+                type(block_size) is not int
+                or block_size <= 0
+                or not isinstance(blocks, list)
+                or len(blocks) != -(-length // block_size)
+            ):
+                raise CorruptCheckpointError(
+                    f"{cat}: block_checksums must list one checksum per block_size bytes", location=where, key=key
+                )
+            blocks = tuple(validate_checksum_string(b, where=cat) for b in blocks)
+        chunks.append(
+            Chunk(
+                offsets,
+                sizes,
+                file,
+                offset,
+                length,
+                codec,
+                validate_checksum_string(raw.get("checksum"), where=cat),
+                block_size,
+                blocks,
+            )
+        )
     _check_coverage(key, shape, chunks, where)
     return TensorEntry(dtype=value["dtype"], shape=shape, chunks=chunks)
 

@@ -26,7 +26,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedObjectE
 from .dtypes import NAME_TO_DTYPE, dtype_name
 
 _SAFE_INT = 2**53
-RESOLVED_TAGS = frozenset({"$tensor", "$view", "$ndarray", "$pickle", "$npscalar"})
+RESOLVED_TAGS = frozenset({"$tensor", "$view", "$ndarray", "$pickle", "$npscalar", "$per_rank"})
 
 LeafHook = Callable[[Any, list], "Any | None"]
 Resolver = Callable[[str, dict], Any]

@@ -88,6 +88,11 @@ def _escape(part: Any) -> str:
     return str(part).replace("~", "~0").replace("/", "~1")
 
 
+def escape_key(path: list[Any]) -> str:
+    """A manifest key for a key path: parts joined by '/', with '~' and '/' escaped JSON-pointer style."""
+    return "/".join(_escape(p) for p in path) or "<root>"
+
+
 class _Planner:
     def __init__(self, compression: str | None, allow_pickle: bool) -> None:
         self.compression = compression
@@ -100,7 +105,7 @@ class _Planner:
         self.next_obj = 0
 
     def key_for(self, path: list[Any], suffix: str = "") -> str:
-        base = ("/".join(_escape(p) for p in path) or "<root>") + suffix
+        base = escape_key(path) + suffix
         key, n = base, 1
         while key in self.keys:
             n += 1

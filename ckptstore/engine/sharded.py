@@ -1,0 +1,690 @@
+"""Sharded checkpoints: every rank writes its own data in parallel, one coordinator commits.
+
+Layout under the checkpoint's URL (docs/format.md, "The sharded directory layout")::
+
+    manifest.json            written last, by rank 0, after every rank's data is durable: the commit
+    parts/rank-<r:05d>.json  what rank r wrote (chunks, checksums, timings)
+    data/rank-<r:05d>.bin    rank r's chunk bytes, 4 KiB aligned, no header
+
+Loading reads only the byte ranges the caller's layout needs (rounded out to the 4 MiB blocks
+that carry their own checksums), with at most ``buffer_bytes`` of staging memory in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._buffers import byte_view
+from .._version import __version__
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageError,
+    UnsupportedObjectError,
+)
+from ..format import codecs
+from ..format.checksum import verify
+from ..format.dtypes import dtype_from_name, dtype_name, element_size
+from ..format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
+from ..format.tree import Decoder, Encoder, format_path
+from ..planning.flatten import escape_key
+from ..planning.sharding import Box, ItemMeta, assign_writers, read_plan, row_span, shard_box
+from ..storage.targets import ShortRead, Source, Target, open_sink, open_source, resolve
+from .memory import alloc_bytes
+from .single_file import io_pool, write_raw
+
+MANIFEST = "manifest.json"
+BLOCK_SIZE = 4 << 20
+DEFAULT_READ_BUFFER = 256 << 20
+
+
+def data_file(rank: int) -> str:
+    return f"data/rank-{rank:05d}.bin"
+
+
+def part_file(rank: int) -> str:
+    return f"parts/rank-{rank:05d}.json"
+
+
+class PerRank:
+    """Marks a value that belongs to one rank (its RNG state, its data-loader position).
+
+    ``save_sharded`` stores each rank's value separately and ``load_sharded`` puts rank r's saved
+    value back into ``.value`` on rank r. Plain tensors and values elsewhere in a state dict are
+    treated as replicated: written once, and the same on every rank after a load.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
+
+
+class Group:
+    """The ranks taking part: a torch.distributed process group, or this process alone."""
+
+    def __init__(self, process_group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        if process_group is None and not (dist.is_available() and dist.is_initialized()):
+            self.pg, self.rank, self.world = None, 0, 1
+        else:
+            self.pg = process_group
+            self.rank = dist.get_rank(process_group)
+            self.world = dist.get_world_size(process_group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+
+class Directory:
+    """A checkpoint directory: a local path or an fsspec URL (no file objects)."""
+
+    def __init__(self, url: Any, storage_options: dict[str, Any] | None) -> None:
+        self.base = resolve(url, storage_options)
+        if self.base.fileobj is not None:
+            raise InvalidArgumentError("sharded checkpoints need a directory path or URL, not a file object")
+        self.display = self.base.display.rstrip("/")
+
+    def target(self, rel: str) -> Target:
+        if self.base.path is not None:
+            return Target(display=f"{self.display}/{rel}", path=os.path.join(self.base.path, rel))
+        assert self.base.fspath is not None
+        return Target(display=f"{self.display}/{rel}", fs=self.base.fs, fspath=f"{self.base.fspath.rstrip('/')}/{rel}")
+
+    def makedirs(self) -> None:
+        try:
+            if self.base.path is not None:
+                for sub in ("data", "parts"):
+                    os.makedirs(os.path.join(self.base.path, sub), exist_ok=True)
+            else:
+                self.base.fs.makedirs(self.base.fspath, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create checkpoint directory {self.display}: {exc}", errno=exc.errno) from None
+
+    def exists(self, rel: str) -> bool:
+        t = self.target(rel)
+        if t.path is not None:
+            return os.path.exists(t.path)
+        return bool(t.fs.exists(t.fspath))
+
+    def remove(self, rel: str) -> None:
+        t = self.target(rel)
+        if t.path is not None:
+            if os.path.exists(t.path):
+                os.unlink(t.path)
+        elif t.fs.exists(t.fspath):
+            t.fs.rm(t.fspath)
+
+    def read_small(self, rel: str) -> bytes:
+        source = open_source(self.target(rel))
+        try:
+            return source.read(0, source.size)
+        finally:
+            source.close()
+
+    def write_small(self, rel: str, data: bytes) -> None:
+        sink = open_sink(self.target(rel))
+        try:
+            sink.write(data)
+            sink.commit(b"")
+        except BaseException:
+            sink.abort()
+            raise
+
+
+# ------------------------------------------------------------------------------------------ save
+
+
+@dataclass
+class _Local:
+    """What one rank holds: its boxes of each tensor, and the tree of the state dict."""
+
+    tree: Any = None
+    items: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # key -> (dtype, shape)
+
+
+def _placements(dt: Any, where: str) -> list[tuple]:
+    out: list[tuple] = []
+    for p in dt.placements:
+        if p.is_shard() and type(p).__name__ == "Shard":
+            out.append(("shard", p.dim))
+        elif p.is_replicate():
+            out.append(("replicate",))
+        elif p.is_partial():
+            raise UnsupportedObjectError(
+                f"{where} is a DTensor with a Partial placement; reduce it first "
+                "(dt.redistribute(placements=[Replicate()])) since a checkpoint holds final values"
+            )
+        else:
+            raise UnsupportedObjectError(f"{where} is a DTensor with placement {p!r}, which ckptstore cannot store yet")
+    return out
+
+
+def local_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box]:
+    """The tensor data this rank holds for leaf ``t`` and the global box it covers."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        mesh = t.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise InvalidArgumentError(f"{where}: this rank is not part of the DTensor's device mesh")
+        box = shard_box(tuple(t.shape), tuple(mesh.shape), _placements(t, where), coordinate)
+        local = t.to_local()
+        if tuple(local.shape) != box[1]:
+            raise UnsupportedObjectError(
+                f"{where}: the local shard has shape {tuple(local.shape)} but its placements give {box[1]} "
+                "(padded or strided shards are not supported yet)"
+            )
+        return local, box
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedObjectError(f"{where} is a tensor subclass {type(t).__qualname__}, which save_sharded cannot store")
+    return t, ((0,) * t.dim(), tuple(t.shape))
+
+
+def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> _Local:
+    local = _Local()
+    seen: dict[int, dict[str, Any]] = {}
+
+    def leaf(obj: Any, path: list[Any]) -> Any:
+        if isinstance(obj, PerRank):
+            key = escape_key(path)
+            blob = torch.frombuffer(bytearray(encode_per_rank(obj.value)), dtype=torch.uint8)
+            entry_key = f"{key}#rank{rank:05d}"
+            local.items[(entry_key, (0,), (blob.numel(),))] = blob
+            local.tensors[entry_key] = ("uint8", (blob.numel(),))
+            return {"$per_rank": key}
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in seen:
+                return seen[id(obj)]
+            where = format_path(path)
+            key = escape_key(path)
+            data, box = local_box(obj, where)
+            name = dtype_name(obj.dtype)
+            if name is None or obj.is_quantized or obj.layout != torch.strided:
+                raise UnsupportedObjectError(f"{where}: {obj.dtype}/{obj.layout} tensors cannot be stored")
+            local.items[(key, box[0], box[1])] = data
+            local.tensors[key] = (name, tuple(obj.shape))
+            node = {"$tensor": key}
+            seen[id(obj)] = node
+            return node
+        return None
+
+    local.tree = Encoder(leaf, None).encode(state)
+    return local
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def save(
+    state: Any,
+    url: Any,
+    *,
+    process_group: Any,
+    storage_options: dict[str, Any] | None,
+    overwrite: bool,
+    encode_per_rank: Callable[[Any], bytes],
+) -> None:
+    t0 = time.perf_counter()
+    group = Group(process_group)
+    directory = Directory(url, storage_options)
+    rank = group.rank
+
+    # Rank 0 decides whether the destination may be written, so no rank starts on a committed step.
+    verdict: Any = None
+    if rank == 0:
+        try:
+            if directory.exists(MANIFEST):
+                if not overwrite:
+                    raise CheckpointError(
+                        f"{directory.display} already holds a committed checkpoint; pass overwrite=True to replace "
+                        "it, or save to a new directory"
+                    )
+                directory.remove(MANIFEST)  # uncommit first: a crash mid-save must not leave old + new mixed
+            directory.makedirs()
+        except CheckpointError as exc:
+            verdict = str(exc)
+        except OSError as exc:
+            verdict = f"cannot prepare {directory.display}: {exc}"
+    verdict = group.all_gather(verdict)[0]
+    if verdict is not None:
+        raise CheckpointError(verdict)
+    if rank != 0 and directory.base.path is not None:
+        directory.makedirs()
+
+    status: dict[str, Any]
+    try:
+        local = _collect(state, rank, encode_per_rank)
+        metas = [ItemMeta(k, o, s, int(t.numel() * t.element_size())) for (k, o, s), t in local.items.items()]
+        status = {"ok": True, "metas": metas, "tensors": local.tensors, "tree": local.tree if rank == 0 else None}
+    except CheckpointError as exc:
+        status = {"ok": False, "error": f"rank {rank}: {exc}"}
+    gathered = group.all_gather(status)
+    _raise_if_failed(gathered)
+    tensors_meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for r, g in enumerate(gathered):
+        for key, meta in g["tensors"].items():
+            if tensors_meta.setdefault(key, meta) != meta:
+                raise CheckpointError(
+                    f"{key!r} is {tensors_meta[key]} on one rank but {meta} on rank {r}: every rank must describe the "
+                    "same global tensor (dtype, shape)"
+                )
+    mine = assign_writers([g["metas"] for g in gathered])[rank]
+    t_plan = time.perf_counter()
+
+    try:
+        part = _write_rank(directory, rank, group.world, local, mine, t0, t_plan)
+        result: dict[str, Any] = {"ok": True, "part": part}
+    except (CheckpointError, OSError) as exc:
+        result = {"ok": False, "error": f"rank {rank} ({socket.gethostname()}): {exc}"}
+    results = group.all_gather(result)
+    _raise_if_failed(results)
+
+    commit: Any = None
+    if rank == 0:
+        try:
+            manifest = _build_manifest(gathered[0]["tree"], tensors_meta, [r["part"] for r in results], group.world)
+            body = manifest.to_json_bytes()
+            parse_manifest(body, where=f"{directory.display}/{MANIFEST}")  # never commit what we would refuse to read
+            directory.write_small(MANIFEST, body)
+        except (CheckpointError, OSError) as exc:
+            commit = f"rank 0 could not commit {directory.display}: {exc}"
+    commit = group.all_gather(commit)[0]
+    if commit is not None:
+        raise CheckpointError(commit)
+
+
+def _raise_if_failed(statuses: list[dict[str, Any]]) -> None:
+    errors = [s["error"] for s in statuses if not s["ok"]]
+    if errors:
+        raise CheckpointError("save_sharded failed, nothing was committed: " + "; ".join(errors))
+
+
+def _write_rank(
+    directory: Directory, rank: int, world: int, local: _Local, mine: list[ItemMeta], t0: float, t_plan: float
+) -> dict[str, Any]:
+    chunks: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    written_bytes = 0
+    if mine:
+        sink = open_sink(directory.target(data_file(rank)))
+        try:
+            tensors = [local.items[(m.key, m.offsets, m.sizes)] for m in mine]
+            done = write_raw(sink, [functools.partial(_raw_bytes, t) for t in tensors], block_size=BLOCK_SIZE)
+            sink.commit(b"")
+        except BaseException:
+            sink.abort()
+            raise
+        for m, w in zip(mine, done):
+            blocks = w.block_checksums
+            chunk = Chunk(
+                m.offsets,
+                m.sizes,
+                data_file(rank),
+                w.offset,
+                w.length,
+                "raw",
+                w.checksum,
+                BLOCK_SIZE if blocks is not None else None,
+                blocks,
+            )
+            chunks[m.key].append(chunk.to_json())
+            written_bytes += w.length
+    t_write = time.perf_counter()
+    part = {
+        "rank": rank,
+        "world_size": world,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "bytes": written_bytes,
+        "chunks": dict(chunks),
+        "timings": {"plan_s": round(t_plan - t0, 6), "write_s": round(t_write - t_plan, 6)},
+    }
+    directory.write_small(part_file(rank), json.dumps(part, separators=(",", ":")).encode())
+    return part
+
+
+def _build_manifest(
+    tree: Any, tensors_meta: dict[str, tuple[str, tuple[int, ...]]], parts: list[dict[str, Any]], world: int
+) -> Manifest:
+    tensors: dict[str, TensorEntry] = {}
+    for key, (dtype, shape) in tensors_meta.items():
+        tensors[key] = TensorEntry(dtype=dtype, shape=tuple(shape))
+    for part in parts:
+        for key, chunk_list in part["chunks"].items():
+            for c in chunk_list:
+                blocks = c.get("block_checksums")
+                tensors[key].chunks.append(
+                    Chunk(
+                        tuple(c["offsets"]),
+                        tuple(c["sizes"]),
+                        c["file"],
+                        c["offset"],
+                        c["length"],
+                        c["codec"],
+                        c["checksum"],
+                        c.get("block_size"),
+                        tuple(blocks) if blocks is not None else None,
+                    )
+                )
+    for entry in tensors.values():
+        entry.chunks.sort(key=lambda c: c.offsets)
+    return Manifest(
+        kind="sharded",
+        tensors=tensors,
+        tree=tree,
+        meta={
+            "world_size": world,
+            "created_unix": round(time.time(), 3),
+            "torch_version": torch.__version__,
+            "ckptstore_version": __version__,
+            "total_bytes": sum(e.nbytes for e in tensors.values()),
+            "ranks": [
+                {k: p[k] for k in ("rank", "host", "pid", "bytes", "timings")} for p in sorted(parts, key=lambda p: p["rank"])
+            ],
+        },
+    )
+
+
+# ------------------------------------------------------------------------------------------ load
+
+
+class _SavedRef:
+    __slots__ = ("tag", "key")
+
+    def __init__(self, tag: str, key: str) -> None:
+        self.tag, self.key = tag, key
+
+
+@dataclass
+class _Target:
+    key: str
+    path: list[Any]
+    local: torch.Tensor
+    box: Box
+
+
+@dataclass
+class _LoadCtx:
+    manifest: Manifest
+    targets: list[_Target] = field(default_factory=list)
+    per_rank: list[tuple[PerRank, str, list[Any]]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    fresh: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def read_manifest(directory: Directory) -> Manifest:
+    where = f"{directory.display}/{MANIFEST}"
+    try:
+        body = directory.read_small(MANIFEST)
+    except CheckpointNotFoundError:
+        if directory.exists("parts") or directory.exists("data"):
+            raise CheckpointNotFoundError(
+                f"{directory.display} has data but no {MANIFEST}: its save never committed, so it is not a "
+                "checkpoint; load an earlier one"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {directory.display}: {MANIFEST} does not exist") from None
+    manifest = parse_manifest(body, where=where)
+    if manifest.kind != "sharded":
+        raise CorruptCheckpointError(f"{where}: kind {manifest.kind!r} is not a sharded checkpoint", location=where)
+    return manifest
+
+
+def load(
+    state: Any,
+    url: Any,
+    *,
+    process_group: Any,
+    storage_options: dict[str, Any] | None,
+    strict: bool,
+    per_rank: str,
+    buffer_bytes: int,
+    decode_per_rank: Callable[[bytes, str], Any],
+) -> None:
+    if per_rank not in ("error", "skip"):
+        raise InvalidArgumentError(f"per_rank={per_rank!r}: use 'error' or 'skip'")
+    if buffer_bytes < 1:
+        raise InvalidArgumentError("buffer_bytes must be positive")
+    group = Group(process_group)
+    directory = Directory(url, storage_options)
+    manifest = read_manifest(directory)
+    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), directory.display).decode(manifest.tree)
+    ctx = _LoadCtx(manifest)
+    with torch.no_grad():
+        _fill(state, saved, [], ctx, top=True)
+        if ctx.missing and strict:
+            shown = ", ".join(ctx.missing[:10]) + (f" and {len(ctx.missing) - 10} more" if len(ctx.missing) > 10 else "")
+            raise CheckpointError(
+                f"{directory.display} lacks {len(ctx.missing)} key(s) the state dict asks for: {shown}; "
+                "pass strict=False to load the rest and leave these untouched"
+            )
+        saved_world = int(manifest.meta.get("world_size", 1))
+        if ctx.per_rank and saved_world != group.world and per_rank == "error":
+            raise CheckpointError(
+                f"{directory.display} was saved by {saved_world} ranks and is loaded by {group.world}: per-rank values "
+                f"({', '.join(k for _, k, _ in ctx.per_rank[:5])}) have no owner at this world size. Pass "
+                "per_rank='skip' to keep the current values (and re-seed or re-position them yourself)"
+            )
+        _read_targets(directory, manifest, ctx.targets, buffer_bytes)
+        if saved_world == group.world:
+            for wrapper, key, _path in ctx.per_rank:
+                entry_key = f"{key}#rank{group.rank:05d}"
+                entry = manifest.tensors.get(entry_key)
+                if entry is None:
+                    raise CorruptCheckpointError(f"{directory.display}: per-rank entry {entry_key!r} is missing", key=entry_key)
+                buf = alloc_bytes(entry.nbytes)
+                _read_targets(directory, manifest, [_Target(entry_key, [], buf, ((0,), (entry.numel,)))], buffer_bytes)
+                wrapper.value = decode_per_rank(bytes(byte_view(buf)), f"{directory.display} [{entry_key}]")
+
+
+def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool = False) -> Any:
+    """Walk the caller's state and the saved tree together; returns the value for the caller's slot."""
+    where = format_path(path)
+    if isinstance(caller, PerRank):
+        if not isinstance(saved, _SavedRef) or saved.tag != "$per_rank":
+            raise CheckpointError(f"{where} is PerRank in the state dict but not a per-rank value in the checkpoint")
+        ctx.per_rank.append((caller, saved.key, path))
+        return caller
+    if isinstance(saved, _SavedRef) and saved.tag == "$tensor":
+        entry = ctx.manifest.tensors.get(saved.key)
+        if entry is None:
+            raise CorruptCheckpointError(f"tree refers to tensor {saved.key!r}, which the manifest lacks", key=saved.key)
+        if not isinstance(caller, torch.Tensor):
+            # Nothing to load into: allocate the whole tensor (single-process loads into an empty slot).
+            dtype = dtype_from_name(entry.dtype, where=where)
+            fresh = alloc_bytes(entry.nbytes).view(dtype).view(entry.shape) if entry.nbytes else torch.empty(
+                entry.shape, dtype=dtype
+            )
+            ctx.targets.append(_Target(saved.key, path, fresh, ((0,) * len(entry.shape), entry.shape)))
+            return fresh
+        local, box = local_box(caller, where)
+        if dtype_name(caller.dtype) != entry.dtype or tuple(caller.shape) != entry.shape:
+            raise CheckpointError(
+                f"{where}: the checkpoint holds {entry.dtype} {list(entry.shape)} but the state dict has "
+                f"{dtype_name(caller.dtype)} {list(caller.shape)}; convert one side first"
+            )
+        ctx.targets.append(_Target(saved.key, path, local, box))
+        return caller
+    if isinstance(caller, torch.Tensor):
+        raise CheckpointError(f"{where} is a tensor in the state dict but {type(saved).__name__} in the checkpoint")
+    if isinstance(caller, dict):
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{where} is a dict in the state dict but {type(saved).__name__} in the checkpoint")
+        for k in list(caller):
+            if k in saved:
+                caller[k] = _fill(caller[k], saved[k], path + [k], ctx)
+            else:
+                ctx.missing.append(format_path(path + [k]))
+        return caller
+    if isinstance(caller, list) and isinstance(saved, list):
+        for i in range(len(caller)):
+            if i < len(saved):
+                caller[i] = _fill(caller[i], saved[i], path + [i], ctx)
+            else:
+                ctx.missing.append(format_path(path + [i]))
+        return caller
+    if isinstance(caller, tuple) and isinstance(saved, tuple) and len(caller) == len(saved):
+        items = [_fill(c, s, path + [i], ctx) for i, (c, s) in enumerate(zip(caller, saved))]
+        return type(caller)(*items) if hasattr(type(caller), "_fields") else type(caller)(items)
+    if isinstance(saved, _SavedRef):
+        raise CheckpointError(f"{where}: unexpected {saved.tag} in the checkpoint")
+    return saved
+
+
+@dataclass
+class _ReadJob:
+    target: _Target
+    chunk: Chunk
+    file_start: int  # absolute offset in the chunk's file
+    length: int  # bytes to read
+    rows_start: int  # first chunk row held at byte skip within what is read
+    skip: int  # bytes to skip in the read buffer before rows_start
+    nrows: int
+    overlap: Box
+    blocks: list[tuple[int, str]]  # (offset in read buffer, checksum) per block, or [] for whole-chunk
+
+
+def _jobs_for(target: _Target, entry: TensorEntry, buffer_bytes: int, where: str) -> list[_ReadJob]:
+    boxes = [(c.offsets, c.sizes) for c in entry.chunks]
+    reads, uncovered = read_plan(target.box, boxes)
+    if uncovered:
+        raise CorruptCheckpointError(
+            f"{where}: tensor {target.key!r}: saved chunks leave {uncovered} elements of {list(target.box[1])} uncovered",
+            key=target.key,
+        )
+    es = element_size(dtype_from_name(entry.dtype, where=where))
+    jobs = []
+    for r in reads:
+        c = entry.chunks[r.chunk]
+        row_bytes = (element_size(dtype_from_name(entry.dtype, where=where)) * _prod(c.sizes[1:])) if c.sizes else es
+        if c.codec != "raw" or not c.sizes:
+            first, count = row_span(r.chunk_box, r.overlap)
+            jobs.append(_ReadJob(target, c, c.offset, c.length, first, first * row_bytes, count, r.overlap, []))
+            continue
+        first, count = row_span(r.chunk_box, r.overlap)
+        step = max(1, buffer_bytes // max(1, row_bytes))
+        for sub in range(first, first + count, step):
+            n = min(step, first + count - sub)
+            overlap = ((r.overlap[0][0] + (sub - first),) + r.overlap[0][1:], (n,) + r.overlap[1][1:])
+            lo, hi = sub * row_bytes, (sub + n) * row_bytes
+            if c.block_checksums is not None and c.block_size:
+                bs = c.block_size
+                b0, b1 = lo // bs, -(-hi // bs)
+                start, end = b0 * bs, min(b1 * bs, c.length)
+                blocks = [(b * bs - start, c.block_checksums[b]) for b in range(b0, b1)]
+            else:
+                start, end, blocks = 0, c.length, []
+            jobs.append(_ReadJob(target, c, c.offset + start, end - start, sub, lo - start, n, overlap, blocks))
+    return jobs
+
+
+def _prod(xs: tuple[int, ...]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _read_targets(directory: Directory, manifest: Manifest, targets: list[_Target], buffer_bytes: int) -> None:
+    where = directory.display
+    jobs: list[_ReadJob] = []
+    for t in targets:
+        jobs.extend(_jobs_for(t, manifest.tensors[t.key], buffer_bytes, where))
+    sources: dict[str, Source] = {}
+    lock = threading.Lock()
+
+    def source_for(rel: str) -> Source:
+        with lock:
+            if rel not in sources:
+                sources[rel] = open_source(directory.target(rel))
+            return sources[rel]
+
+    in_flight = [0]
+    cond = threading.Condition()
+
+    def run(job: _ReadJob) -> None:
+        with cond:
+            while in_flight[0] and in_flight[0] + job.length > buffer_bytes:
+                cond.wait()
+            in_flight[0] += job.length
+        try:
+            _execute(job, source_for(job.chunk.file or ""), manifest, where)
+        finally:
+            with cond:
+                in_flight[0] -= job.length
+                cond.notify_all()
+
+    try:
+        for _ in io_pool().map(run, jobs) if len(jobs) > 1 else map(run, jobs):
+            pass
+    finally:
+        for s in sources.values():
+            s.close()
+
+
+def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str) -> None:
+    c, entry_key = job.chunk, job.target.key
+    entry = manifest.tensors[entry_key]
+    dtype = dtype_from_name(entry.dtype, where=where)
+    es = element_size(dtype)
+    location = f"{where}/{c.file}"
+    buf = alloc_bytes(job.length)
+    try:
+        source.readinto(job.file_start, byte_view(buf))
+    except ShortRead as exc:
+        raise CorruptCheckpointError(f"{location} is truncated ({exc}) for tensor {entry_key!r}", location=location, key=entry_key) from None
+    view = byte_view(buf)
+    if job.blocks:
+        bs = c.block_size or 0
+        for off, expected in job.blocks:
+            verify(view[off : off + bs], expected, location=location, key=entry_key)
+    else:
+        verify(view, c.checksum, location=location, key=entry_key)
+    if c.codec != "raw":
+        raw = alloc_bytes(c.numel * es)
+        codecs.decode_into(c.codec, bytes(view), raw, es, where=f"{location}: tensor {entry_key!r}")
+        buf = raw
+    if not c.sizes:
+        src = buf[: es].view(dtype).view(())
+        job.target.local.copy_(src)
+        return
+    row_elems = _prod(c.sizes[1:])
+    src = buf[job.skip : job.skip + job.nrows * row_elems * es].view(dtype).view((job.nrows,) + c.sizes[1:])
+    dst = job.target.local
+    for d in range(len(c.sizes)):
+        o, s = job.overlap[0][d], job.overlap[1][d]
+        base = job.rows_start + c.offsets[0] if d == 0 else c.offsets[d]
+        src = src.narrow(d, o - base, s)
+        dst = dst.narrow(d, o - job.target.box[0][d], s)
+    dst.copy_(src)

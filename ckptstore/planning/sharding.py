@@ -1,0 +1,138 @@
+"""Pure sharding arithmetic: which box of a global tensor a rank holds, who writes each saved box,
+and which saved chunks a rank must read to fill the box it holds now.
+
+Boxes are ``(offsets, sizes)`` tuples in global element coordinates. Nothing here touches a file,
+a process group or a tensor's data, so layouts of any size are planned and tested in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+# A placement per mesh dimension: ("shard", tensor_dim) or ("replicate",) (partial sums are refused
+# before planning: a checkpoint holds reduced values).
+Placement = tuple
+
+
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """torch.chunk semantics, as DTensor's Shard uses them: ceil-sized pieces, the last ones short or empty."""
+    step = -(-size // parts) if parts else 0
+    start = min(index * step, size)
+    return start, min(start + step, size) - start
+
+
+def shard_box(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coordinate: Sequence[int]
+) -> Box:
+    """The box of ``global_shape`` held by the rank at ``coordinate`` of a device mesh.
+
+    Mesh dimensions apply in order: a tensor dimension sharded on mesh dims 0 and 1 is first cut
+    across mesh dim 0, then each piece is cut again across mesh dim 1 (DTensor's convention).
+    """
+    offsets = [0] * len(global_shape)
+    sizes = list(global_shape)
+    for mesh_dim, placement in enumerate(placements):
+        if placement[0] == "shard":
+            d = placement[1]
+            start, length = chunk_range(sizes[d], mesh_shape[mesh_dim], coordinate[mesh_dim])
+            offsets[d] += start
+            sizes[d] = length
+        elif placement[0] != "replicate":
+            raise ValueError(f"unsupported placement {placement!r}")
+    return tuple(offsets), tuple(sizes)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    offsets, sizes = [], []
+    for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(oa, ob), min(oa + sa, ob + sb)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+def volume(box: Box) -> int:
+    return math.prod(box[1])
+
+
+@dataclass(frozen=True)
+class ItemMeta:
+    """One box of one tensor that a rank holds and could write."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+
+
+def assign_writers(items_by_rank: Sequence[Sequence[ItemMeta]]) -> list[list[ItemMeta]]:
+    """Decide which rank writes each distinct box: every box exactly once, and replicated boxes
+    (held by several ranks) spread so that the bytes each rank writes stay balanced.
+
+    Deterministic, so every rank computes the same plan from the same gathered metadata.
+    """
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], ItemMeta] = {}
+    for rank, items in enumerate(items_by_rank):
+        for item in items:
+            k = (item.key, item.offsets, item.sizes)
+            ranks = holders.get(k)
+            if ranks is None:
+                holders[k] = [rank]
+                first[k] = item
+            else:
+                ranks.append(rank)
+    load = [0] * len(items_by_rank)
+    plan: list[list[ItemMeta]] = [[] for _ in items_by_rank]
+    shared = []
+    for k, ranks in holders.items():
+        if len(ranks) == 1:
+            item = first[k]
+            plan[ranks[0]].append(item)
+            load[ranks[0]] += item.nbytes
+        else:
+            shared.append(k)
+    # Largest first onto the least-loaded holder: the classic greedy bound for balanced bins.
+    shared.sort(key=lambda k: (-first[k].nbytes, k))
+    for k in shared:
+        item = first[k]
+        rank = min(holders[k], key=lambda r: (load[r], r))
+        plan[rank].append(item)
+        load[rank] += item.nbytes
+    return plan
+
+
+@dataclass(frozen=True)
+class Read:
+    """Fill ``overlap`` of the target from saved chunk number ``chunk`` (which covers ``chunk_box``)."""
+
+    chunk: int
+    chunk_box: Box
+    overlap: Box
+
+
+def read_plan(target: Box, chunk_boxes: Sequence[Box]) -> tuple[list[Read], int]:
+    """Saved chunks that overlap ``target``, and how many target elements they leave uncovered
+    (non-zero means the checkpoint cannot fill the target)."""
+    reads = []
+    covered = 0
+    for i, box in enumerate(chunk_boxes):
+        o = intersect(target, box)
+        if o is not None:
+            reads.append(Read(i, box, o))
+            covered += volume(o)
+    return reads, volume(target) - covered if all(target[1]) else 0
+
+
+def row_span(chunk_box: Box, overlap: Box) -> tuple[int, int]:
+    """The rows (dim-0 indices, local to the chunk) of a C-ordered chunk that contain ``overlap``:
+    the one contiguous byte range a reader needs."""
+    if not chunk_box[0]:
+        return 0, 1
+    start = overlap[0][0] - chunk_box[0][0]
+    return start, overlap[1][0]
