@@ -624,10 +624,18 @@ def _read_targets(directory: Directory, manifest: Manifest, targets: list[_Targe
     sources: dict[str, Source] = {}
     lock = threading.Lock()
 
-    def source_for(rel: str) -> Source:
+    def source_for(rel: str, key: str) -> Source:
         with lock:
             if rel not in sources:
-                sources[rel] = open_source(directory.target(rel))
+                try:
+                    sources[rel] = open_source(directory.target(rel))
+                except CheckpointNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{where}/{rel} is missing, but the manifest keeps tensor {key!r} in it; the checkpoint is "
+                        "damaged: load another copy or an earlier step",
+                        location=f"{where}/{rel}",
+                        key=key,
+                    ) from None
             return sources[rel]
 
     in_flight = [0]
@@ -639,7 +647,7 @@ def _read_targets(directory: Directory, manifest: Manifest, targets: list[_Targe
                 cond.wait()
             in_flight[0] += job.length
         try:
-            _execute(job, source_for(job.chunk.file or ""), manifest, where)
+            _execute(job, source_for(job.chunk.file or "", job.target.key), manifest, where)
         finally:
             with cond:
                 in_flight[0] -= job.length

@@ -1,0 +1,104 @@
+"""Worker functions run in real processes by tests/test_sharded_dist.py (gloo over a file store).
+
+Every worker rebuilds the same reference tensors from a fixed seed, so each process can check what
+it loaded against the full reference bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import ckptstore
+
+
+def reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return {
+        # 6000 x 1000 fp32 = 24 MB: chunks over 4 MiB, so block checksums and ranged reads are used.
+        "big": torch.randn(6000, 1000, generator=g),
+        "w": torch.randn(10, 7, generator=g),
+        "odd": torch.randint(-(2**40), 2**40, (13, 5), generator=g, dtype=torch.int64),
+        "bf": torch.randn(6, 9, 4, generator=g).to(torch.bfloat16),
+        "plain": torch.randn(11, generator=g),  # plain tensor: replicated
+    }
+
+
+def _mesh(shape: tuple[int, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape)
+
+
+def _placements(spec: list[tuple], ndim: int):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Shard(p[1]) if p[0] == "shard" else Replicate() for p in spec][:ndim]
+
+
+def _state(mesh_shape, layouts, *, zeros: bool):
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = _mesh(tuple(mesh_shape))
+    state = {}
+    for name, ref in reference().items():
+        full = torch.zeros_like(ref) if zeros else ref
+        spec = layouts.get(name)
+        state[name] = full.clone() if spec is None else distribute_tensor(full, mesh, _placements(spec, len(mesh_shape)))
+    return state
+
+
+def run(rank: int, world: int, store_path: str, job: str, args: dict, result_dir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        try:
+            globals()[job](rank, world, **args)
+        finally:
+            dist.destroy_process_group()
+        open(os.path.join(result_dir, f"ok-{rank}"), "w").close()
+    except BaseException:
+        with open(os.path.join(result_dir, f"error-{rank}"), "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+def save_job(rank: int, world: int, url: str, mesh_shape, layouts, storage_options=None) -> None:
+    state = _state(mesh_shape, layouts, zeros=False)
+    state["step"] = 42
+    state["rng"] = ckptstore.PerRank(torch.tensor([rank, rank * 10]))
+    ckptstore.save_sharded(state, url, storage_options=storage_options)
+
+
+def load_job(rank: int, world: int, url: str, mesh_shape, layouts, storage_options=None, per_rank="error") -> None:
+    from torch.distributed.tensor import DTensor
+
+    state = _state(mesh_shape, layouts, zeros=True)
+    state["step"] = 0
+    state["rng"] = ckptstore.PerRank(None)
+    ckptstore.load_sharded(state, url, storage_options=storage_options, per_rank=per_rank, buffer_bytes=3 << 20)
+    for name, ref in reference().items():
+        got = state[name]
+        full = got.full_tensor() if isinstance(got, DTensor) else got
+        assert full.dtype == ref.dtype and full.shape == ref.shape, name
+        assert torch.equal(full.view(torch.uint8) if full.dtype != torch.bfloat16 else full.view(torch.int16),
+                           ref.view(torch.uint8) if ref.dtype != torch.bfloat16 else ref.view(torch.int16)), name
+    assert state["step"] == 42
+    if per_rank == "error":
+        assert torch.equal(state["rng"].value, torch.tensor([rank, rank * 10])), state["rng"].value
+    else:
+        assert state["rng"].value is None
+
+
+def failing_save_job(rank: int, world: int, url: str) -> None:
+    state = {"w": torch.ones(4), "bad": object() if rank == 1 else 1}
+    try:
+        ckptstore.save_sharded(state, url)
+    except ckptstore.CheckpointError as exc:
+        assert "rank 1" in str(exc) and "nothing was committed" in str(exc), str(exc)
+        return
+    raise AssertionError("save_sharded should have failed on every rank")
