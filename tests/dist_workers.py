@@ -102,3 +102,68 @@ def failing_save_job(rank: int, world: int, url: str) -> None:
         assert "rank 1" in str(exc) and "nothing was committed" in str(exc), str(exc)
         return
     raise AssertionError("save_sharded should have failed on every rank")
+
+
+def _fsdp_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return model
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(12, 16, generator=g), torch.randn(12, 8, generator=g)
+
+
+def _fsdp_setup(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _fsdp_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _train_step(model, opt, step: int) -> float:
+    x, y = _batch(step)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def fsdp_save_job(rank: int, world: int, url: str, steps: int, out: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _fsdp_setup(world)
+    for step in range(steps):
+        _train_step(model, opt, step)
+    msd, osd = get_state_dict(model, opt)
+    ckptstore.save_sharded({"model": msd, "optim": osd, "step": steps}, url)
+    # The uninterrupted run's next two losses, for the resumed runs to match: the first checks the
+    # parameters, the second also the optimizer state (Adam's moments and step count).
+    losses = [_train_step(model, opt, steps + i) for i in range(2)]
+    if rank == 0:
+        with open(out, "w") as fh:
+            fh.write(repr(losses))
+
+
+def fsdp_resume_job(rank: int, world: int, url: str, out: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _fsdp_setup(world)
+    _train_step(model, opt, 999)  # materialise optimizer state with other values, then overwrite it
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    ckptstore.load_sharded(state, url)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = [_train_step(model, opt, state["step"] + i) for i in range(2)]
+    if rank == 0:
+        with open(out, "w") as fh:
+            fh.write(repr(losses))

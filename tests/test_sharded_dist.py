@@ -98,3 +98,13 @@ def test_a_failure_on_one_rank_fails_every_rank_and_commits_nothing(tmp_path):
     assert not (tmp_path / "failed" / "manifest.json").exists()
     with pytest.raises(ckptstore.CheckpointNotFoundError, match="never committed"):
         ckptstore.load_sharded({"w": torch.zeros(4)}, url)
+
+
+def test_fsdp2_model_and_optimizer_resume_on_other_world_sizes(tmp_path):
+    url = str(tmp_path / "fsdp")
+    expected = tmp_path / "expected.txt"
+    _spawn(2, "fsdp_save_job", tmp_path, url=url, steps=3, out=str(expected))
+    for world in (1, 4):
+        got = tmp_path / f"resumed-{world}.txt"
+        _spawn(world, "fsdp_resume_job", tmp_path, url=url, out=str(got))
+        assert got.read_text() == expected.read_text(), f"next-step losses after resuming on {world} ranks"
