@@ -21,11 +21,9 @@ def _human(n: float) -> str:
 
 
 def _open(url: str, storage_options: dict[str, Any] | None):
-    from .engine.single_file import open_container
-    from .storage.targets import open_source, resolve
+    from .engine.inspect import open_any
 
-    source = open_source(resolve(url, storage_options))
-    return open_container(source)
+    return open_any(url, storage_options)
 
 
 def _progress(total: int, desc: str):
@@ -41,25 +39,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         info = summary(opened)
     finally:
-        opened.source.close()
+        opened.close()
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     print(f"{info['location']}: ckptstore {info['layout']} checkpoint, format {info['format_version']} ({info['writer']})")
+    size = f", file {_human(info['file_bytes'])}" if info["file_bytes"] is not None else ""
     print(
         f"  {info['num_tensors']} tensors in {info['num_chunks']} chunks, {_human(info['tensor_bytes'])} of tensor data, "
-        f"{_human(info['stored_bytes'])} stored, file {_human(info['file_bytes'])}"
+        f"{_human(info['stored_bytes'])} stored{size}"
     )
+    if info["layout"] == "sharded":
+        print(f"  saved by {info['world_size']} ranks:")
+        slow = set(info["stragglers"])
+        for r in info["ranks"]:
+            t = r.get("timings", {})
+            flag = "  <- straggler (over 2x the median write time)" if r["rank"] in slow else ""
+            print(
+                f"    rank {r['rank']:5d} on {r.get('host', '?')}: wrote {_human(r.get('bytes', 0))}, "
+                f"plan {t.get('plan_s', 0):.3f} s, write {t.get('write_s', 0):.3f} s{flag}"
+            )
     if info["top_level_keys"] is not None:
         print(f"  top-level keys: {', '.join(map(str, info['top_level_keys']))}")
     if info["pickled"]:
         print(f"  pickled objects (need weights_only=False): {', '.join(info['pickled'])}")
     width = max([len(t["key"]) for t in info["tensors"]] + [3])
-    print(f"  {'key':{width}s}  {'dtype':14s} {'shape':20s} {'bytes':>12s} chunks codec")
+    print(f"  {'key':{width}s}  {'dtype':14s} {'shape':20s} {'bytes':>12s} chunks codec  split dims")
     for t in info["tensors"]:
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
-        print(f"  {t['key']:{width}s}  {t['dtype']:14s} {shape:20s} {_human(t['bytes']):>12s} {t['chunks']:6d} {t['codec']}")
+        split = ",".join(map(str, t["split_dims"])) or "-"
+        print(
+            f"  {t['key']:{width}s}  {t['dtype']:14s} {shape:20s} {_human(t['bytes']):>12s} {t['chunks']:6d} "
+            f"{t['codec']:6s} {split}"
+        )
     return 0
 
 
@@ -72,11 +85,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with _progress(total, "verify") as bar:
             checked, bad = scan(opened, bar.update)
     finally:
-        opened.source.close()
+        opened.close()
     if bad:
         print(f"{args.url}: {len(bad)} of {checked} chunks are damaged:")
         for b in bad:
-            print(f"  tensor {b.key!r} chunk {b.index} (bytes {b.offset}..{b.offset + b.length}): {b.problem}")
+            where = f"{b.file} " if b.file else ""
+            print(f"  tensor {b.key!r} chunk {b.index} ({where}bytes {b.offset}..{b.offset + b.length}): {b.problem}")
         return 1
     print(f"{args.url}: sound ({checked} chunks, {_human(total)} checked)")
     return 0
@@ -87,6 +101,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     result = run_demo(args.dir, mib=args.mib, use_s3=not args.no_s3)
     return 0 if result["ok"] else 1
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    from .api.sharded import _decode
+    from .engine.inspect import open_any
+    from .engine.reshard import reshard
+
+    opened = open_any(args.src, args.storage_options)
+    total = opened.manifest.total_bytes
+    opened.close()
+    with _progress(total, "reshard") as bar:
+        report = reshard(
+            args.src,
+            args.dst,
+            args.ranks,
+            storage_options=args.storage_options,
+            buffer_bytes=args.buffer_mib << 20,
+            progress=bar.update,
+            decode_per_rank=_decode,
+        )
+    layout = "one single-file checkpoint" if args.ranks == 1 else f"{args.ranks} even Shard(0) ranks"
+    print(f"{args.dst}: {report['tensors']} tensors, {_human(report['bytes'])}, laid out for {layout}")
+    if report["dropped_per_rank"]:
+        print(f"  per-rank values dropped (their ranks do not exist at this size): {', '.join(report['dropped_per_rank'])}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("url", help="checkpoint path or fsspec URL")
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser(
+        "reshard",
+        help="rewrite a sharded checkpoint for N ranks, or consolidate it into one file",
+        description="Rewrite a sharded checkpoint so that each of N even Shard(0) ranks reads one contiguous "
+        "region of each tensor; --ranks 1 consolidates it into the single-file format. Streams with bounded memory.",
+    )
+    p.add_argument("src", help="source checkpoint directory (path or fsspec URL)")
+    p.add_argument("dst", help="destination (a new directory; a file path with --ranks 1)")
+    p.add_argument("--ranks", type=int, required=True, help="number of ranks to lay the checkpoint out for")
+    p.add_argument("--buffer-mib", type=int, default=256, help="staging memory for reads, in MiB (default 256)")
+    p.set_defaults(func=cmd_reshard)
     p = sub.add_parser(
         "demo",
         help="run the main job on embedded defaults (local directory + local S3 server)",

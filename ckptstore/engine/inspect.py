@@ -1,26 +1,80 @@
-"""Read-only views of a checkpoint for the CLI: a summary and a full checksum scan."""
+"""Read-only views of a checkpoint for the CLI: a summary and a full checksum scan, for the
+single-file container and the sharded directory alike."""
 
 from __future__ import annotations
 
+import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.checksum import ALGORITHM
-from ..storage.targets import ShortRead
-from .single_file import OpenContainer
+from ..format.manifest import Manifest
+from ..storage.targets import ShortRead, Source, open_source, resolve
+from .sharded import MANIFEST, Directory, read_manifest
+from .single_file import open_container
 
 SCAN_PIECE = 64 << 20
 
 
-def summary(opened: OpenContainer) -> dict[str, Any]:
+@dataclass
+class Opened:
+    """A checkpoint opened for reading, whichever layout: its manifest and a way to its files."""
+
+    display: str
+    manifest: Manifest
+    file_bytes: int | None
+    _source: Source | None = None
+    _directory: Directory | None = None
+
+    def source(self, rel: str | None) -> Source:
+        if rel is None:
+            assert self._source is not None
+            return self._source
+        assert self._directory is not None
+        return open_source(self._directory.target(rel))
+
+    def close(self) -> None:
+        if self._source is not None:
+            self._source.close()
+
+
+def is_sharded(url: str, storage_options: dict[str, Any] | None) -> bool:
+    target = resolve(url, storage_options)
+    if target.path is not None:
+        return os.path.isdir(target.path)
+    if target.fs is not None:
+        return bool(target.fs.isdir(target.fspath))
+    return False
+
+
+def open_any(url: str, storage_options: dict[str, Any] | None) -> Opened:
+    if is_sharded(url, storage_options):
+        directory = Directory(url, storage_options)
+        return Opened(directory.display, read_manifest(directory), None, _directory=directory)
+    source = open_source(resolve(url, storage_options))
+    try:
+        c = open_container(source)
+    except BaseException:
+        source.close()
+        raise
+    return Opened(source.display, c.manifest, c.end, _source=source)
+
+
+def _split_dims(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:
+    return [d for d in range(len(shape)) if len({b[0][d] for b in boxes}) > 1]
+
+
+def summary(opened: Opened) -> dict[str, Any]:
     m = opened.manifest
     tensors = []
     for key, e in m.tensors.items():
         codecs = sorted({c.codec for c in e.chunks})
+        files = sorted({c.file for c in e.chunks if c.file is not None})
         tensors.append(
             {
                 "key": key,
@@ -29,19 +83,21 @@ def summary(opened: OpenContainer) -> dict[str, Any]:
                 "bytes": e.nbytes,
                 "stored_bytes": sum(c.length for c in e.chunks),
                 "chunks": len(e.chunks),
-                "codec": codecs[0] if len(codecs) == 1 else codecs,
+                "split_dims": _split_dims(e.shape, [(c.offsets, c.sizes) for c in e.chunks]),
+                "files": files,
+                "codec": codecs[0] if len(codecs) == 1 else (",".join(codecs) or "-"),
                 "pickled": key in m.pickled,
             }
         )
     tree = m.tree
     top = list(tree.keys()) if isinstance(tree, dict) and not next(iter(tree), "").startswith("$") else None
-    return {
-        "location": opened.source.display,
+    info: dict[str, Any] = {
+        "location": opened.display,
         "layout": m.kind,
         "format_version": m.format_version,
         "writer": m.writer,
         "meta": m.meta,
-        "file_bytes": opened.end,
+        "file_bytes": opened.file_bytes,
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "stored_bytes": sum(t["stored_bytes"] for t in tensors),
         "num_tensors": len(tensors),
@@ -50,39 +106,71 @@ def summary(opened: OpenContainer) -> dict[str, Any]:
         "top_level_keys": top,
         "tensors": tensors,
     }
+    if m.kind == "sharded":
+        ranks = m.meta.get("ranks", [])
+        info["world_size"] = m.meta.get("world_size")
+        info["ranks"] = ranks
+        info["stragglers"] = stragglers(ranks)
+    return info
+
+
+def stragglers(ranks: list[dict[str, Any]], factor: float = 2.0) -> list[int]:
+    """Ranks whose write time is over ``factor`` times the median (and over 10 ms, to ignore noise)."""
+    times = [r.get("timings", {}).get("write_s", 0.0) for r in ranks]
+    if len(times) < 3:
+        return []
+    med = statistics.median(times)
+    return [r["rank"] for r, t in zip(ranks, times) if t > 0.01 and t > factor * med]
 
 
 @dataclass
 class BadChunk:
     key: str
     index: int
+    file: str | None
     offset: int
     length: int
     problem: str
 
 
-def scan(opened: OpenContainer, progress: Callable[[int], None] | None = None) -> tuple[int, list[BadChunk]]:
+def scan(opened: Opened, progress: Callable[[int], None] | None = None) -> tuple[int, list[BadChunk]]:
     """Re-read every chunk in bounded pieces and check its checksum; returns (chunks checked, bad ones)."""
-    source = opened.source
     bad: list[BadChunk] = []
     checked = 0
-    for key, entry in opened.manifest.tensors.items():
-        for i, c in enumerate(entry.chunks):
-            checked += 1
-            h = xxhash.xxh3_64()
-            try:
-                for p in range(0, c.length, SCAN_PIECE):
-                    n = min(SCAN_PIECE, c.length - p)
-                    h.update(source.read(c.offset + p, n))
-                    if progress:
-                        progress(n)
-            except ShortRead as exc:
-                bad.append(BadChunk(key, i, c.offset, c.length, f"truncated: {exc}"))
-                continue
-            except CheckpointError as exc:
-                bad.append(BadChunk(key, i, c.offset, c.length, str(exc)))
-                continue
-            actual = f"{ALGORITHM}:{h.hexdigest()}"
-            if actual != c.checksum:
-                bad.append(BadChunk(key, i, c.offset, c.length, f"checksum mismatch: stored {c.checksum}, read {actual}"))
+    sources: dict[str | None, Source] = {}
+    try:
+        for key, entry in opened.manifest.tensors.items():
+            for i, c in enumerate(entry.chunks):
+                checked += 1
+                h = xxhash.xxh3_64()
+                try:
+                    if c.file not in sources:
+                        sources[c.file] = opened.source(c.file)
+                    source = sources[c.file]
+                    for p in range(0, c.length, SCAN_PIECE):
+                        n = min(SCAN_PIECE, c.length - p)
+                        h.update(source.read(c.offset + p, n))
+                        if progress:
+                            progress(n)
+                except ShortRead as exc:
+                    bad.append(BadChunk(key, i, c.file, c.offset, c.length, f"truncated: {exc}"))
+                    continue
+                except CheckpointNotFoundError:
+                    bad.append(BadChunk(key, i, c.file, c.offset, c.length, "file is missing"))
+                    continue
+                except CheckpointError as exc:
+                    bad.append(BadChunk(key, i, c.file, c.offset, c.length, str(exc)))
+                    continue
+                actual = f"{ALGORITHM}:{h.hexdigest()}"
+                if actual != c.checksum:
+                    bad.append(
+                        BadChunk(key, i, c.file, c.offset, c.length, f"checksum mismatch: stored {c.checksum}, read {actual}")
+                    )
+    finally:
+        for rel, s in sources.items():
+            if rel is not None:
+                s.close()
     return checked, bad
+
+
+__all__ = ["Opened", "open_any", "summary", "scan", "BadChunk", "MANIFEST", "CorruptCheckpointError"]

@@ -137,6 +137,11 @@ class Directory:
         elif t.fs.exists(t.fspath):
             t.fs.rm(t.fspath)
 
+    def open(self, rel: str | None) -> Source:
+        if rel is None:
+            raise CorruptCheckpointError(f"{self.display}: a chunk of a sharded checkpoint names no file", location=self.display)
+        return open_source(self.target(rel))
+
     def read_small(self, rel: str) -> bytes:
         source = open_source(self.target(rel))
         try:
@@ -428,7 +433,9 @@ class _SavedRef:
 
 
 @dataclass
-class _Target:
+class ReadTarget:
+    """A box of tensor ``key`` to fill into ``local`` (whose shape is the box's sizes)."""
+
     key: str
     path: list[Any]
     local: torch.Tensor
@@ -438,7 +445,7 @@ class _Target:
 @dataclass
 class _LoadCtx:
     manifest: Manifest
-    targets: list[_Target] = field(default_factory=list)
+    targets: list[ReadTarget] = field(default_factory=list)
     per_rank: list[tuple[PerRank, str, list[Any]]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     fresh: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -496,7 +503,7 @@ def load(
                 f"({', '.join(k for _, k, _ in ctx.per_rank[:5])}) have no owner at this world size. Pass "
                 "per_rank='skip' to keep the current values (and re-seed or re-position them yourself)"
             )
-        _read_targets(directory, manifest, ctx.targets, buffer_bytes)
+        read_targets(directory.display, directory.open, manifest, ctx.targets, buffer_bytes)
         if saved_world == group.world:
             for wrapper, key, _path in ctx.per_rank:
                 entry_key = f"{key}#rank{group.rank:05d}"
@@ -504,7 +511,8 @@ def load(
                 if entry is None:
                     raise CorruptCheckpointError(f"{directory.display}: per-rank entry {entry_key!r} is missing", key=entry_key)
                 buf = alloc_bytes(entry.nbytes)
-                _read_targets(directory, manifest, [_Target(entry_key, [], buf, ((0,), (entry.numel,)))], buffer_bytes)
+                one = [ReadTarget(entry_key, [], buf, ((0,), (entry.numel,)))]
+                read_targets(directory.display, directory.open, manifest, one, buffer_bytes)
                 wrapper.value = decode_per_rank(bytes(byte_view(buf)), f"{directory.display} [{entry_key}]")
 
 
@@ -526,7 +534,7 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
             fresh = alloc_bytes(entry.nbytes).view(dtype).view(entry.shape) if entry.nbytes else torch.empty(
                 entry.shape, dtype=dtype
             )
-            ctx.targets.append(_Target(saved.key, path, fresh, ((0,) * len(entry.shape), entry.shape)))
+            ctx.targets.append(ReadTarget(saved.key, path, fresh, ((0,) * len(entry.shape), entry.shape)))
             return fresh
         local, box = local_box(caller, where)
         if dtype_name(caller.dtype) != entry.dtype or tuple(caller.shape) != entry.shape:
@@ -534,7 +542,7 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
                 f"{where}: the checkpoint holds {entry.dtype} {list(entry.shape)} but the state dict has "
                 f"{dtype_name(caller.dtype)} {list(caller.shape)}; convert one side first"
             )
-        ctx.targets.append(_Target(saved.key, path, local, box))
+        ctx.targets.append(ReadTarget(saved.key, path, local, box))
         return caller
     if isinstance(caller, torch.Tensor):
         raise CheckpointError(f"{where} is a tensor in the state dict but {type(saved).__name__} in the checkpoint")
@@ -564,7 +572,7 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
 
 @dataclass
 class _ReadJob:
-    target: _Target
+    target: ReadTarget
     chunk: Chunk
     file_start: int  # absolute offset in the chunk's file
     length: int  # bytes to read
@@ -575,7 +583,7 @@ class _ReadJob:
     blocks: list[tuple[int, str]]  # (offset in read buffer, checksum) per block, or [] for whole-chunk
 
 
-def _jobs_for(target: _Target, entry: TensorEntry, buffer_bytes: int, where: str) -> list[_ReadJob]:
+def _jobs_for(target: ReadTarget, entry: TensorEntry, buffer_bytes: int, where: str) -> list[_ReadJob]:
     boxes = [(c.offsets, c.sizes) for c in entry.chunks]
     reads, uncovered = read_plan(target.box, boxes)
     if uncovered:
@@ -616,19 +624,29 @@ def _prod(xs: tuple[int, ...]) -> int:
     return out
 
 
-def _read_targets(directory: Directory, manifest: Manifest, targets: list[_Target], buffer_bytes: int) -> None:
-    where = directory.display
+def read_targets(
+    where: str,
+    open_file: Callable[[str | None], Source],
+    manifest: Manifest,
+    targets: list[ReadTarget],
+    buffer_bytes: int,
+) -> None:
+    """Fill every target box from the chunks that overlap it, at most ``buffer_bytes`` staged at once.
+
+    ``open_file(rel)`` opens a chunk's file (``None``: the single-file container itself, which the
+    caller owns and closes).
+    """
     jobs: list[_ReadJob] = []
     for t in targets:
         jobs.extend(_jobs_for(t, manifest.tensors[t.key], buffer_bytes, where))
-    sources: dict[str, Source] = {}
+    sources: dict[str | None, Source] = {}
     lock = threading.Lock()
 
-    def source_for(rel: str, key: str) -> Source:
+    def source_for(rel: str | None, key: str) -> Source:
         with lock:
             if rel not in sources:
                 try:
-                    sources[rel] = open_source(directory.target(rel))
+                    sources[rel] = open_file(rel)
                 except CheckpointNotFoundError:
                     raise CorruptCheckpointError(
                         f"{where}/{rel} is missing, but the manifest keeps tensor {key!r} in it; the checkpoint is "
@@ -647,7 +665,7 @@ def _read_targets(directory: Directory, manifest: Manifest, targets: list[_Targe
                 cond.wait()
             in_flight[0] += job.length
         try:
-            _execute(job, source_for(job.chunk.file or "", job.target.key), manifest, where)
+            _execute(job, source_for(job.chunk.file, job.target.key), manifest, where)
         finally:
             with cond:
                 in_flight[0] -= job.length
@@ -657,8 +675,9 @@ def _read_targets(directory: Directory, manifest: Manifest, targets: list[_Targe
         for _ in io_pool().map(run, jobs) if len(jobs) > 1 else map(run, jobs):
             pass
     finally:
-        for s in sources.values():
-            s.close()
+        for rel, s in sources.items():
+            if rel is not None:
+                s.close()
 
 
 def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str) -> None:
@@ -666,7 +685,7 @@ def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str) -> N
     entry = manifest.tensors[entry_key]
     dtype = dtype_from_name(entry.dtype, where=where)
     es = element_size(dtype)
-    location = f"{where}/{c.file}"
+    location = f"{where}/{c.file}" if c.file else where
     buf = alloc_bytes(job.length)
     try:
         source.readinto(job.file_start, byte_view(buf))
