@@ -102,15 +102,18 @@ def _worker(rank: int, world: int, store: str, workdir: str, layers: int, repeat
 
     for r in range(repeats):
         cdir, ddir = os.path.join(workdir, f"c{r}"), os.path.join(workdir, f"d{r}")
-        order = [("ckptstore", lambda: ckptstore.save_sharded(state, cdir)), ("dcp", lambda: dcp.save(state, checkpoint_id=ddir))]
+        order = [
+            ("ckptstore", lambda c=cdir: ckptstore.save_sharded(state, c)),
+            ("dcp", lambda d=ddir: dcp.save(state, checkpoint_id=d)),
+        ]
         for lib, fn in order if r % 2 == 0 else order[::-1]:
             times[f"{lib}_save"].append(timed(fn))
         for suffix, dim in (("load", 0), ("reshard_load", 1)):
             loads = []
             for lib in ("ckptstore", "dcp"):
                 target = _local_state(shapes, mesh, rank, world, dim, zeros=True)
-                fn = (lambda t=target: ckptstore.load_sharded(t, cdir)) if lib == "ckptstore" else (
-                    lambda t=target: dcp.load(t, checkpoint_id=ddir))
+                fn = (lambda t=target, c=cdir: ckptstore.load_sharded(t, c)) if lib == "ckptstore" else (
+                    lambda t=target, d=ddir: dcp.load(t, checkpoint_id=d))
                 loads.append((lib, fn, target))
             for lib, fn, target in loads if r % 2 == 0 else loads[::-1]:
                 _drop_caches(rank)
