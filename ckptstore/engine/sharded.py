@@ -16,6 +16,7 @@ import collections
 import functools
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -656,20 +657,22 @@ def read_targets(
                     ) from None
             return sources[rel]
 
-    in_flight = [0]
-    cond = threading.Condition()
+    # Staging memory is one arena of at most buffer_bytes, cut into equal slots that jobs take
+    # turns on: freed and re-allocated buffers would stay resident in the allocator's per-thread
+    # arenas (measured: 234-586 MiB of extra RSS for budgets of 16-64 MiB), an arena does not.
+    slot = max((job.length for job in jobs), default=0)
+    nslots = max(1, min(len(jobs), buffer_bytes // max(1, slot)))
+    arena = alloc_bytes(nslots * slot)
+    free: queue.Queue[torch.Tensor] = queue.Queue()
+    for i in range(nslots):
+        free.put(arena[i * slot : (i + 1) * slot])
 
     def run(job: _ReadJob) -> None:
-        with cond:
-            while in_flight[0] and in_flight[0] + job.length > buffer_bytes:
-                cond.wait()
-            in_flight[0] += job.length
+        buf = free.get()
         try:
-            _execute(job, source_for(job.chunk.file, job.target.key), manifest, where)
+            _execute(job, source_for(job.chunk.file, job.target.key), manifest, where, buf[: job.length])
         finally:
-            with cond:
-                in_flight[0] -= job.length
-                cond.notify_all()
+            free.put(buf)
 
     try:
         for _ in io_pool().map(run, jobs) if len(jobs) > 1 else map(run, jobs):
@@ -680,13 +683,12 @@ def read_targets(
                 s.close()
 
 
-def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str) -> None:
+def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf: torch.Tensor) -> None:
     c, entry_key = job.chunk, job.target.key
     entry = manifest.tensors[entry_key]
     dtype = dtype_from_name(entry.dtype, where=where)
     es = element_size(dtype)
     location = f"{where}/{c.file}" if c.file else where
-    buf = alloc_bytes(job.length)
     try:
         source.readinto(job.file_start, byte_view(buf))
     except ShortRead as exc:
