@@ -128,6 +128,21 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    report = convert(args.src, args.dst, args.to, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
+    print(
+        f"{args.dst}: {report['dst_format']} ({report['tensors']} tensors, {_human(report['bytes'])}) "
+        f"from {report['src_format']} {args.src}"
+    )
+    for note in report.get("notes", []):
+        print(f"  note: {note}")
+    if report.get("dropped"):
+        print(f"  dropped (the destination format cannot hold them): {', '.join(map(str, report['dropped']))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptstore", description="Tiered asynchronous checkpoint storage for PyTorch.")
     parser.add_argument("--version", action="version", version=f"ckptstore {__version__}")
@@ -161,6 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, required=True, help="number of ranks to lay the checkpoint out for")
     p.add_argument("--buffer-mib", type=int, default=256, help="staging memory for reads, in MiB (default 256)")
     p.set_defaults(func=cmd_reshard)
+    p = sub.add_parser(
+        "convert",
+        help="convert between ckptstore, torch.save files, safetensors and DCP directories",
+        description="Convert a checkpoint between formats, both ways: ckptstore (single file or sharded "
+        "directory as source), torch.save files, safetensors files and torch.distributed.checkpoint directories. "
+        "The destination must not exist.",
+    )
+    p.add_argument("src", help="source checkpoint (file, directory or fsspec URL); its format is detected")
+    p.add_argument("dst", help="destination (must not exist)")
+    p.add_argument("--to", required=True, choices=["ckptstore", "torch", "safetensors", "dcp"], help="destination format")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="allow unpickling (torch files with arbitrary objects, DCP metadata); only for files you trust",
+    )
+    p.set_defaults(func=cmd_convert)
     p = sub.add_parser(
         "demo",
         help="run the main job on embedded defaults (local directory + local S3 server)",

@@ -67,7 +67,7 @@ def test_missing_file_is_a_clear_error_with_exit_2(tmp_path, capsys):
 
 
 def test_every_command_has_help():
-    for cmd in ([], ["inspect"], ["verify"], ["demo"]):
+    for cmd in ([], ["inspect"], ["verify"], ["reshard"], ["convert"], ["demo"]):
         res = subprocess.run([sys.executable, "-m", "ckptstore.cli", *cmd, "--help"], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
         assert "usage: ckptstore" in res.stdout
@@ -79,3 +79,29 @@ def test_demo_round_trips_locally_and_through_local_s3(tmp_path, capsys):
     assert "all round trips bitwise equal" in out
     assert "s3://ckptstore/demo/demo.ckpt" in out
     assert (tmp_path / "demo.ckpt").exists() and (tmp_path / "demo.pt").exists()
+
+
+def test_convert_round_trip_through_the_cli(tmp_path, capsys):
+    state = {"model": {"w": torch.arange(12.0).view(3, 4)}, "step": 7}
+    ckptstore.save(state, tmp_path / "a.ckpt")
+    assert main(["convert", str(tmp_path / "a.ckpt"), str(tmp_path / "b.safetensors"), "--to", "safetensors"]) == 0
+    assert main(["convert", str(tmp_path / "b.safetensors"), str(tmp_path / "c.pt"), "--to", "torch"]) == 0
+    back = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["step"] == 7
+    assert "safetensors (1 tensors" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "a.ckpt"), str(tmp_path / "c.pt"), "--to", "torch"]) == 2
+    assert "exists" in capsys.readouterr().err
+
+
+def test_inspect_and_verify_a_sharded_directory(tmp_path, capsys):
+    ckptstore.save_sharded({"w": torch.randn(2000, 1000), "step": 1}, tmp_path / "s")
+    assert main(["inspect", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "sharded checkpoint" in out and "saved by 1 ranks" in out and "rank     0" in out
+    assert main(["verify", str(tmp_path / "s")]) == 0
+    data = tmp_path / "s" / "data" / "rank-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 1
+    data.write_bytes(bytes(raw))
+    assert main(["verify", str(tmp_path / "s")]) == 1
+    assert "data/rank-00000.bin" in capsys.readouterr().out

@@ -2,9 +2,11 @@
 
 The reader below uses only struct, json, base64, xxhash, zstandard and numpy. It does not import
 ckptstore's format, engine, planning or api modules; ``ckptstore`` itself is imported only to call
-``ckptstore.save`` and produce the files under test. Even the dtype element sizes come from the table
-in docs/format.md. If these tests pass, the specification is complete enough to read every file
-``ckptstore.save`` writes for the objects covered here, byte for byte, with every checksum verified.
+``ckptstore.save`` / ``ckptstore.save_sharded`` (and to wrap values in ``ckptstore.PerRank``) and
+produce the files under test. Even the dtype element sizes come from the table in docs/format.md.
+If these tests pass, the specification is complete enough to read every file ``ckptstore.save``
+writes, and every directory ``ckptstore.save_sharded`` writes in one process, for the objects covered
+here, byte for byte, with every checksum (and block checksum) verified.
 
 torch is used only on the *original* side of comparisons (to build objects and take their bytes).
 """
@@ -87,10 +89,13 @@ class PickleRefused(FormatError):
 class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    file: str | None
     offset: int
     length: int
     codec: str
     checksum: str
+    block_size: int | None = None  # 6.1 (format 1.1)
+    block_checksums: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -132,6 +137,14 @@ class Size:
 
 
 @dataclass
+class PerRankValues:
+    """What the reader returns for $per_rank (10.6): each rank's decoded container, by rank."""
+
+    key: str
+    by_rank: list[Checkpoint]
+
+
+@dataclass
 class Checkpoint:
     manifest: dict[str, Any]
     entries: dict[str, Entry]
@@ -140,6 +153,7 @@ class Checkpoint:
     container_length: int
     manifest_offset: int
     chunks_verified: int = 0
+    blocks_verified: int = 0
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -179,7 +193,18 @@ def _parse_version(doc: dict[str, Any]) -> tuple[int, int]:
     return major, minor
 
 
-def _parse_entry(key: str, raw: Any, manifest_offset: int) -> Entry:
+def _checksum_string(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not CHECKSUM_RE.fullmatch(v):
+        raise FormatError(f"{what}: bad checksum string {v!r}")
+    return v
+
+
+def _xxh3(data: bytes | memoryview) -> str:
+    return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+
+
+def _parse_entry(key: str, raw: Any, kind: str, manifest_offset: int = 0) -> Entry:
+    """Sections 3.3-3.5 and 6.1; ``kind`` "file" (2.4 step 5) or "sharded" (10.3) decides ``file``."""
     if not isinstance(raw, dict) or not isinstance(raw.get("chunks"), list):
         raise FormatError(f"{key}: entry must be an object with chunks")
     dtype = raw.get("dtype")
@@ -198,24 +223,32 @@ def _parse_entry(key: str, raw: Any, manifest_offset: int) -> Entry:
             raise FormatError(f"{key}: box rank differs from shape")
         if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
             raise FormatError(f"{key}: box outside the shape")
-        if c.get("file") is not None:
-            if not isinstance(c["file"], str) or not FILE_RE.match(c["file"]):
-                raise FormatError(f"{key}: unsafe file {c['file']!r}")
-            raise FormatError(f"{key}: chunk file {c['file']!r}: sharded layout not supported by this reader")
+        file = c.get("file")
+        if file is not None and (not isinstance(file, str) or not FILE_RE.match(file)):
+            raise FormatError(f"{key}: unsafe file {file!r}")
+        if kind == "file" and file is not None:
+            raise FormatError(f"{key}: chunk file {file!r} in a single-file container")
+        if kind == "sharded" and file is None:
+            raise FormatError(f"{key}: chunk without a file in a sharded manifest")
         offset, length = c.get("offset"), c.get("length")
         if not (_is_int(offset) and _is_int(length) and offset + length <= MAX_BYTES):
             raise FormatError(f"{key}: bad offset/length")
-        if offset < DATA_START or offset + length > manifest_offset:
+        if kind == "file" and (offset < DATA_START or offset + length > manifest_offset):
             raise FormatError(f"{key}: chunk bytes [{offset}, {offset + length}) outside the data region")
         codec = c.get("codec")
         if codec not in CODECS:
             raise FormatError(f"{key}: unknown codec {codec!r}")
         if codec == "raw" and length != math.prod(sizes) * es:
             raise FormatError(f"{key}: raw chunk length {length} != box bytes")
-        checksum = c.get("checksum")
-        if not isinstance(checksum, str) or not CHECKSUM_RE.fullmatch(checksum):
-            raise FormatError(f"{key}: bad checksum string {checksum!r}")
-        chunks.append(Chunk(offsets, sizes, offset, length, codec, checksum))
+        checksum = _checksum_string(c.get("checksum"), key)
+        block_size, blocks = c.get("block_size"), c.get("block_checksums")
+        if block_size is not None or blocks is not None:
+            if not _is_int(block_size, 1, 2**64) or not isinstance(blocks, list):
+                raise FormatError(f"{key}: block_size and block_checksums go together")
+            if len(blocks) != -(-length // block_size):
+                raise FormatError(f"{key}: {len(blocks)} block checksums for {length} bytes in blocks of {block_size}")
+            blocks = tuple(_checksum_string(b, key) for b in blocks)
+        chunks.append(Chunk(offsets, sizes, file, offset, length, codec, checksum, block_size, blocks))
     # Coverage (3.5): equal volume and no overlap between non-empty boxes.
     if sum(math.prod(c.sizes) for c in chunks) != math.prod(shape):
         raise FormatError(f"{key}: chunks do not cover the tensor")
@@ -225,6 +258,43 @@ def _parse_entry(key: str, raw: Any, manifest_offset: int) -> Entry:
             if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
                 raise FormatError(f"{key}: chunks overlap")
     return Entry(dtype, shape, es, chunks)
+
+
+def _parse_manifest(body: bytes, kind: str) -> tuple[dict[str, Any], int]:
+    """Sections 3.1-3.2 (and 10.3 for kind "sharded"): the document and its major version."""
+    try:
+        doc = json.loads(body.decode("utf-8"), parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"manifest is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != "ckptstore":
+        raise FormatError("not a ckptstore manifest")
+    major, _ = _parse_version(doc)
+    if doc.get("byte_order", "little") != "little":
+        raise FormatError("byte order")
+    if doc.get("kind") != kind:
+        raise FormatError(f"kind {doc.get('kind')!r} is not {kind!r}")
+    tensors, pickled, meta = doc.get("tensors"), doc.get("pickled", []), doc.get("meta", {})
+    if not isinstance(tensors, dict) or not isinstance(meta, dict) or "tree" not in doc:
+        raise FormatError("manifest lacks tensors/meta/tree")
+    if not isinstance(pickled, list) or any(not isinstance(p, str) or p not in tensors for p in pickled):
+        raise FormatError("pickled must list entry keys")
+    if kind == "sharded":
+        if pickled:
+            raise FormatError("a sharded manifest has no pickled entries")
+        if not _is_int(meta.get("world_size"), 1):
+            raise FormatError(f"meta.world_size {meta.get('world_size')!r} is not an int >= 1")
+    return doc, major
+
+
+def _verify_blocks(c: Chunk, stored: bytes, start: int) -> int:
+    """6.1: verify every block of ``stored``, the chunk's stored bytes from ``start`` (a block boundary)."""
+    assert c.block_size is not None and c.block_checksums is not None and start % c.block_size == 0
+    n = 0
+    for pos in range(0, len(stored), c.block_size):
+        if _xxh3(stored[pos : pos + c.block_size]) != c.block_checksums[(start + pos) // c.block_size]:
+            raise FormatError(f"block checksum mismatch at byte {start + pos} of chunk {c.offsets}")
+        n += 1
+    return n
 
 
 def _decode_chunk(c: Chunk, stored: bytes, es: int) -> bytes:
@@ -241,6 +311,28 @@ def _decode_chunk(c: Chunk, stored: bytes, es: int) -> bytes:
         n = expected // es
         plain = np.frombuffer(plain, dtype=np.uint8).reshape(es, n).T.tobytes()  # unshuffle
     return plain
+
+
+def _assemble(entry: Entry, read_stored: Any, verify: bool) -> tuple[int, int]:
+    """Read, verify, decode and place every chunk of ``entry`` (3.5); returns (chunks, blocks) verified."""
+    out = np.zeros(math.prod(entry.shape) * entry.es, dtype=np.uint8)
+    grid = out.reshape(entry.shape + (entry.es,))
+    chunks = blocks = 0
+    for c in entry.chunks:
+        stored = read_stored(c)
+        if len(stored) != c.length:
+            raise FormatError("truncated chunk")
+        if verify:
+            if _xxh3(stored) != c.checksum:
+                raise FormatError(f"chunk checksum mismatch in {entry}")
+            chunks += 1
+            if c.block_checksums is not None:
+                blocks += _verify_blocks(c, stored, 0)
+        raw = np.frombuffer(_decode_chunk(c, stored, entry.es), dtype=np.uint8)
+        box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+        grid[box] = raw.reshape(c.sizes + (entry.es,))
+    entry.data = out.tobytes()
+    return chunks, blocks
 
 
 def read_container(buf: bytes, start: int = 0, *, allow_pickle: bool = False, verify: bool = True) -> Checkpoint:
@@ -264,43 +356,119 @@ def read_container(buf: bytes, start: int = 0, *, allow_pickle: bool = False, ve
     body = bytes(buf[start + m_off : start + m_off + m_len])
     if xxhash.xxh3_64_intdigest(body) != m_sum:
         raise FormatError("manifest checksum mismatch")
-    try:
-        doc = json.loads(body.decode("utf-8"), parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"manifest is not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("format") != "ckptstore":
-        raise FormatError("not a ckptstore manifest")
-    _parse_version(doc)
-    if doc.get("byte_order", "little") != "little":
-        raise FormatError("byte order")
-    if doc.get("kind") != "file":
-        raise FormatError(f"kind {doc.get('kind')!r} is not a single-file container")
-    tensors, pickled, meta = doc.get("tensors"), doc.get("pickled", []), doc.get("meta", {})
-    if not isinstance(tensors, dict) or not isinstance(meta, dict) or "tree" not in doc:
-        raise FormatError("manifest lacks tensors/meta/tree")
-    if not isinstance(pickled, list) or any(not isinstance(p, str) or p not in tensors for p in pickled):
-        raise FormatError("pickled must list entry keys")
-    entries = {k: _parse_entry(k, v, m_off) for k, v in tensors.items()}
+    doc, manifest_major = _parse_manifest(body, "file")
+    if manifest_major != major:
+        raise FormatError("header and manifest majors differ")
+    entries = {k: _parse_entry(k, v, "file", m_off) for k, v in doc["tensors"].items()}
+    pickled = doc.get("pickled", [])
     if pickled and not allow_pickle:
         raise PickleRefused(f"pickled entries {pickled}")
-    verified = 0
+    chunks = blocks = 0
     for entry in entries.values():
-        out = np.zeros(math.prod(entry.shape) * entry.es, dtype=np.uint8)
-        grid = out.reshape(entry.shape + (entry.es,))
-        for c in entry.chunks:
-            stored = bytes(buf[start + c.offset : start + c.offset + c.length])
-            if len(stored) != c.length:
-                raise FormatError("truncated chunk")
-            if verify:
-                if "xxh3_64:" + xxhash.xxh3_64_hexdigest(stored) != c.checksum:
-                    raise FormatError(f"chunk checksum mismatch in {entry}")
-                verified += 1
-            raw = np.frombuffer(_decode_chunk(c, stored, entry.es), dtype=np.uint8)
-            box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
-            grid[box] = raw.reshape(c.sizes + (entry.es,))
-        entry.data = out.tobytes()
+        n, b = _assemble(entry, lambda c: bytes(buf[start + c.offset : start + c.offset + c.length]), verify)
+        chunks, blocks = chunks + n, blocks + b
     value = _TreeDecoder(entries, set(pickled), allow_pickle).decode(doc["tree"])
-    return Checkpoint(doc, entries, value, length, total, m_off, verified)
+    return Checkpoint(doc, entries, value, length, total, m_off, chunks, blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sharded directory (section 10)
+# ---------------------------------------------------------------------------------------------
+
+
+class NotACheckpoint(FormatError):
+    pass
+
+
+def _data_path(root: pathlib.Path, file: str | None) -> pathlib.Path:
+    if file is None or not FILE_RE.match(file):  # checked by _parse_entry already
+        raise FormatError(f"unsafe file {file!r}")
+    return root.joinpath(*file.split("/"))  # relative to the checkpoint directory (10.3)
+
+
+def _read_range(root: pathlib.Path, file: str | None, offset: int, length: int) -> bytes:
+    path = _data_path(root, file)
+    if not path.is_file():
+        raise FormatError(f"data file {file} is missing")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise FormatError(f"data file {file} is truncated")
+    return data
+
+
+def open_sharded(root: pathlib.Path) -> tuple[dict[str, Any], dict[str, Entry]]:
+    """10.2-10.3: the committed manifest of directory ``root`` and its parsed entries."""
+    path = root / "manifest.json"
+    if not path.is_file():
+        raise NotACheckpoint(f"{root} has no manifest.json: not a (committed) checkpoint")
+    doc, _ = _parse_manifest(path.read_bytes(), "sharded")
+    return doc, {k: _parse_entry(k, v, "sharded") for k, v in doc["tensors"].items()}
+
+
+def read_sharded(root: pathlib.Path, *, verify: bool = True) -> Checkpoint:
+    """Read a whole sharded checkpoint: every entry assembled from its chunks, every per-rank value."""
+    doc, entries = open_sharded(root)
+    chunks = blocks = 0
+    for entry in entries.values():
+        n, b = _assemble(entry, lambda c: _read_range(root, c.file, c.offset, c.length), verify)
+        chunks, blocks = chunks + n, blocks + b
+    decoder = _TreeDecoder(entries, set(), False, world_size=doc["meta"]["world_size"])
+    return Checkpoint(doc, entries, decoder.decode(doc["tree"]), 0, 0, 0, chunks, blocks)
+
+
+@dataclass
+class BoxRead:
+    data: bytes  # the box's elements, C order over its own sizes
+    bytes_read: int
+    blocks_verified: int
+    chunks_verified: int
+
+
+def read_box(root: pathlib.Path, entry: Entry, box: tuple[tuple[int, ...], tuple[int, ...]]) -> BoxRead:
+    """10.7: fill ``box`` of a global tensor from the chunks that overlap it, reading for each raw chunk
+    only the rows that hold the overlap, rounded out to whole blocks when the chunk has them."""
+    t_off, t_size = box
+    out = np.zeros(math.prod(t_size) * entry.es, dtype=np.uint8).reshape(t_size + (entry.es,))
+    result = BoxRead(b"", 0, 0, 0)
+    for c in entry.chunks:
+        lo_o = [max(a, b) for a, b in zip(t_off, c.offsets)]
+        hi_o = [min(a + s, b + z) for a, s, b, z in zip(t_off, t_size, c.offsets, c.sizes)]
+        if any(h <= lo for lo, h in zip(lo_o, hi_o)) or not math.prod(c.sizes):
+            continue
+        if c.codec == "raw" and c.sizes:
+            row_bytes = entry.es * math.prod(c.sizes[1:])
+            first, count = lo_o[0] - c.offsets[0], hi_o[0] - lo_o[0]
+            lo, hi = first * row_bytes, (first + count) * row_bytes
+            if c.block_checksums is not None:
+                bs = c.block_size
+                assert bs is not None
+                start, end = lo // bs * bs, min(-(-hi // bs) * bs, c.length)
+                stored = _read_range(root, c.file, c.offset + start, end - start)
+                result.blocks_verified += _verify_blocks(c, stored, start)
+            else:
+                start, end = 0, c.length
+                stored = _read_range(root, c.file, c.offset, c.length)
+                if _xxh3(stored) != c.checksum:
+                    raise FormatError("chunk checksum mismatch")
+                result.chunks_verified += 1
+            result.bytes_read += end - start
+            rows = np.frombuffer(stored[lo - start : hi - start], dtype=np.uint8)
+            src = rows.reshape((count,) + c.sizes[1:] + (entry.es,))
+            src_sel = (slice(None),) + tuple(slice(a - o, b - o) for a, b, o in zip(lo_o[1:], hi_o[1:], c.offsets[1:]))
+        else:  # compressed (or 0-d): read, verify and decode the whole chunk
+            stored = _read_range(root, c.file, c.offset, c.length)
+            if _xxh3(stored) != c.checksum:
+                raise FormatError("chunk checksum mismatch")
+            result.chunks_verified += 1
+            result.bytes_read += c.length
+            src = np.frombuffer(_decode_chunk(c, stored, entry.es), dtype=np.uint8).reshape(c.sizes + (entry.es,))
+            src_sel = tuple(slice(a - o, b - o) for a, b, o in zip(lo_o, hi_o, c.offsets))
+        dst_sel = tuple(slice(a - t, b - t) for a, b, t in zip(lo_o, hi_o, t_off))
+        out[dst_sel] = src[src_sel]
+    result.data = out.tobytes()
+    return result
 
 
 def _hashable(v: Any) -> Any:
@@ -323,11 +491,14 @@ def _numpy_dtype(spec: Any) -> np.dtype:
 
 
 class _TreeDecoder:
-    """Section 7."""
+    """Section 7; with ``world_size`` set, the tree of a sharded manifest (10.3, 10.6)."""
 
-    def __init__(self, entries: dict[str, Entry], pickled: set[str], allow_pickle: bool) -> None:
+    def __init__(
+        self, entries: dict[str, Entry], pickled: set[str], allow_pickle: bool, *, world_size: int | None = None
+    ) -> None:
         self.entries, self.pickled, self.allow_pickle = entries, pickled, allow_pickle
-        self.objects: dict[int, Tensor] = {}
+        self.world_size = world_size
+        self.objects: dict[Any, Tensor] = {}
 
     def entry(self, key: Any) -> Entry:
         if not isinstance(key, str) or key not in self.entries:
@@ -364,6 +535,12 @@ class _TreeDecoder:
         return [(_hashable(self.decode(k)), self.decode(x)) for k, x in v]
 
     def tagged(self, tag: str, v: Any, node: dict[str, Any]) -> Any:
+        if self.world_size is not None and tag in ("$view", "$ndarray", "$npscalar", "$pickle"):
+            raise FormatError(f"{tag} in a sharded manifest")
+        if tag == "$per_rank":
+            if self.world_size is None:
+                raise FormatError("$per_rank in a single-file container")
+            return self.per_rank(v)
         if tag == "$int":
             if type(v) is not str or not re.fullmatch(r"-?[0-9]+", v):
                 raise FormatError(f"bad $int {v!r}")
@@ -424,7 +601,8 @@ class _TreeDecoder:
                 raise PickleRefused(v)
             return pickle.loads(self.entry(v).data)  # noqa: S301 - explicit opt-in, test data only
         if tag in ("$tensor", "$view"):
-            obj = node.get("obj")
+            # Identity: "obj" in a single file (7.4); the entry itself in a sharded manifest (10.3).
+            obj = node.get("obj") if self.world_size is None else ("entry", v)
             if obj in self.objects:
                 return self.objects[obj]
             t = self.tensor(v, node) if tag == "$tensor" else self.view(v, node)
@@ -435,6 +613,19 @@ class _TreeDecoder:
                 self.objects[obj] = t
             return t
         raise FormatError(f"unknown tag {tag!r}")
+
+    def per_rank(self, key: Any) -> PerRankValues:
+        """10.6: entry <key>#rank<r:05d> of every rank holds a whole single-file container."""
+        if not isinstance(key, str):
+            raise FormatError(f"bad $per_rank key {key!r}")
+        assert self.world_size is not None
+        values = []
+        for r in range(self.world_size):
+            e = self.entry(f"{key}#rank{r:05d}")
+            if e.dtype != "uint8" or len(e.shape) != 1:
+                raise FormatError(f"per-rank entry {key}#rank{r:05d} is not a uint8 vector")
+            values.append(read_container(e.data))
+        return PerRankValues(key, values)
 
     def tensor(self, key: str, node: dict[str, Any]) -> Tensor:
         e = self.entry(key)
@@ -626,7 +817,7 @@ def _container_invariants(buf: bytes, ck: Checkpoint, start: int = 0) -> None:
     """The writer-side layout rules of section 2.3 (what the reference writer promises)."""
     assert buf[start + HEADER.size : start + DATA_START] == bytes(DATA_START - HEADER.size)
     _, major, minor, flags, _, reserved = HEADER.unpack_from(buf, start)
-    assert (major, minor, flags, reserved) == (1, 0, 0, 0)
+    assert (major, minor, flags, reserved) == (1, 1, 0, 0)  # the reference writer writes 1.1 (section 8)
     assert ck.manifest_offset % 4096 == 0
     ranges = sorted((c.offset, c.length) for e in ck.entries.values() for c in e.chunks)
     end = DATA_START
@@ -654,7 +845,8 @@ def test_reader_recovers_everything(tmp_path: pathlib.Path, compression: str | N
     _container_invariants(buf, ck)
     n_chunks = sum(len(e.chunks) for e in ck.entries.values())
     assert ck.chunks_verified == n_chunks > 0
-    assert ck.manifest["format_version"] == "1.0" and ck.manifest["pickled"] == []
+    assert ck.manifest["format_version"] == "1.1" and ck.manifest["pickled"] == []
+    assert ck.blocks_verified == 0  # the single-file writer writes no block checksums (6.1)
     assert_same(state, ck.value)
 
     # Codec choice (section 5): raw for NumPy entries; 1-byte dtypes never shuffled.
@@ -819,6 +1011,43 @@ def test_reader_validates() -> None:
     # A $pickle node whose entry is not listed in "pickled" is refused even with the opt-in (section 9).
     with pytest.raises(FormatError, match="not listed"):
         read_container(_rewrite_manifest(buf, lambda d: d.update(tree={"$pickle": "x"})), allow_pickle=True)
+    # 1.1 sharded-only features are refused in a single file: $per_rank, a chunk file, kind "sharded".
+    with pytest.raises(FormatError, match="per_rank"):
+        read_container(_rewrite_manifest(buf, lambda d: d.update(tree={"$per_rank": "w"})))
+    with pytest.raises(FormatError, match="chunk file"):
+        read_container(_rewrite_manifest(buf, lambda d: d["tensors"]["w"]["chunks"][0].update(file="data/x.bin")))
+    with pytest.raises(FormatError, match="kind"):
+        read_container(_rewrite_manifest(buf, lambda d: d.update(kind="sharded")))
+
+
+def test_block_checksums_in_a_single_file() -> None:
+    """6.1: block members are allowed on any chunk; consistent ones are verified, others refused."""
+    data = torch.arange(1000, dtype=torch.int32)  # 4000 stored bytes: blocks of 1024, the last one short
+    f = io.BytesIO()
+    ckptstore.save({"x": data}, f)
+    buf = f.getvalue()
+    c = read_container(buf).entries["x"].chunks[0]
+    stored = buf[c.offset : c.offset + c.length]
+    blocks = [_xxh3(stored[i : i + 1024]) for i in range(0, 4000, 1024)]
+
+    def add(bs: Any, bl: Any) -> Any:
+        return lambda d: d["tensors"]["x"]["chunks"][0].update(block_size=bs, block_checksums=bl)
+
+    ck = read_container(_rewrite_manifest(buf, add(1024, blocks)))
+    assert ck.blocks_verified == 4 and ck.value["x"].data == torch_bytes(data)
+    assert read_container(_rewrite_manifest(buf, add(4096, [c.checksum]))).blocks_verified == 1  # one short block
+    for bs, bl, why in [
+        (1024, blocks[:3], "block checksums for"),  # ceil(4000 / 1024) = 4 blocks
+        (1024, None, "go together"),
+        (None, blocks, "go together"),
+        (0, [], "go together"),
+        (1024, blocks[:3] + ["xxh3_64:XYZ"], "block checksums for|bad checksum"),
+        (1024, blocks[:3] + ["crc32:0123456789abcdef"], "bad checksum"),
+    ]:
+        with pytest.raises(FormatError, match=why):
+            read_container(_rewrite_manifest(buf, add(bs, bl)))
+    with pytest.raises(FormatError, match="block checksum mismatch"):
+        read_container(_rewrite_manifest(buf, add(1024, blocks[:3] + [blocks[0]])))
 
 
 def test_worked_example_is_true() -> None:
@@ -844,6 +1073,21 @@ def test_worked_example_is_true() -> None:
     assert actual.pop("writer").startswith("ckptstore ") and documented.pop("writer").startswith("ckptstore ")
     assert actual == documented
     assert ck.manifest_offset == 12288
+    assert HEADER.unpack_from(buf)[:5] == (MAGIC, 1, 1, 0, len(buf))  # its length varies with meta
+    # The footer figures of the example are those of the documented manifest, written compactly.
+    body = json.dumps(
+        json.loads(block[block.index("```json") + len("```json") : block.rindex("```")]),
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode()
+    m = re.search(
+        r"footer: manifest offset 12288, length (\d+) \(`0x([0-9a-f]+)`\), XXH3-64 `0x([0-9a-f]{16})`", DOC_TEXT
+    )
+    assert m is not None
+    digest = xxhash.xxh3_64_intdigest(body)
+    assert (int(m.group(1)), int(m.group(2), 16), int(m.group(3), 16)) == (len(body), len(body), digest)
+    footer_line = FOOTER.pack(12288, len(body), digest, FOOTER_MAGIC)[16:].hex()
+    assert f"00003390: {' '.join(footer_line[i : i + 4] for i in range(0, 32, 4))}" in DOC_TEXT
     assert buf[4096:4112] == bytes.fromhex("0000803f000000400000404000008040")
     assert buf[8192:8196] == bytes.fromhex("003f80bf")
     assert_same(state, ck.value)
@@ -851,3 +1095,240 @@ def test_worked_example_is_true() -> None:
     raw = buf[4096:4112]
     shuffled = np.frombuffer(raw, dtype=np.uint8).reshape(4, 4).T.tobytes()
     assert shuffled == bytes.fromhex("0000000000000000800040803f404040")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded directories (section 10), written by ckptstore.save_sharded in one process
+# ---------------------------------------------------------------------------------------------
+
+BLOCK = 4 << 20  # what the reference sharded writer uses (6.1, informative)
+
+
+def make_sharded_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    b = torch.tensor([3, -1, 2**40], dtype=torch.int64)
+    return {
+        "w": torch.randn(2600, 1000, generator=g),  # 10.4 MB > 4 MiB: three blocks, the last short
+        "b": b,
+        "b_again": b,  # the same tensor twice: one entry, identical nodes
+        "nested": {
+            "scalar": torch.tensor(2.5),
+            "empty": torch.empty(0, 3),
+            "bf16": torch.randn(4, generator=g).bfloat16(),
+        },
+        "step": 7,
+        "opt": {"lr": 0.1, "betas": (0.9, 0.999)},
+        "rng": ckptstore.PerRank(torch.get_rng_state()),
+    }
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("sharded") / "step-7"
+    state = make_sharded_state()
+    ckptstore.save_sharded(state, str(root))
+    return root, state
+
+
+def _json(path: pathlib.Path) -> Any:
+    return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+
+
+def test_sharded_reader_recovers_everything(sharded: tuple[pathlib.Path, dict[str, Any]]) -> None:
+    root, state = sharded
+    ck = read_sharded(root)
+    doc = ck.manifest
+    assert (doc["format"], doc["format_version"], doc["kind"]) == ("ckptstore", "1.1", "sharded")
+    assert doc["meta"]["world_size"] == 1 and doc["pickled"] == []
+
+    # Every tensor assembled from its chunks in the data files, every chunk and block verified.
+    expected = {k: v for k, v in state.items() if k != "rng"}
+    got = dict(ck.value)
+    rng = got.pop("rng")
+    assert_same(expected, got)
+    assert got["b"] is got["b_again"]  # identity by entry (10.3)
+    assert doc["tree"]["b_again"] == doc["tree"]["b"] == {"$tensor": "b"}
+    assert all(list(node) == ["$tensor"] for node in (doc["tree"]["w"], doc["tree"]["nested"]["scalar"]))
+    n_chunks = sum(len(e.chunks) for e in ck.entries.values())
+    assert ck.chunks_verified == n_chunks == len(ck.entries)  # one process: one box per tensor
+    w = ck.entries["w"].chunks[0]
+    assert (w.file, w.codec, w.block_size, w.length) == ("data/rank-00000.bin", "raw", BLOCK, 2600 * 1000 * 4)
+    assert w.block_checksums is not None and len(w.block_checksums) == 3 and ck.blocks_verified == 3
+    others = [c for k, e in ck.entries.items() if k != "w" for c in e.chunks]
+    assert all(c.block_checksums is None and c.length <= BLOCK for c in others)
+
+    # $per_rank: entry rng#rank00000 holds a whole single-file container of rank 0's value (10.6).
+    assert isinstance(rng, PerRankValues) and rng.key == "rng" and len(rng.by_rank) == 1
+    entry = ck.entries["rng#rank00000"]
+    assert entry.dtype == "uint8" and entry.shape == (len(entry.data),)
+    inner = rng.by_rank[0]
+    assert inner.manifest["kind"] == "file" and inner.header_length in (0, len(entry.data))
+    assert inner.container_length == len(entry.data) and inner.chunks_verified == 1
+    assert_same(state["rng"].value, inner.value)
+    assert inner.value.data == torch_bytes(state["rng"].value)
+
+
+def test_sharded_files_agree(sharded: tuple[pathlib.Path, dict[str, Any]]) -> None:
+    """10.4-10.5: the part file lists exactly the manifest's chunks; the data file layout (informative)."""
+    root, _ = sharded
+    doc = _json(root / "manifest.json")
+    part = _json(root / "parts" / "rank-00000.json")
+    assert (part["rank"], part["world_size"]) == (0, 1)
+    assert isinstance(part["host"], str) and _is_int(part["pid"]) and set(part["timings"]) == {"plan_s", "write_s"}
+    assert sorted(part["chunks"]) == sorted(doc["tensors"])
+    for key, entry in doc["tensors"].items():
+        by_offsets = sorted(part["chunks"][key], key=lambda c: c["offsets"])
+        assert entry["chunks"] == by_offsets, key  # the same JSON objects, member for member
+    assert part["bytes"] == sum(c["length"] for cs in part["chunks"].values() for c in cs)
+    assert doc["meta"]["ranks"] == [{k: part[k] for k in ("rank", "host", "pid", "bytes", "timings")}]
+    es = {k: DTYPE_SIZES[e["dtype"]] for k, e in doc["tensors"].items()}
+    assert doc["meta"]["total_bytes"] == sum(math.prod(e["shape"]) * es[k] for k, e in doc["tensors"].items())
+
+    # The data file: no header, chunks from offset 0 on 4 KiB boundaries, zeros elsewhere.
+    data = (root / "data" / "rank-00000.bin").read_bytes()
+    assert {c["file"] for e in doc["tensors"].values() for c in e["chunks"]} == {"data/rank-00000.bin"}
+    ranges = sorted((c["offset"], c["length"]) for e in doc["tensors"].values() for c in e["chunks"])
+    assert ranges[0][0] == 0 and len(data) % 4096 == 0
+    end = 0
+    for offset, length in ranges:
+        assert offset % 4096 == 0 and offset >= end
+        assert data[end:offset] == bytes(offset - end)
+        end = offset + length
+    assert data[end:] == bytes(len(data) - end)
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == [
+        "data/rank-00000.bin",
+        "manifest.json",
+        "parts/rank-00000.json",
+    ]
+
+
+def test_sharded_ranged_reads_verify_whole_blocks(tmp_path: pathlib.Path) -> None:
+    """10.7: the rows holding a box are one byte range, rounded out to blocks that are each verified."""
+    w = torch.arange(2600 * 1000, dtype=torch.float32).reshape(2600, 1000)  # row_bytes 4000
+    b = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    ckptstore.save_sharded({"w": w, "b": b}, str(tmp_path))
+    _, entries = open_sharded(tmp_path)
+    ew, eb = entries["w"], entries["b"]
+
+    got = read_box(tmp_path, ew, ((1000, 0), (100, 1000)))  # bytes [4000000, 4400000): blocks 0 and 1
+    assert (got.bytes_read, got.blocks_verified, got.chunks_verified) == (2 * BLOCK, 2, 0)
+    assert got.data == torch_bytes(w[1000:1100])
+    got = read_box(tmp_path, ew, ((2000, 10), (600, 10)))  # [8000000, 10400000): blocks 1 and 2 (short)
+    assert (got.bytes_read, got.blocks_verified) == (2600 * 1000 * 4 - BLOCK, 2)
+    assert got.data == torch_bytes(w[2000:, 10:20])
+    got = read_box(tmp_path, ew, ((0, 999), (1, 1)))  # one element: one block
+    assert (got.bytes_read, got.blocks_verified, got.data) == (BLOCK, 1, torch_bytes(w[0:1, 999:1000]))
+    got = read_box(tmp_path, eb, ((1, 1), (1, 2)))  # no blocks: the whole chunk and its checksum
+    assert (got.bytes_read, got.chunks_verified, got.data) == (12, 1, torch_bytes(b[1:, 1:]))
+
+    # Damage inside block 2: reads that do not touch it still verify; those that do, and whole reads, fail.
+    c = ew.chunks[0]
+    path = _data_path(tmp_path, c.file)
+    with open(path, "r+b") as f:
+        f.seek(c.offset + 2 * BLOCK + 5)
+        byte = f.read(1)
+        f.seek(c.offset + 2 * BLOCK + 5)
+        f.write(bytes([byte[0] ^ 1]))
+    assert read_box(tmp_path, ew, ((1000, 0), (100, 1000))).data == torch_bytes(w[1000:1100])
+    with pytest.raises(FormatError, match="block checksum mismatch"):
+        read_box(tmp_path, ew, ((2599, 0), (1, 1000)))
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        read_sharded(tmp_path)
+
+
+def _rewrite_sharded(root: pathlib.Path, edit: Any) -> None:
+    doc = json.loads((root / "manifest.json").read_bytes())
+    edit(doc)
+    (root / "manifest.json").write_text(json.dumps(doc), encoding="utf-8")
+
+
+def test_sharded_reader_validates(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "ck"
+    ckptstore.save_sharded({"w": torch.arange(8.0), "r": ckptstore.PerRank({"seed": 5})}, str(root))
+    original = (root / "manifest.json").read_bytes()
+    ck = read_sharded(root)
+    assert ck.value["r"].by_rank[0].value == {"seed": 5}
+
+    def refused(edit: Any, match: str) -> None:
+        _rewrite_sharded(root, edit)
+        try:
+            with pytest.raises(FormatError, match=match):
+                read_sharded(root)
+        finally:
+            (root / "manifest.json").write_bytes(original)
+
+    def chunk(d: dict[str, Any]) -> dict[str, Any]:
+        return d["tensors"]["w"]["chunks"][0]
+
+    refused(lambda d: chunk(d).update(file=None), "without a file")
+    refused(lambda d: chunk(d).update(file="../outside.bin"), "unsafe file")
+    refused(lambda d: chunk(d).update(file="/etc/passwd"), "unsafe file")
+    refused(lambda d: chunk(d).update(file="data/rank-00009.bin"), "missing")
+    refused(lambda d: chunk(d).update(offset=chunk(d)["offset"] + 10**6), "truncated")
+    refused(lambda d: d.update(kind="file"), "kind")
+    refused(lambda d: d["meta"].pop("world_size"), "world_size")
+    refused(lambda d: d["meta"].update(world_size="1"), "world_size")
+    refused(lambda d: d["meta"].update(world_size=2), "missing entry 'r#rank00001'")
+    refused(lambda d: d.update(pickled=["w"]), "pickled")
+    refused(lambda d: d.update(format_version="2.0"), "newer")
+    for tag in ("$view", "$ndarray", "$npscalar", "$pickle"):
+        refused(lambda d, tag=tag: d["tree"].update(w={tag: "w"}), "in a sharded manifest")
+    # A newer minor with unknown members stays readable (section 8).
+    _rewrite_sharded(root, lambda d: (d.update(format_version="1.9", extra=1), chunk(d).update(hint=[1])))
+    assert read_sharded(root).value["w"].data == torch_bytes(torch.arange(8.0))
+    (root / "manifest.json").write_bytes(original)
+
+    # No manifest.json: not a checkpoint, whatever data and parts the directory holds (10.2).
+    (root / "manifest.json").unlink()
+    assert (root / "data" / "rank-00000.bin").exists() and (root / "parts" / "rank-00000.json").exists()
+    with pytest.raises(NotACheckpoint):
+        read_sharded(root)
+
+
+def test_sharded_worked_example_is_true(tmp_path: pathlib.Path) -> None:
+    """Section 11.2 was generated by ckptstore.save_sharded; it must stay what it writes."""
+    state: dict[str, Any] = {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.tensor([1, -2], dtype=torch.int64),
+        "step": 7,
+        "loader": ckptstore.PerRank({"epoch": 3, "offset": 4096}),
+    }
+    ckptstore.save_sharded(state, str(tmp_path / "step-7"))
+    root = tmp_path / "step-7"
+
+    def documented(name: str) -> Any:
+        block = _doc_section(f"{name}-begin", f"{name}-end")
+        return json.loads(block[block.index("```json") + len("```json") : block.rindex("```")])
+
+    def mask(doc: dict[str, Any]) -> dict[str, Any]:
+        # The per-rank container holds a meta of its own: its length and checksum change between runs.
+        for c in doc["loader#rank00000"]["chunks"] if "loader#rank00000" in doc else ():
+            assert doc["loader#rank00000"]["shape"] == c["sizes"] == [c["length"]]
+            c.update(sizes=None, length=None, checksum=None)
+            doc["loader#rank00000"]["shape"] = None
+        return doc
+
+    doc, actual = documented("sharded-example-manifest"), _json(root / "manifest.json")
+    assert set(actual.pop("meta")) == set(doc.pop("meta"))
+    assert actual.pop("writer").startswith("ckptstore ") and doc.pop("writer").startswith("ckptstore ")
+    mask(actual["tensors"])
+    mask(doc["tensors"])
+    assert actual == doc
+
+    part, actual_part = documented("sharded-example-part"), _json(root / "parts" / "rank-00000.json")
+    for p in (part, actual_part):
+        for k in ("host", "pid", "bytes", "timings"):
+            p.pop(k)
+        for c in p["chunks"]["loader#rank00000"]:
+            c.update(sizes=None, length=None, checksum=None)
+    assert actual_part == part
+
+    ck = read_sharded(root)
+    assert ck.value["w"].data == torch_bytes(state["w"]) and ck.value["b"].data == torch_bytes(state["b"])
+    inner = ck.value["loader"].by_rank[0]
+    assert inner.value == {"epoch": 3, "offset": 4096} and inner.manifest["tensors"] == {}
+    assert inner.manifest_offset == 4096 and inner.container_length == len(ck.entries["loader#rank00000"].data)
+    data = (root / "data" / "rank-00000.bin").read_bytes()
+    assert data[:24] == bytes.fromhex("000000000000803f0000004000004040000080400000a040")
+    assert data[4096:4112] == bytes.fromhex("0100000000000000feffffffffffffff")
+    assert data[8192:8200] == MAGIC and ck.entries["loader#rank00000"].chunks[0].offset == 8192

@@ -185,6 +185,8 @@ class _Materializer:
             if len(raw) != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
                 raise self.bad(f"ndarray {node['$ndarray']!r} has {len(raw)} bytes, shape {shape} needs more")
             return raw.view(dt).reshape(shape)
+        if tag == "$per_rank":
+            raise self.bad(f"{node['$per_rank']!r} is a per-rank value, which only sharded checkpoints hold")
         obj_id = node.get("obj")
         if obj_id in self.objects:
             return self.objects[obj_id]

@@ -79,7 +79,7 @@ def _per_rank_values(opened: Opened) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for key in opened.manifest.tensors:
         base, sep, rank = key.rpartition("#rank")
-        if sep and rank.isdigit() and len(rank) == 5:
+        if sep and rank.isdigit() and len(rank) >= 5:
             out.setdefault(base, []).append(key)
     return out
 
@@ -102,6 +102,11 @@ def reshard(
         raise InvalidArgumentError(f"--ranks must be at least 1, got {ranks}")
     opened = open_any(src, storage_options)
     try:
+        if opened.manifest.kind != "sharded":
+            raise CheckpointError(
+                f"{opened.display} is a single-file checkpoint; reshard reads sharded checkpoints. Load it and "
+                "save it with ckptstore.save_sharded to lay it out for several ranks"
+            )
         if ranks == 1:
             return _consolidate(opened, dst, storage_options, buffer_bytes, progress, decode_per_rank)
         return _to_sharded(opened, dst, ranks, storage_options, buffer_bytes, max_chunk_bytes, progress)
@@ -189,7 +194,7 @@ def _to_sharded(
                 if progress:
                     progress(w.length)
         timings = {"plan_s": 0.0, "write_s": round(time.perf_counter() - t0, 6)}
-        part = {"rank": r, "world_size": ranks, "host": socket.gethostname(), "pid": 0, "bytes": written,
+        part = {"rank": r, "world_size": ranks, "host": socket.gethostname(), "pid": os.getpid(), "bytes": written,
                 "chunks": {k: [c.to_json() for c in e.chunks if c.file == data_file(r)] for k, e in tensors.items()},
                 "timings": timings}
         out.write_small(part_file(r), json.dumps(part, separators=(",", ":")).encode())
@@ -292,9 +297,6 @@ def _consolidate(
             return [convert(v, path + [i]) for i, v in enumerate(node)]
         return node
 
-    if m.kind == "file":
-        # Views and pickles of a single file are kept by decoding it whole: it fits, it was one file.
-        raise CheckpointError(f"{opened.display} is already a single-file checkpoint")
     tree = convert(m.tree, [])
     planner.finish()
     plan = Plan(tree=tree, items=items + planner.items, pickled=[])

@@ -41,7 +41,7 @@ from ..format.checksum import verify
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
-from ..planning.flatten import escape_key
+from ..planning.flatten import contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, assign_writers, read_plan, row_span, shard_box
 from ..storage.targets import ShortRead, Source, Target, open_sink, open_source, resolve
 from .memory import alloc_bytes
@@ -214,10 +214,22 @@ def local_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box]:
 def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> _Local:
     local = _Local()
     seen: dict[int, dict[str, Any]] = {}
+    taken: set[str] = set()
+
+    def unique(path: list[Any]) -> str:
+        # Paths can collide once escaped (the int 1 and the str "1"); every rank walks the same
+        # structure in the same order, so the suffixes agree across ranks.
+        base = escape_key(path)
+        key, n = base, 1
+        while key in taken or "#rank" in key:
+            n += 1
+            key = f"{base.replace('#rank', '#_rank')}#{n}"
+        taken.add(key)
+        return key
 
     def leaf(obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, PerRank):
-            key = escape_key(path)
+            key = unique(path)
             blob = torch.frombuffer(bytearray(encode_per_rank(obj.value)), dtype=torch.uint8)
             entry_key = f"{key}#rank{rank:05d}"
             local.items[(entry_key, (0,), (blob.numel(),))] = blob
@@ -227,7 +239,7 @@ def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> 
             if id(obj) in seen:
                 return seen[id(obj)]
             where = format_path(path)
-            key = escape_key(path)
+            key = unique(path)
             data, box = local_box(obj, where)
             name = dtype_name(obj.dtype)
             if name is None or obj.is_quantized or obj.layout != torch.strided:
@@ -241,17 +253,6 @@ def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> 
 
     local.tree = Encoder(leaf, None).encode(state)
     return local
-
-
-def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
 
 
 def save(
@@ -295,8 +296,8 @@ def save(
         local = _collect(state, rank, encode_per_rank)
         metas = [ItemMeta(k, o, s, int(t.numel() * t.element_size())) for (k, o, s), t in local.items.items()]
         status = {"ok": True, "metas": metas, "tensors": local.tensors, "tree": local.tree if rank == 0 else None}
-    except CheckpointError as exc:
-        status = {"ok": False, "error": f"rank {rank}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
+        status = {"ok": False, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
     gathered = group.all_gather(status)
     _raise_if_failed(gathered)
     tensors_meta: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -313,7 +314,7 @@ def save(
     try:
         part = _write_rank(directory, rank, group.world, local, mine, t0, t_plan)
         result: dict[str, Any] = {"ok": True, "part": part}
-    except (CheckpointError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
         result = {"ok": False, "error": f"rank {rank} ({socket.gethostname()}): {exc}"}
     results = group.all_gather(result)
     _raise_if_failed(results)
@@ -325,7 +326,7 @@ def save(
             body = manifest.to_json_bytes()
             parse_manifest(body, where=f"{directory.display}/{MANIFEST}")  # never commit what we would refuse to read
             directory.write_small(MANIFEST, body)
-        except (CheckpointError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait for this verdict
             commit = f"rank 0 could not commit {directory.display}: {exc}"
     commit = group.all_gather(commit)[0]
     if commit is not None:
@@ -347,7 +348,7 @@ def _write_rank(
         sink = open_sink(directory.target(data_file(rank)))
         try:
             tensors = [local.items[(m.key, m.offsets, m.sizes)] for m in mine]
-            done = write_raw(sink, [functools.partial(_raw_bytes, t) for t in tensors], block_size=BLOCK_SIZE)
+            done = write_raw(sink, [functools.partial(contiguous_bytes, t) for t in tensors], block_size=BLOCK_SIZE)
             sink.commit(b"")
         except BaseException:
             sink.abort()
@@ -466,6 +467,14 @@ def read_manifest(directory: Directory) -> Manifest:
     manifest = parse_manifest(body, where=where)
     if manifest.kind != "sharded":
         raise CorruptCheckpointError(f"{where}: kind {manifest.kind!r} is not a sharded checkpoint", location=where)
+    world = manifest.meta.get("world_size")
+    if type(world) is not int or world < 1:
+        raise CorruptCheckpointError(f"{where}: meta.world_size must be a positive int, got {world!r}", location=where)
+    if manifest.pickled:
+        raise CorruptCheckpointError(f"{where}: a sharded checkpoint holds no pickled entries", location=where)
+    for key, entry in manifest.tensors.items():
+        if any(c.file is None for c in entry.chunks):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r} has a chunk with no file", location=where, key=key)
     return manifest
 
 

@@ -29,6 +29,23 @@ COMPRESSED_CHUNK_BYTES = 16 << 20
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements in C order as a contiguous 1-D uint8 CPU tensor (a copy only when unavoidable)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        # Copy through a same-size integer view: torch has no copy kernel for sub-byte dtypes
+        # (int4, uint1..7) and warns when it touches complex32.
+        same_size = _SAME_SIZE_INT.get(t.element_size())
+        t = t.view(same_size).contiguous() if same_size is not None and t.dim() else t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
 @dataclass
 class WriteItem:
     """One manifest tensor entry to write: ``source`` holds exactly the bytes of the entry."""
@@ -45,19 +62,7 @@ class WriteItem:
 
     def raw_bytes(self) -> torch.Tensor:
         """The entry's bytes as a contiguous 1-D uint8 CPU tensor (a copy only when unavoidable)."""
-        t = self.source.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        if not t.is_contiguous():
-            # Copy through a same-size integer view: torch has no copy kernel for sub-byte dtypes
-            # (int4, uint1..7) and warns when it touches complex32.
-            same_size = _SAME_SIZE_INT.get(t.element_size())
-            t = t.view(same_size).contiguous() if same_size is not None and t.dim() else t.contiguous()
-        return t.reshape(-1).view(torch.uint8)
+        return contiguous_bytes(self.source)
 
     def slabs(self) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
         """Chunk boxes as (offsets, sizes, byte start, byte length) within :meth:`raw_bytes`."""
