@@ -131,7 +131,14 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    report = convert(args.src, args.dst, args.to, storage_options=args.storage_options, allow_pickle=args.allow_pickle)
+    report = convert(
+        args.src,
+        args.dst,
+        args.to,
+        storage_options=args.storage_options,
+        allow_pickle=args.allow_pickle,
+        progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+    )
     print(
         f"{args.dst}: {report['dst_format']} ({report['tensors']} tensors, {_human(report['bytes'])}) "
         f"from {report['src_format']} {args.src}"

@@ -58,6 +58,7 @@ import os
 import pickle
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -199,6 +200,7 @@ def convert(
     *,
     storage_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Read the checkpoint at ``src`` (any format :func:`detect_format` knows) and write it to ``dst`` as ``to``.
 
@@ -206,7 +208,8 @@ def convert(
     ``allow_pickle`` lets the reader unpickle (torch files with ``weights_only=False``, ckptstore files
     holding pickled objects, DCP metadata and values outside the allowlists) and lets the ckptstore
     writer store objects it would otherwise refuse, pickled; only use it for sources you trust.
-    ``storage_options`` go to fsspec for ``src`` and ``dst`` when they are URLs.
+    ``storage_options`` go to fsspec for ``src`` and ``dst`` when they are URLs. ``progress`` is told
+    each phase as it starts and ends (the readers and writers of the other formats report no bytes).
 
     Returns ``{"src", "dst", "src_format", "dst_format", "tensors", "bytes", "dropped", "notes"}``:
     ``tensors``/``bytes`` count the distinct tensors written and their data bytes, ``dropped`` lists
@@ -225,6 +228,9 @@ def convert(
     if to == "dcp":
         _local_only(dst_target, "DCP", "written")
     src_format = detect_format(src_url, storage_options)
+    say = progress or (lambda _msg: None)
+    started = time.perf_counter()
+    say(f"reading {src_format} {src_url}")
     state, dropped = _read(src_url, src_format, storage_options, allow_pickle)
     notes: list[str] = []
     if dropped:
@@ -235,7 +241,10 @@ def convert(
     if to == "dcp":
         notes.extend(_dcp_losses(state))
     count, nbytes = _tensor_stats(state)
+    say(f"read {count} tensors ({nbytes / 2**20:.1f} MiB) in {time.perf_counter() - started:.2f} s; writing {to} {dst_url}")
+    started = time.perf_counter()
     _write(state, dst_url, dst_target, to, storage_options, allow_pickle)
+    say(f"wrote {to} in {time.perf_counter() - started:.2f} s")
     return {
         "src": src_url,
         "dst": dst_url,

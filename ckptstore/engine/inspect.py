@@ -11,11 +11,11 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.checksum import ALGORITHM
 from ..format.manifest import Manifest
 from ..storage.targets import ShortRead, Source, open_source, resolve
-from .sharded import MANIFEST, Directory, read_manifest
+from .sharded import Directory, read_manifest
 from .single_file import open_container
 
 SCAN_PIECE = 64 << 20
@@ -172,5 +172,3 @@ def scan(opened: Opened, progress: Callable[[int], None] | None = None) -> tuple
                 s.close()
     return checked, bad
 
-
-__all__ = ["Opened", "open_any", "summary", "scan", "BadChunk", "MANIFEST", "CorruptCheckpointError"]
