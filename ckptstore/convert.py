@@ -75,6 +75,7 @@ from .errors import (
     StorageError,
     UnsupportedObjectError,
 )
+from .storage.targets import fsync_dir
 
 FORMATS = ("ckptstore", "torch", "safetensors", "dcp")
 SAFETENSORS_TREE_KEY = "ckptstore.tree"
@@ -850,7 +851,7 @@ def _publish_file(target: Any, write: Callable[[str], None]) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    _fsync_dir(os.path.dirname(dst))
+    fsync_dir(os.path.dirname(dst))
 
 
 def _publish_directory(target: Any, write: Callable[[str], None]) -> None:
@@ -873,32 +874,13 @@ def _publish_directory(target: Any, write: Callable[[str], None]) -> None:
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-    _fsync_dir(os.path.dirname(dst))
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(dst))
 
 
 def _upload(target: Any, data: bytes) -> None:
-    from .storage.targets import open_sink
+    from .storage.targets import write_bytes
 
-    sink = open_sink(target)
-    try:
-        sink.write(data)
-        sink.commit(b"")
-    except BaseException:
-        sink.abort()
-        raise
+    write_bytes(target, data)
 
 
 # ------------------------------------------------------------------------------------ report

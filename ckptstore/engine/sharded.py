@@ -43,7 +43,7 @@ from ..format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
 from ..planning.flatten import contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, assign_writers, read_plan, row_span, shard_box
-from ..storage.targets import ShortRead, Source, Target, open_sink, open_source, resolve
+from ..storage.targets import ShortRead, Source, Target, open_sink, open_source, resolve, write_bytes
 from .memory import alloc_bytes
 from .single_file import io_pool, write_raw
 
@@ -151,13 +151,7 @@ class Directory:
             source.close()
 
     def write_small(self, rel: str, data: bytes) -> None:
-        sink = open_sink(self.target(rel))
-        try:
-            sink.write(data)
-            sink.commit(b"")
-        except BaseException:
-            sink.abort()
-            raise
+        write_bytes(self.target(rel), data)
 
 
 # ------------------------------------------------------------------------------------------ save
@@ -692,12 +686,28 @@ def read_targets(
                 s.close()
 
 
+def _direct_destination(job: _ReadJob, es: int) -> torch.Tensor | None:
+    """The caller's memory for this job when it is exactly the bytes being read: whole rows of a raw
+    chunk, read without block rounding, into a contiguous target with the same trailing dims."""
+    c, t = job.chunk, job.target
+    if c.codec != "raw" or not c.sizes or job.skip:
+        return None
+    if job.length != job.nrows * _prod(c.sizes[1:]) * es:
+        return None
+    if job.overlap[1][1:] != c.sizes[1:] or t.box[1][1:] != c.sizes[1:] or not t.local.is_contiguous():
+        return None
+    return t.local.narrow(0, job.overlap[0][0] - t.box[0][0], job.nrows)
+
+
 def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf: torch.Tensor) -> None:
     c, entry_key = job.chunk, job.target.key
     entry = manifest.tensors[entry_key]
     dtype = dtype_from_name(entry.dtype, where=where)
     es = element_size(dtype)
     location = f"{where}/{c.file}" if c.file else where
+    direct = _direct_destination(job, es)
+    if direct is not None:
+        buf = direct  # same layout on both sides: read straight into the caller's tensor, no copy
     try:
         source.readinto(job.file_start, byte_view(buf))
     except ShortRead as exc:
@@ -709,6 +719,8 @@ def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf:
             verify(view[off : off + bs], expected, location=location, key=entry_key)
     else:
         verify(view, c.checksum, location=location, key=entry_key)
+    if direct is not None:
+        return
     if c.codec != "raw":
         raw = alloc_bytes(c.numel * es)
         codecs.decode_into(c.codec, bytes(view), raw, es, where=f"{location}: tensor {entry_key!r}")

@@ -195,7 +195,7 @@ class LocalSink(Sink):
         except OSError as exc:
             self.abort()
             raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
-        _fsync_dir(os.path.dirname(self.path))
+        fsync_dir(os.path.dirname(self.path))
 
     def _close_direct(self) -> None:
         dfd, self._dfd, self.dfd = self._dfd, None, None
@@ -217,7 +217,7 @@ class LocalSink(Sink):
             pass
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -318,6 +318,17 @@ class FsspecSink(Sink):
                 self.fs.rm(self.tmp)
         except Exception:  # noqa: BLE001 - cleanup must not mask the original error
             pass
+
+
+def write_bytes(target: Target, data: bytes) -> None:
+    """Write a small object (a manifest, a part file) atomically, like any other sink."""
+    sink = open_sink(target)
+    try:
+        sink.write(data)
+        sink.commit(b"")
+    except BaseException:
+        sink.abort()
+        raise
 
 
 def open_sink(target: Target) -> Sink:
