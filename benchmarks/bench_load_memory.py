@@ -25,8 +25,10 @@ torch.set_num_threads(2)
 import ckptstore
 # Import what the loads import lazily, so module memory is not counted as staging memory.
 import torch.distributed.checkpoint, torch.distributed.tensor, ckptstore.engine.sharded
-kind, path, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
-state = {f"t{i}": torch.zeros(2048, 2048) for i in range(72)}
+kind, path, budget, layout = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+# "same": destinations laid out like the saved chunks (read straight into them, no staging);
+# "transposed": column-major destinations, so every byte goes through the staging buffer.
+state = {f"t{i}": torch.zeros(2048, 2048) if layout == "same" else torch.zeros(2048, 2048).t() for i in range(72)}
 for t in state.values():
     t.fill_(1.0)
 def rss_kib():
@@ -60,13 +62,16 @@ def main() -> None:
         dcp.save(state, checkpoint_id=os.path.join(work, "d"))
         del state
         results = {}
-        for mib in args.budgets_mib:
-            out = subprocess.run([sys.executable, "-c", _CHILD, "ckptstore", os.path.join(work, "c"), str(mib << 20)],
+
+        def child(kind: str, path: str, budget: int, layout: str) -> float:
+            out = subprocess.run([sys.executable, "-c", _CHILD, kind, path, str(budget), layout],
                                  capture_output=True, text=True, check=True)
-            results[f"ckptstore_budget_{mib}MiB"] = json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_mib"]
-        out = subprocess.run([sys.executable, "-c", _CHILD, "dcp", os.path.join(work, "d"), "0"],
-                             capture_output=True, text=True, check=True)
-        results["dcp"] = json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_mib"]
+            return json.loads(out.stdout.strip().splitlines()[-1])["extra_peak_mib"]
+
+        for layout in ("same", "transposed"):
+            for mib in args.budgets_mib:
+                results[f"ckptstore_{layout}_budget_{mib}MiB"] = child("ckptstore", os.path.join(work, "c"), mib << 20, layout)
+            results[f"dcp_{layout}"] = child("dcp", os.path.join(work, "d"), 0, layout)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {"benchmark": "load_memory", "checkpoint_GiB": 72 * 2048 * 2048 * 4 / 2**30, "extra_peak_MiB": results,
