@@ -642,3 +642,57 @@ def test_plan_1000_ranks():
     pre = [sum(it.nbytes for it in its if it.key.startswith("layers.") and it.sizes[0]) for its in items]
     shared = [it.nbytes for it in items[0] if it.key.startswith("norms.")]
     assert max(loads(plan)) <= max(max(pre), (sum(pre) + sum(shared)) / world + max(shared))
+
+
+# ------------------------------------------------------------------------------------------------
+# The local rule save_sharded uses: every rank decides alone, and each box is still written once.
+# ------------------------------------------------------------------------------------------------
+
+
+def _local_rule_writers(shape, mesh_shape, placements, key="t"):
+    """Simulate every rank's own decision for one DTensor; return {box: [writing ranks]}."""
+    from ckptstore.planning.sharding import replica_writer
+
+    writers: dict = {}
+    for rank, coord in enumerate(itertools.product(*[range(n) for n in mesh_shape])):
+        box = shard_box(shape, mesh_shape, placements, coord)
+        if volume(box) == 0:
+            continue
+        count, index = 1, 0
+        for d, p in enumerate(placements):
+            if p[0] == "replicate":
+                count *= mesh_shape[d]
+                index = index * mesh_shape[d] + coord[d]
+        if replica_writer(key, box[0], count) == index:
+            writers.setdefault(box, []).append(rank)
+        else:
+            writers.setdefault(box, [])
+    return writers
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh_shape", "placements"),
+    [
+        ((16, 8), (4,), [("shard", 0)]),
+        ((16, 8), (2, 2), [("replicate",), ("shard", 0)]),
+        ((16, 8), (2, 2), [("shard", 1), ("replicate",)]),
+        ((7, 5), (3, 2), [("replicate",), ("replicate",)]),
+        ((10,), (2, 3), [("shard", 0), ("replicate",)]),
+        ((3, 3), (4, 2), [("shard", 0), ("shard", 1)]),
+    ],
+)
+def test_local_rule_writes_every_nonempty_box_exactly_once(shape, mesh_shape, placements):
+    writers = _local_rule_writers(shape, mesh_shape, placements)
+    assert writers, "some box must exist"
+    assert all(len(ranks) == 1 for ranks in writers.values()), writers
+    assert sum(volume(box) for box in writers) == math.prod(shape)
+
+
+def test_spread_balances_plain_tensors_and_agrees_everywhere():
+    from ckptstore.planning.sharding import spread
+
+    items = [ItemMeta(f"p{i}", (0,), (n,), n) for i, n in enumerate([8, 8, 8, 8, 4, 4, 2, 2])]
+    writers = spread(items, 4)
+    loads = [sum(it.nbytes for it, w in zip(items, writers) if w == r) for r in range(4)]
+    assert sorted(loads) == [10, 10, 12, 12]
+    assert spread(list(items), 4) == writers  # deterministic: every rank computes the same

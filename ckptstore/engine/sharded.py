@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import json
 import os
 import queue
@@ -42,7 +43,7 @@ from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
 from ..planning.flatten import contiguous_bytes, escape_key
-from ..planning.sharding import Box, ItemMeta, assign_writers, read_plan, row_span, shard_box
+from ..planning.sharding import Box, ItemMeta, read_plan, replica_writer, row_span, shard_box, spread
 from ..storage.targets import ShortRead, Source, Target, open_sink, open_source, resolve, write_bytes
 from .memory import alloc_bytes
 from .single_file import io_pool, write_raw
@@ -90,6 +91,15 @@ class Group:
             self.pg = process_group
             self.rank = dist.get_rank(process_group)
             self.world = dist.get_world_size(process_group)
+
+    def gather_to_root(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        dst = 0 if self.pg is None else self._dist.get_global_rank(self.pg, 0)
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self._dist.gather_object(obj, out, dst=dst, group=self.pg)
+        return out or []
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.world == 1:
@@ -164,6 +174,9 @@ class _Local:
     tree: Any = None
     items: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # key -> (dtype, shape)
+    # Who else holds each box: ("own",) per-rank values, ("all",) plain tensors, or
+    # ("replicas", count, my index) for DTensor boxes replicated over some mesh dimensions.
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple] = field(default_factory=dict)
 
 
 def _placements(dt: Any, where: str) -> list[tuple]:
@@ -205,6 +218,52 @@ def local_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box]:
     return t, ((0,) * t.dim(), tuple(t.shape))
 
 
+def _replicas(t: torch.Tensor) -> tuple:
+    """How many ranks hold this rank's box of a DTensor, and this rank's index among them."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return ("all",)
+    mesh = t.device_mesh
+    coordinate: list[int] = list(mesh.get_coordinate() or [])
+    count, index = 1, 0
+    for d, p in enumerate(t.placements):
+        if p.is_replicate():
+            count *= mesh.shape[d]
+            index = index * mesh.shape[d] + coordinate[d]
+    return ("replicas", count, index)
+
+
+def _my_writes(local: _Local, world: int, rank: int) -> list[ItemMeta]:
+    """The boxes this rank writes, decided without communication: each distinct box exactly once
+    across the job (empty boxes not at all), in the state dict's order."""
+    metas, everywhere = [], []
+    for (key, offsets, sizes), tensor in local.items.items():
+        meta = ItemMeta(key, offsets, sizes, int(tensor.numel() * tensor.element_size()))
+        if meta.nbytes == 0 and sizes:
+            continue
+        metas.append(meta)
+        if local.holders[(key, offsets, sizes)][0] == "all":
+            everywhere.append(meta)
+    spread_to_me = {m for m, w in zip(everywhere, spread(everywhere, world)) if w == rank}
+
+    def writes(m: ItemMeta) -> bool:
+        holders = local.holders[(m.key, m.offsets, m.sizes)]
+        if holders[0] == "own":
+            return True
+        if holders[0] == "all":
+            return m in spread_to_me
+        return replica_writer(m.key, m.offsets, holders[1]) == holders[2]
+
+    return [m for m in metas if writes(m)]
+
+
+def _digest(local: _Local) -> str:
+    """What every rank must agree on: the keys, dtypes and global shapes of the shared tensors."""
+    shared = sorted((k, v[0], list(v[1])) for k, v in local.tensors.items() if "#rank" not in k)
+    return hashlib.sha256(json.dumps(shared).encode()).hexdigest()
+
+
 def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> _Local:
     local = _Local()
     seen: dict[int, dict[str, Any]] = {}
@@ -227,6 +286,7 @@ def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> 
             blob = torch.frombuffer(bytearray(encode_per_rank(obj.value)), dtype=torch.uint8)
             entry_key = f"{key}#rank{rank:05d}"
             local.items[(entry_key, (0,), (blob.numel(),))] = blob
+            local.holders[(entry_key, (0,), (blob.numel(),))] = ("own",)
             local.tensors[entry_key] = ("uint8", (blob.numel(),))
             return {"$per_rank": key}
         if isinstance(obj, torch.Tensor):
@@ -239,6 +299,7 @@ def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> 
             if name is None or obj.is_quantized or obj.layout != torch.strided:
                 raise UnsupportedObjectError(f"{where}: {obj.dtype}/{obj.layout} tensors cannot be stored")
             local.items[(key, box[0], box[1])] = data
+            local.holders[(key, box[0], box[1])] = _replicas(obj)
             local.tensors[key] = (name, tuple(obj.shape))
             node = {"$tensor": key}
             seen[id(obj)] = node
@@ -285,24 +346,24 @@ def save(
     if rank != 0 and directory.base.path is not None:
         directory.makedirs()
 
+    # Planning is local: which boxes this rank writes follows from its own boxes and placements
+    # (see _my_writes); the ranks exchange only a digest of what they hold, so the cost does not
+    # grow with ranks x tensors.
     status: dict[str, Any]
     try:
         local = _collect(state, rank, encode_per_rank)
-        metas = [ItemMeta(k, o, s, int(t.numel() * t.element_size())) for (k, o, s), t in local.items.items()]
-        status = {"ok": True, "metas": metas, "tensors": local.tensors, "tree": local.tree if rank == 0 else None}
+        mine = _my_writes(local, group.world, rank)
+        status = {"ok": True, "digest": _digest(local)}
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
         status = {"ok": False, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
     gathered = group.all_gather(status)
     _raise_if_failed(gathered)
-    tensors_meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for r, g in enumerate(gathered):
-        for key, meta in g["tensors"].items():
-            if tensors_meta.setdefault(key, meta) != meta:
-                raise CheckpointError(
-                    f"{key!r} is {tensors_meta[key]} on one rank but {meta} on rank {r}: every rank must describe the "
-                    "same global tensor (dtype, shape)"
-                )
-    mine = assign_writers([g["metas"] for g in gathered])[rank]
+    differing = [r for r, g in enumerate(gathered) if g["digest"] != gathered[0]["digest"]]
+    if differing:
+        raise CheckpointError(
+            f"ranks {differing} describe other tensors than rank 0 (keys, dtypes or global shapes differ): every "
+            "rank must pass the same state dict structure to save_sharded; nothing was written"
+        )
     t_plan = time.perf_counter()
 
     try:
@@ -310,13 +371,13 @@ def save(
         result: dict[str, Any] = {"ok": True, "part": part}
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
         result = {"ok": False, "error": f"rank {rank} ({socket.gethostname()}): {exc}"}
-    results = group.all_gather(result)
-    _raise_if_failed(results)
+    results = group.gather_to_root(result)  # parts go to rank 0 only
 
     commit: Any = None
     if rank == 0:
         try:
-            manifest = _build_manifest(gathered[0]["tree"], tensors_meta, [r["part"] for r in results], group.world)
+            _raise_if_failed(results)
+            manifest = _build_manifest(local.tree, local.tensors, [r["part"] for r in results], group.world)
             body = manifest.to_json_bytes()
             parse_manifest(body, where=f"{directory.display}/{MANIFEST}")  # never commit what we would refuse to read
             directory.write_small(MANIFEST, body)
@@ -384,6 +445,8 @@ def _build_manifest(
         tensors[key] = TensorEntry(dtype=dtype, shape=tuple(shape))
     for part in parts:
         for key, chunk_list in part["chunks"].items():
+            if key not in tensors:  # another rank's per-rank value: one uint8 chunk
+                tensors[key] = TensorEntry(dtype="uint8", shape=tuple(chunk_list[0]["sizes"]))
             for c in chunk_list:
                 blocks = c.get("block_checksums")
                 tensors[key].chunks.append(

@@ -7,7 +7,9 @@ a process group or a tensor's data, so layouts of any size are planned and teste
 
 from __future__ import annotations
 
+import heapq
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,10 +73,13 @@ class ItemMeta:
 
 
 def assign_writers(items_by_rank: Sequence[Sequence[ItemMeta]]) -> list[list[ItemMeta]]:
-    """Decide which rank writes each distinct box: every box exactly once, and replicated boxes
-    (held by several ranks) spread so that the bytes each rank writes stay balanced.
+    """Decide which rank writes each distinct box, given every rank's boxes: every box exactly once,
+    and replicated boxes (held by several ranks) spread so that the bytes each rank writes stay
+    balanced. Deterministic.
 
-    Deterministic, so every rank computes the same plan from the same gathered metadata.
+    This needs every rank's box list, which costs O(ranks x tensors) to gather; save_sharded instead
+    decides locally with :func:`replica_writer` and :func:`spread`. This global version is the
+    reference the tests hold the local rule to, and an offline tool for re-planning a layout.
     """
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
     first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], ItemMeta] = {}
@@ -105,6 +110,25 @@ def assign_writers(items_by_rank: Sequence[Sequence[ItemMeta]]) -> list[list[Ite
         plan[rank].append(item)
         load[rank] += item.nbytes
     return plan
+
+
+def replica_writer(key: str, offsets: Sequence[int], replicas: int) -> int:
+    """Which of ``replicas`` identical copies of a box writes it: a stable hash of the box, so every
+    holder reaches the same answer without any communication (used for DTensor boxes replicated
+    over some mesh dimensions)."""
+    return zlib.crc32(f"{key}|{','.join(map(str, offsets))}".encode()) % replicas
+
+
+def spread(items: Sequence[ItemMeta], world: int) -> list[int]:
+    """Writers for boxes that every rank holds (plain tensors): largest first onto the least-loaded
+    rank. Every rank holds the same list, so every rank computes the same assignment locally."""
+    heap = [(0, r) for r in range(world)]
+    writers = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-items[i].nbytes, items[i].key, items[i].offsets)):
+        load, rank = heapq.heappop(heap)
+        writers[i] = rank
+        heapq.heappush(heap, (load + items[i].nbytes, rank))
+    return writers
 
 
 @dataclass(frozen=True)
