@@ -156,3 +156,11 @@ def test_round_trip_through_s3(s3):
     for k in state["model"]:
         assert _bitwise(target["model"][k], state["model"][k])
     assert target["step"] == 12 and torch.equal(target["rng"].value, state["rng"].value)
+
+
+def test_the_same_tensor_twice_loads_as_one_tensor_into_empty_slots(tmp_path):
+    shared = torch.arange(6.0)
+    ckptstore.save_sharded({"a": shared, "b": shared}, tmp_path / "c")
+    target = {"a": None, "b": None}
+    ckptstore.load_sharded(target, tmp_path / "c")
+    assert target["a"] is target["b"] and torch.equal(target["a"], shared)

@@ -507,7 +507,7 @@ class _LoadCtx:
     targets: list[ReadTarget] = field(default_factory=list)
     per_rank: list[tuple[PerRank, str, list[Any]]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
-    fresh: dict[int, torch.Tensor] = field(default_factory=dict)
+    fresh: dict[str, torch.Tensor] = field(default_factory=dict)  # entry key -> tensor allocated for it
 
 
 def read_manifest(directory: Directory) -> Manifest:
@@ -596,12 +596,16 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
         if entry is None:
             raise CorruptCheckpointError(f"tree refers to tensor {saved.key!r}, which the manifest lacks", key=saved.key)
         if not isinstance(caller, torch.Tensor):
-            # Nothing to load into: allocate the whole tensor (single-process loads into an empty slot).
+            # Nothing to load into: allocate the whole tensor (single-process loads into an empty slot),
+            # once per entry, so slots that name the same entry (the same tensor saved twice) share it.
+            if saved.key in ctx.fresh:
+                return ctx.fresh[saved.key]
             dtype = dtype_from_name(entry.dtype, where=where)
             fresh = alloc_bytes(entry.nbytes).view(dtype).view(entry.shape) if entry.nbytes else torch.empty(
                 entry.shape, dtype=dtype
             )
             ctx.targets.append(ReadTarget(saved.key, path, fresh, ((0,) * len(entry.shape), entry.shape)))
+            ctx.fresh[saved.key] = fresh
             return fresh
         local, box = local_box(caller, where)
         if dtype_name(caller.dtype) != entry.dtype or tuple(caller.shape) != entry.shape:
