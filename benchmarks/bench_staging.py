@@ -1,0 +1,143 @@
+"""Blocking time of a save: RAM-tier staging (reused shared-memory slots) against the memcpy floor,
+torch.distributed.checkpoint.async_save with a reused DefaultStager, and torch.save, same state,
+same run (the first brick of issue 4's targets: at most 1.25x the floor, no slower than DCP's
+reused stager).
+
+    python benchmarks/bench_staging.py [--layers 24] [--repeats 5] [--out docs/benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+import warnings
+
+import torch
+
+import ckptstore
+from ckptstore.tiers.ram import RamTier
+
+
+def _state(layers: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 2048)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
+    out = [(f"model/{k}", v) for k, v in state["model"].items()]
+    for pid, s in state["optim"]["state"].items():
+        out.extend((f"optim/{pid}/{k}", v) for k, v in s.items() if v.dim())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ram-dir", default="/dev/shm")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(2)
+    state = _state(args.layers)
+    items = _tensors(state)
+    n = sum(t.numel() * t.element_size() for _, t in items)
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + os.getpid() % 300))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    work = tempfile.mkdtemp()
+    job = f"bench-{uuid.uuid4().hex[:8]}"
+    tier = RamTier(job, ram_dir=args.ram_dir, slots=2)
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
+                                          use_non_blocking_copy=False))
+    floor_bufs = [torch.empty_like(t) for _, t in items]
+    counter = [0]
+
+    def floor() -> None:
+        for b, (_, t) in zip(floor_bufs, items):
+            b.copy_(t)
+
+    def ram() -> None:
+        counter[0] += 1
+        tier.stage(counter[0], items)
+
+    def dcp_async() -> None:
+        counter[0] += 1
+        resp = dcp.async_save(state, checkpoint_id=os.path.join(work, f"a{counter[0]}"), async_stager=stager)
+        resp.staging_completion.result()
+        resp.upload_completion.result()  # not timed below: only staging blocks the trainer
+
+    def torch_save() -> None:
+        torch.save(state, os.path.join(work, "t.pt"))
+
+    fns = {"memcpy_floor": floor, "ckptstore_ram_stage": ram, "dcp_async_staging_reused": dcp_async, "torch_save": torch_save}
+    results: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up: first touches of slots, buffers and the stager
+        fn()
+        fn()
+    try:
+        for r in range(args.repeats):
+            names = list(fns) if r % 2 == 0 else list(reversed(fns))
+            for name in names:
+                gc.collect()
+                if name == "dcp_async_staging_reused":
+                    counter[0] += 1
+                    t = time.perf_counter()
+                    resp = dcp.async_save(state, checkpoint_id=os.path.join(work, f"a{counter[0]}"), async_stager=stager)
+                    resp.staging_completion.result()
+                    results[name].append(time.perf_counter() - t)
+                    resp.upload_completion.result()
+                    shutil.rmtree(os.path.join(work, f"a{counter[0]}"), ignore_errors=True)
+                else:
+                    t = time.perf_counter()
+                    fns[name]()
+                    results[name].append(time.perf_counter() - t)
+    finally:
+        stager.close()
+        tier.close(unlink=True)
+        dist.destroy_process_group()
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    report = {
+        "benchmark": "staging",
+        "bytes": n,
+        "GiB": n / 2**30,
+        "repeats": args.repeats,
+        "seconds": results,
+        "median_seconds": med,
+        "GB_per_s": {k: n / v / 1e9 for k, v in med.items()},
+        "ratios": {
+            "ram_stage_vs_memcpy_floor": med["ckptstore_ram_stage"] / med["memcpy_floor"],
+            "ram_stage_vs_dcp_reused_stager": med["ckptstore_ram_stage"] / med["dcp_async_staging_reused"],
+            "ram_stage_vs_torch_save": med["ckptstore_ram_stage"] / med["torch_save"],
+        },
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "ckptstore": ckptstore.__version__},
+    }
+    for k, v in med.items():
+        print(f"{k:28s} {v:7.3f} s [{min(results[k]):.3f}-{max(results[k]):.3f}] {n / v / 1e9:6.2f} GB/s")
+    for k, v in report["ratios"].items():
+        print(f"{k:34s} {v:5.2f}x")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "staging.json"), "w") as fh:
+        json.dump(report, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The RAM tier: preallocated staging slots in shared memory, reused across saves.
+
+A slot is one file in ``ram_dir`` (a tmpfs such as /dev/shm), mode 0600, named by job, rank and
+slot index, mapped into the process. Its layout is the sharded data-file layout (each tensor's
+bytes at a 4 KiB-aligned offset from 0), so persisting a staged snapshot to the local tier is one
+sequential write of the slot, and the checksums computed from the staged copy are the chunk
+checksums the manifest needs.
+
+Staging is a ``copy_`` into memory that was touched before (after the first save), which is what
+keeps the training loop's blocking time near the memcpy floor: fresh memory would have to be
+page-faulted in at 1-2.5 GB/s on every save. A committed snapshot has a JSON manifest beside its
+slot (written after the checksums, by rename), so a process that crashed and restarts on the same
+node finds it there and restores without touching disk.
+
+This module is the first brick of CheckpointStore (issue 4); the pipeline that persists and
+promotes snapshots builds on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
+from ..format.checksum import ALGORITHM
+from ..format.container import align_up
+from ..format.dtypes import dtype_from_name, dtype_name
+
+RAM_FORMAT = "ckptstore-ram/1"
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    entries: tuple[SlotEntry, ...]
+    total: int
+
+    @classmethod
+    def of(cls, items: list[tuple[str, torch.Tensor]]) -> Layout:
+        entries, pos = [], 0
+        for key, t in items:
+            name = dtype_name(t.dtype)
+            if name is None:
+                raise InvalidArgumentError(f"{key}: dtype {t.dtype} cannot be staged")
+            nbytes = t.numel() * t.element_size()
+            entries.append(SlotEntry(key, name, tuple(t.shape), pos, nbytes))
+            pos = align_up(pos + nbytes)
+        return cls(tuple(entries), max(pos, 4096))
+
+    @property
+    def signature(self) -> str:
+        text = json.dumps([(e.key, e.dtype, list(e.shape), e.offset) for e in self.entries])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes} for e in self.entries]
+
+
+class Slot:
+    """One shared-memory segment, mapped; tensors are views into it."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # an existing segment keeps owner-only access too
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def view(self, e: SlotEntry) -> torch.Tensor:
+        dtype = dtype_from_name(e.dtype, where=self.path)
+        raw = self.buffer[e.offset : e.offset + e.nbytes]
+        if not e.nbytes:
+            return torch.empty(e.shape, dtype=dtype)
+        return raw.view(dtype).view(e.shape)
+
+    def release(self) -> None:
+        # Views handed out keep the mapping alive; dropping ours is enough.
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass
+class Staged:
+    step: int
+    slot: int
+    layout: Layout
+    seconds: float
+
+
+class RamTier:
+    """Two (or more) reusable staging slots for one rank of one job."""
+
+    def __init__(self, job: str, rank: int = 0, *, ram_dir: str = "/dev/shm", slots: int = 2) -> None:
+        if not _NAME_RE.match(job):
+            raise InvalidArgumentError(f"job {job!r} must be 1-100 characters of letters, digits, '.', '_' or '-'")
+        if slots < 1:
+            raise InvalidArgumentError("slots must be at least 1")
+        if not os.path.isdir(ram_dir):
+            raise InvalidArgumentError(f"ram_dir {ram_dir!r} is not a directory (use a tmpfs such as /dev/shm)")
+        self.job, self.rank, self.ram_dir, self.nslots = job, rank, ram_dir, slots
+        self._slots: dict[int, Slot] = {}
+        self._next = 0
+
+    def _name(self, slot: int, ext: str) -> str:
+        return os.path.join(self.ram_dir, f"ckptstore-{self.job}-r{self.rank:05d}-s{slot}.{ext}")
+
+    def _slot(self, index: int, size: int) -> Slot:
+        slot = self._slots.get(index)
+        if slot is None or slot.size != size:
+            if slot is not None:
+                slot.release()
+            slot = self._slots[index] = Slot(self._name(index, "bin"), size)
+        return slot
+
+    def stage(self, step: int, items: list[tuple[str, torch.Tensor]]) -> Staged:
+        """Copy ``items`` into the next slot; the blocking part of a save. Returns what was staged.
+
+        The slot's previous manifest is removed first, so a crash mid-copy never leaves a
+        committed-looking snapshot with half-overwritten bytes.
+        """
+        layout = Layout.of(items)
+        index = self._next
+        self._next = (self._next + 1) % self.nslots
+        _unlink(self._name(index, "json"))
+        slot = self._slot(index, layout.total)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for (_key, src), e in zip(items, layout.entries):
+                if e.nbytes:
+                    slot.view(e).copy_(src.detach(), non_blocking=False)
+        return Staged(step, index, layout, time.perf_counter() - t0)
+
+    def checksums(self, staged: Staged, block_size: int | None = None) -> dict[str, Any]:
+        """xxh3 of each staged tensor's bytes (and of each block of it), computed from the staged
+        copy: off the training loop's path, and valid for every later copy of these bytes."""
+        slot = self._slots[staged.slot]
+        view = memoryview(slot.map)
+        out: dict[str, Any] = {}
+        for e in staged.layout.entries:
+            data = view[e.offset : e.offset + e.nbytes]
+            entry: dict[str, Any] = {"checksum": f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"}
+            if block_size and e.nbytes > block_size:
+                entry["block_checksums"] = [
+                    f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data[b : b + block_size])}" for b in range(0, e.nbytes, block_size)
+                ]
+            out[e.key] = entry
+        view.release()
+        return out
+
+    def commit(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes."""
+        doc = {
+            "format": RAM_FORMAT,
+            "job": self.job,
+            "rank": self.rank,
+            "step": staged.step,
+            "slot": staged.slot,
+            "size": staged.layout.total,
+            "signature": staged.layout.signature,
+            "layout": staged.layout.to_json(),
+            "checksums": checksums,
+            "committed_unix": round(time.time(), 3),
+            "extra": extra or {},
+        }
+        path = self._name(staged.slot, "json")
+        tmp = f"{path}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(doc, separators=(",", ":")).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def committed(self) -> list[dict[str, Any]]:
+        """Committed snapshots of this job and rank found in ram_dir, newest step first.
+
+        Segments of another job never match the name; a manifest whose job, rank, size or
+        signature disagrees with its segment is refused (stale or foreign), not loaded.
+        """
+        found = []
+        for index in range(self.nslots):
+            path = self._name(index, "json")
+            try:
+                with open(path, "rb") as fh:
+                    doc = json.loads(fh.read())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:
+                raise CorruptCheckpointError(f"{path}: unreadable RAM-tier manifest: {exc}", location=path) from None
+            if doc.get("format") != RAM_FORMAT or doc.get("job") != self.job or doc.get("rank") != self.rank:
+                continue
+            seg = self._name(index, "bin")
+            if not os.path.exists(seg) or os.path.getsize(seg) != doc.get("size"):
+                continue
+            found.append(doc)
+        return sorted(found, key=lambda d: d["step"], reverse=True)
+
+    def read(self, doc: dict[str, Any], *, verify: bool = True) -> dict[str, torch.Tensor]:
+        """Tensors of a committed snapshot, as copies (the slot will be reused), checksums verified."""
+        entries = [SlotEntry(e["key"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"]) for e in doc["layout"]]
+        layout = Layout(tuple(entries), doc["size"])
+        if layout.signature != doc["signature"]:
+            raise CorruptCheckpointError(f"RAM snapshot of step {doc['step']}: layout does not match its signature")
+        slot = self._slot(doc["slot"], doc["size"])
+        out = {}
+        for e in entries:
+            t = slot.view(e)
+            if verify and e.nbytes:
+                data = memoryview(slot.map)[e.offset : e.offset + e.nbytes]
+                actual = f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"
+                data.release()
+                expected = doc["checksums"].get(e.key, {}).get("checksum")
+                if actual != expected:
+                    raise CorruptCheckpointError(
+                        f"RAM snapshot of step {doc['step']} in {slot.path}: checksum mismatch for {e.key!r}",
+                        location=slot.path,
+                        key=e.key,
+                    )
+            out[e.key] = t.clone()
+        return out
+
+    def close(self, *, unlink: bool = False) -> None:
+        for index, slot in self._slots.items():
+            slot.release()
+            if unlink:
+                _unlink(self._name(index, "bin"))
+                _unlink(self._name(index, "json"))
+        self._slots.clear()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise CheckpointError(f"cannot remove {path}: {exc}") from None

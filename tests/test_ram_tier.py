@@ -1,0 +1,130 @@
+"""The RAM tier: reusable shared-memory staging slots in real /dev/shm segments."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.tiers.ram import RamTier
+
+SHM = "/dev/shm"
+
+
+@pytest.fixture
+def job():
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    for f in os.listdir(SHM):
+        if f.startswith(f"ckptstore-{name}-"):
+            os.unlink(os.path.join(SHM, f))
+
+
+def _items(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("model/w", torch.randn(300, 200, generator=g)),
+        ("model/b", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("step", torch.tensor(seed)),
+        ("empty", torch.empty(0, 3)),
+        ("ids", torch.randint(0, 2**40, (33,), generator=g)),
+    ]
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_stage_commit_read_round_trip_and_slots_are_reused(job):
+    tier = RamTier(job, ram_dir=SHM, slots=2)
+    ptrs = []
+    for step in range(4):
+        items = _items(step)
+        staged = tier.stage(step, items)
+        ptrs.append(tier._slots[staged.slot].buffer.data_ptr())
+        tier.commit(staged, tier.checksums(staged))
+    assert ptrs[0] == ptrs[2] and ptrs[1] == ptrs[3], "the same two slots are reused, not reallocated"
+    docs = tier.committed()
+    assert [d["step"] for d in docs] == [3, 2]
+    got = tier.read(docs[0])
+    for key, t in _items(3):
+        assert _bitwise(got[key], t), key
+    tier.close(unlink=True)
+
+
+def test_segments_are_owner_only(job):
+    tier = RamTier(job, ram_dir=SHM)
+    staged = tier.stage(1, _items())
+    tier.commit(staged, tier.checksums(staged))
+    for ext in ("bin", "json"):
+        mode = os.stat(os.path.join(SHM, f"ckptstore-{job}-r00000-s0.{ext}")).st_mode
+        assert stat.S_IMODE(mode) == 0o600, ext
+    tier.close(unlink=True)
+
+
+def test_a_restarted_process_restores_from_ram(job):
+    code = f"""
+import os, torch
+from ckptstore.tiers.ram import RamTier
+g = torch.Generator().manual_seed(5)
+tier = RamTier({job!r}, ram_dir={SHM!r})
+staged = tier.stage(42, [("w", torch.randn(1000, 100, generator=g))])
+tier.commit(staged, tier.checksums(staged))
+os._exit(9)  # a crash: no cleanup, no close
+"""
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    tier = RamTier(job, ram_dir=SHM)
+    docs = tier.committed()
+    assert [d["step"] for d in docs] == [42]
+    g = torch.Generator().manual_seed(5)
+    assert _bitwise(tier.read(docs[0])["w"], torch.randn(1000, 100, generator=g))
+    tier.close(unlink=True)
+
+
+def test_an_uncommitted_restage_hides_the_slot(job):
+    tier = RamTier(job, ram_dir=SHM, slots=1)
+    staged = tier.stage(1, _items(1))
+    tier.commit(staged, tier.checksums(staged))
+    tier.stage(2, _items(2))  # crash before commit: the old manifest must not describe new bytes
+    assert tier.committed() == []
+    tier.close(unlink=True)
+
+
+def test_other_jobs_and_stale_segments_are_refused(job):
+    tier = RamTier(job, ram_dir=SHM)
+    staged = tier.stage(1, _items())
+    tier.commit(staged, tier.checksums(staged))
+    assert RamTier(job + "-other", ram_dir=SHM).committed() == []
+    assert RamTier(job, rank=1, ram_dir=SHM).committed() == []
+    os.truncate(os.path.join(SHM, f"ckptstore-{job}-r00000-s0.bin"), 4096)  # a segment of another generation
+    assert RamTier(job, ram_dir=SHM).committed() == []
+    tier.close(unlink=True)
+
+
+def test_damaged_segment_is_detected(job):
+    tier = RamTier(job, ram_dir=SHM)
+    staged = tier.stage(1, _items())
+    tier.commit(staged, tier.checksums(staged))
+    path = os.path.join(SHM, f"ckptstore-{job}-r00000-s0.bin")
+    with open(path, "r+b") as fh:
+        fh.seek(100)
+        b = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    fresh = RamTier(job, ram_dir=SHM)
+    with pytest.raises(ckptstore.CorruptCheckpointError, match="checksum mismatch for 'model/w'"):
+        fresh.read(fresh.committed()[0])
+    tier.close(unlink=True)
+
+
+def test_bad_job_name_and_ram_dir():
+    with pytest.raises(ckptstore.InvalidArgumentError, match="job"):
+        RamTier("../escape", ram_dir=SHM)
+    with pytest.raises(ckptstore.InvalidArgumentError, match="not a directory"):
+        RamTier("ok", ram_dir="/nonexistent-dir")
