@@ -553,34 +553,61 @@ def load(
     group = Group(process_group)
     directory = Directory(url, storage_options)
     manifest = read_manifest(directory)
-    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), directory.display).decode(manifest.tree)
+    load_manifest(
+        state,
+        manifest,
+        directory.display,
+        directory.open,
+        group=group,
+        strict=strict,
+        per_rank=per_rank,
+        buffer_bytes=buffer_bytes,
+        decode_per_rank=decode_per_rank,
+    )
+
+
+def load_manifest(
+    state: Any,
+    manifest: Manifest,
+    display: str,
+    open_file: Callable[[str | None], Source],
+    *,
+    group: Group,
+    strict: bool,
+    per_rank: str,
+    buffer_bytes: int,
+    decode_per_rank: Callable[[bytes, str], Any],
+) -> None:
+    """Fill ``state`` in place from a sharded manifest whose chunk files ``open_file`` opens
+    (a checkpoint directory, or the RAM tier's slots)."""
+    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
     ctx = _LoadCtx(manifest)
     with torch.no_grad():
         _fill(state, saved, [], ctx, top=True)
         if ctx.missing and strict:
             shown = ", ".join(ctx.missing[:10]) + (f" and {len(ctx.missing) - 10} more" if len(ctx.missing) > 10 else "")
             raise CheckpointError(
-                f"{directory.display} lacks {len(ctx.missing)} key(s) the state dict asks for: {shown}; "
+                f"{display} lacks {len(ctx.missing)} key(s) the state dict asks for: {shown}; "
                 "pass strict=False to load the rest and leave these untouched"
             )
         saved_world = int(manifest.meta.get("world_size", 1))
         if ctx.per_rank and saved_world != group.world and per_rank == "error":
             raise CheckpointError(
-                f"{directory.display} was saved by {saved_world} ranks and is loaded by {group.world}: per-rank values "
+                f"{display} was saved by {saved_world} ranks and is loaded by {group.world}: per-rank values "
                 f"({', '.join(k for _, k, _ in ctx.per_rank[:5])}) have no owner at this world size. Pass "
                 "per_rank='skip' to keep the current values (and re-seed or re-position them yourself)"
             )
-        read_targets(directory.display, directory.open, manifest, ctx.targets, buffer_bytes)
+        read_targets(display, open_file, manifest, ctx.targets, buffer_bytes)
         if saved_world == group.world:
             for wrapper, key, _path in ctx.per_rank:
                 entry_key = f"{key}#rank{group.rank:05d}"
                 entry = manifest.tensors.get(entry_key)
                 if entry is None:
-                    raise CorruptCheckpointError(f"{directory.display}: per-rank entry {entry_key!r} is missing", key=entry_key)
+                    raise CorruptCheckpointError(f"{display}: per-rank entry {entry_key!r} is missing", key=entry_key)
                 buf = alloc_bytes(entry.nbytes)
                 one = [ReadTarget(entry_key, [], buf, ((0,), (entry.numel,)))]
-                read_targets(directory.display, directory.open, manifest, one, buffer_bytes)
-                wrapper.value = decode_per_rank(bytes(byte_view(buf)), f"{directory.display} [{entry_key}]")
+                read_targets(display, open_file, manifest, one, buffer_bytes)
+                wrapper.value = decode_per_rank(bytes(byte_view(buf)), f"{display} [{entry_key}]")
 
 
 def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool = False) -> Any:

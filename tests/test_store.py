@@ -1,0 +1,160 @@
+"""CheckpointStore (single process, in progress): save returns after staging, the background loop
+persists and promotes, restore finds the newest sound copy across RAM, local and durable."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.engine.store import CheckpointStore
+
+
+@pytest.fixture
+def job():
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    for f in os.listdir("/dev/shm"):
+        if f.startswith(f"ckptstore-{name}-"):
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(600, 300, generator=g), "b": torch.randn(4, generator=g)}, "step": step}
+
+
+def _empty() -> dict:
+    return {"model": {"w": torch.zeros(600, 300), "b": torch.zeros(4)}, "step": -1}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def _wipe_ram(job: str) -> None:
+    for f in os.listdir("/dev/shm"):
+        if f.startswith(f"ckptstore-{job}-"):
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def test_save_wait_and_restore_from_each_tier(job, tmp_path):
+    local, durable = str(tmp_path / "local"), f"memory://{job}/durable"
+    with CheckpointStore(job, local=local, durable=durable, durable_every=2, keep_local=2) as store:
+        for step in range(1, 6):
+            handle = store.save(step, _state(step))
+            handle.wait("local")
+    # Retention runs after each local commit; close() has drained it.
+    assert sorted(os.listdir(local)) == ["step-000000000004", "step-000000000005"]  # keep_local=2
+    # close() promoted the last step although 5 is not a multiple of durable_every.
+    store = CheckpointStore(job, local=local, durable=durable)
+    assert store._steps(durable, None) == [2, 4, 5]
+    target = _empty()
+    assert store.restore(target) == 5 and _same(target, _state(5))  # from RAM
+    store.close()
+    _wipe_ram(job)
+    store = CheckpointStore(job, local=local, durable=durable)
+    target = _empty()
+    assert store.restore(target) == 5 and _same(target, _state(5))  # from local
+    store.close()
+    _wipe_ram(job)
+    import shutil
+
+    shutil.rmtree(local)
+    store = CheckpointStore(job, local=local, durable=durable)
+    target = _empty()
+    assert store.restore(target) == 5 and _same(target, _state(5))  # from durable
+    store.close()
+
+
+def test_restore_without_any_checkpoint_returns_none(job, tmp_path):
+    with CheckpointStore(job, local=str(tmp_path / "l")) as store:
+        assert store.restore(_empty()) is None
+
+
+def test_a_damaged_ram_copy_falls_back_to_local(job, tmp_path, caplog):
+    local = str(tmp_path / "local")
+    with CheckpointStore(job, local=local) as store:
+        store.save(1, _state(1)).wait("local")
+    seg = f"/dev/shm/ckptstore-{job}-r00000-s0.bin"
+    with open(seg, "r+b") as fh:
+        fh.write(b"\xff" * 64)
+    with CheckpointStore(job, local=local) as store, caplog.at_level(logging.WARNING, logger="ckptstore"):
+        target = _empty()
+        assert store.restore(target) == 1 and _same(target, _state(1))
+    assert "damaged" in caplog.text and "ram" in caplog.text
+
+
+def test_no_sound_copy_is_an_error_not_a_fresh_start(job, tmp_path):
+    local = str(tmp_path / "local")
+    with CheckpointStore(job, local=local) as store:
+        store.save(1, _state(1)).wait("local")
+    _wipe_ram(job)
+    data = tmp_path / "local" / "step-000000000001" / "data" / "rank-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 1
+    data.write_bytes(bytes(raw))
+    with CheckpointStore(job, local=local) as store, pytest.raises(
+        ckptstore.CorruptCheckpointError, match="no sound copy.*step 1 from local"
+    ):
+        store.restore(_empty())
+
+
+def test_a_background_failure_surfaces_and_keeps_earlier_steps(job, tmp_path):
+    local = tmp_path / "local"
+    store = CheckpointStore(job, local=str(local))
+    store.save(1, _state(1)).wait("local")
+    (local / "step-000000000002").write_text("a file where the step directory must go")
+    handle = store.save(2, _state(2))
+    with pytest.raises(ckptstore.CheckpointError):
+        handle.wait("local")
+    with pytest.raises(ckptstore.CheckpointError, match="earlier background save failed"):
+        store.save(3, _state(3))
+    store.close()
+    _wipe_ram(job)
+    with CheckpointStore(job, local=str(local)) as again:
+        target = _empty()
+        assert again.restore(target) == 1 and _same(target, _state(1))
+
+
+def test_skip_policy_counts_instead_of_growing_memory(job, tmp_path):
+    store = CheckpointStore(job, local=str(tmp_path / "l"), ram_slots=1, policy="skip")
+    gate = threading.Event()
+
+    async def hold_the_loop():
+        gate.wait()
+
+    blocker = store._loop.submit(hold_the_loop())
+    first = store.save(1, _state(1))
+    second = store.save(2, _state(2))
+    assert not first.skipped and second.skipped and store.skipped == 1
+    gate.set()
+    blocker.result()
+    first.wait("local")
+    store.close()
+
+
+def test_steps_must_increase_and_tiers_are_named(job, tmp_path):
+    with CheckpointStore(job, local=str(tmp_path / "l")) as store:
+        handle = store.save(5, _state(5))
+        with pytest.raises(ckptstore.InvalidArgumentError, match="not after the last saved step 5"):
+            store.save(5, _state(5))
+        with pytest.raises(ckptstore.InvalidArgumentError, match="tier must be one of"):
+            handle.wait("nvme")
+        handle.wait("local")
+
+
+def test_promotion_to_s3_and_restore_from_it(job, s3):
+    durable = f"s3://{s3['bucket']}/{s3['prefix']}/{job}"
+    with CheckpointStore(job, durable=durable, durable_every=1, storage_options=s3["storage_options"]) as store:
+        for step in (1, 2):
+            store.save(step, _state(step)).wait("durable")
+    _wipe_ram(job)
+    with CheckpointStore(job, durable=durable, storage_options=s3["storage_options"]) as store:
+        target = _empty()
+        assert store.restore(target) == 2 and _same(target, _state(2))
