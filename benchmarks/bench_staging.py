@@ -15,6 +15,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -26,14 +27,8 @@ import ckptstore
 from ckptstore.engine.store import CheckpointStore
 from ckptstore.tiers.ram import RamTier
 
-
-def _state(layers: int) -> dict:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(layers)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 2048)).sum().backward()
-    opt.step()
-    return {"model": model.state_dict(), "optim": opt.state_dict()}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dropin import make_state  # noqa: E402 - the same reference state as the drop-in benchmark
 
 
 def _tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
@@ -52,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(2)
-    state = _state(args.layers)
+    state = make_state(args.layers)
     items = _tensors(state)
     n = sum(t.numel() * t.element_size() for _, t in items)
 
