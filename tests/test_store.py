@@ -158,3 +158,18 @@ def test_promotion_to_s3_and_restore_from_it(job, s3):
     with CheckpointStore(job, durable=durable, storage_options=s3["storage_options"]) as store:
         target = _empty()
         assert store.restore(target) == 2 and _same(target, _state(2))
+
+
+def test_incomplete_local_steps_are_swept_and_never_restored(job, tmp_path, caplog):
+    local = tmp_path / "local"
+    with CheckpointStore(job, local=str(local)) as store:
+        store.save(1, _state(1)).wait("local")
+    torn = local / "step-000000000002"
+    (torn / "data").mkdir(parents=True)
+    (torn / "data" / "rank-00000.bin").write_bytes(b"half a checkpoint")
+    _wipe_ram(job)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"), CheckpointStore(job, local=str(local)) as store:
+        assert not torn.exists()
+        target = _empty()
+        assert store.restore(target) == 1 and _same(target, _state(1))
+    assert "incomplete step" in caplog.text

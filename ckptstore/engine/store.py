@@ -123,6 +123,20 @@ class CheckpointStore:
         self._promoted: set[int] = set()
         self.skipped = 0
         self._closed = False
+        if local:
+            self._sweep(local)
+
+    def _sweep(self, root: str) -> None:
+        """Remove step directories a crashed save left without a manifest: they are not checkpoints.
+        (Safe here because nothing else writes under ``root`` while the store starts; a multi-rank
+        store must sweep on one rank between barriers.)"""
+        if not os.path.isdir(root):
+            return
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if name.startswith("step-") and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
+                log.warning("ckptstore: removing %s, an incomplete step (no %s)", path, MANIFEST)
+                _remove_tree(Directory(path, None))
 
     # ------------------------------------------------------------------------------ saving
 
