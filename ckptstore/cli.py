@@ -104,8 +104,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from .api.sharded import _decode
     from .engine.inspect import open_any
+    from .engine.materialize import decode_value
     from .engine.reshard import reshard
 
     opened = open_any(args.src, args.storage_options)
@@ -119,7 +119,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             storage_options=args.storage_options,
             buffer_bytes=args.buffer_mib << 20,
             progress=bar.update,
-            decode_per_rank=_decode,
+            decode_per_rank=decode_value,
         )
     layout = "one single-file checkpoint" if args.ranks == 1 else f"{args.ranks} even Shard(0) ranks"
     print(f"{args.dst}: {report['tensors']} tensors, {_human(report['bytes'])}, laid out for {layout}")

@@ -3,7 +3,6 @@ were computed from the staged copy."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import uuid
@@ -13,15 +12,10 @@ import torch
 
 import ckptstore
 from ckptstore.cli import main
+from ckptstore.engine.materialize import encode_value
 from ckptstore.engine.persist import persist_staged
 from ckptstore.engine.sharded import BLOCK_SIZE, _collect
 from ckptstore.tiers.ram import RamTier
-
-
-def _encode(value):
-    buf = io.BytesIO()
-    ckptstore.save(value, buf)
-    return buf.getvalue()
 
 
 @pytest.fixture
@@ -43,7 +37,7 @@ def _state():
 
 
 def _stage_and_persist(tier, state, url, step=7):
-    local = _collect(state, 0, _encode)
+    local = _collect(state, 0, encode_value)
     items = [(key, t) for (key, _o, _s), t in local.items.items()]
     staged = tier.stage(step, items)
     sums = tier.checksums(staged, block_size=BLOCK_SIZE)

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 from ..engine import sharded as _engine
+from ..engine.materialize import decode_value, encode_value
 from ..engine.sharded import PerRank
-from .dropin import load, save
-
-
-def _encode(value: Any) -> bytes:
-    buf = io.BytesIO()
-    save(value, buf)
-    return buf.getvalue()
-
-
-def _decode(data: bytes, where: str) -> Any:
-    return load(io.BytesIO(data))
 
 
 def save_sharded(
@@ -42,7 +31,7 @@ def save_sharded(
         process_group=process_group,
         storage_options=storage_options,
         overwrite=overwrite,
-        encode_per_rank=_encode,
+        encode_per_rank=encode_value,
     )
 
 
@@ -72,7 +61,7 @@ def load_sharded(
         strict=strict,
         per_rank=per_rank,
         buffer_bytes=buffer_bytes,
-        decode_per_rank=_decode,
+        decode_per_rank=decode_value,
     )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import io
 import logging
 import os
 import threading
@@ -24,26 +23,13 @@ from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentErr
 from ..format.manifest import Chunk, Manifest, TensorEntry
 from ..storage.targets import Target, open_source
 from ..tiers.ram import RamTier, Staged
+from .materialize import decode_value, encode_value
 from .persist import persist_staged
 from .sharded import BLOCK_SIZE, MANIFEST, Directory, Group, _collect, load_manifest, read_manifest
 from .single_file import io_pool
 
 log = logging.getLogger("ckptstore")
 TIERS = ("ram", "local", "durable")
-
-
-def _encode(value: Any) -> bytes:
-    from ..api.dropin import save
-
-    buf = io.BytesIO()
-    save(value, buf)
-    return buf.getvalue()
-
-
-def _decode(data: bytes, where: str) -> Any:
-    from ..api.dropin import load
-
-    return load(io.BytesIO(data))
 
 
 class _Loop:
@@ -159,7 +145,7 @@ class CheckpointStore:
                 self.skipped += 1
                 return SaveHandle(step, {}, skipped=True)
             concurrent.futures.wait([busy])
-        local = _collect(state, 0, _encode)
+        local = _collect(state, 0, encode_value)
         items = [(key, t) for (key, _o, _s), t in local.items.items()]
         staged = self.ram.stage(step, items)
         self._last_step = step
@@ -255,7 +241,7 @@ class CheckpointStore:
                         so = self.storage_options if tier == "durable" else None
                         directory = Directory(where, so)
                         load_manifest(state, read_manifest(directory), directory.display, directory.open, group=Group(None),
-                                      strict=True, per_rank="error", buffer_bytes=256 << 20, decode_per_rank=_decode)
+                                      strict=True, per_rank="error", buffer_bytes=256 << 20, decode_per_rank=decode_value)
                     self._last_step = max(self._last_step or step, step)
                     return step
                 except CorruptCheckpointError as exc:
@@ -285,7 +271,7 @@ class CheckpointStore:
             return open_source(Target(display=f"{self.ram.ram_dir}/{name}", path=os.path.join(self.ram.ram_dir, name or "")))
 
         load_manifest(state, manifest, display, open_file, group=Group(None), strict=True, per_rank="error",
-                      buffer_bytes=256 << 20, decode_per_rank=_decode)
+                      buffer_bytes=256 << 20, decode_per_rank=decode_value)
 
     # ------------------------------------------------------------------------------ closing
 

@@ -1,0 +1,209 @@
+"""Turning a single-file container back into objects: the tree, tensors on the devices
+``map_location`` chooses, views of shared storages, numpy values and (opted-in) pickles.
+
+Also the small value codec the sharded layout and the engine use for per-rank values: a value as
+the bytes of a complete single-file container, and back.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from .._buffers import byte_view
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError
+from ..format.dtypes import dtype_from_name
+from ..format.manifest import Manifest
+from ..format.tree import Decoder
+from ..planning.flatten import plan as make_plan
+from ..storage.targets import FileObjectSink, FileObjectSource, Source
+from .single_file import open_container, read_entries, write_container
+
+MapLocation = Union[  # noqa: UP007 - a runtime alias; X | Y with None first is not valid at runtime
+    None, str, torch.device, dict[str, str | torch.device], Callable[[torch.UntypedStorage, str], Any]
+]
+
+
+def load_container(
+    source: Source, map_location: MapLocation, weights_only: bool, mmap: bool, verify: bool | None
+) -> Any:
+    opened = open_container(source)
+    manifest = opened.manifest
+    if manifest.pickled and weights_only:
+        raise PickleNotAllowedError(
+            f"{source.display} holds pickled objects ({', '.join(manifest.pickled[:5])}"
+            f"{', ...' if len(manifest.pickled) > 5 else ''}); unpickling can run arbitrary code, so "
+            "load it with weights_only=False only if you trust where the file came from"
+        )
+    verify_checksums = (not mmap) if verify is None else verify
+    buffers = read_entries(opened, list(manifest.tensors), verify_checksums=verify_checksums, use_mmap=mmap)
+    result = _Materializer(manifest, buffers, map_location, source.display, weights_only=weights_only).build()
+    source.finish(opened.end)
+    return result
+
+
+class _Materializer:
+    """Turns the manifest tree plus raw entry buffers back into the user's objects."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        buffers: dict[str, torch.Tensor],
+        map_location: MapLocation,
+        where: str,
+        *,
+        weights_only: bool,
+    ) -> None:
+        self.manifest, self.buffers, self.where = manifest, buffers, where
+        self.weights_only = weights_only
+        self.map_location = map_location
+        self.objects: dict[int, torch.Tensor] = {}
+        self.bases: dict[str, torch.Tensor] = {}
+
+    def build(self) -> Any:
+        return Decoder(self.resolve, self.where).decode(self.manifest.tree)
+
+    def bad(self, msg: str, key: str | None = None) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.where}: {msg}", location=self.where, key=key)
+
+    def entry_buffer(self, key: Any) -> torch.Tensor:
+        if not isinstance(key, str) or key not in self.buffers:
+            raise self.bad(f"tree refers to tensor {key!r}, which the manifest does not have")
+        return self.buffers[key]
+
+    def resolve(self, tag: str, node: dict[str, Any]) -> Any:
+        if tag == "$npscalar":
+            dt = _numpy_dtype(node["$npscalar"], self)
+            return np.frombuffer(base64.b64decode(node["b64"]), dtype=dt)[0].copy()
+        if tag == "$pickle":
+            key = node["$pickle"]
+            # Checked here too, not only against the manifest's `pickled` list in load(): a crafted
+            # tree could point a $pickle node at an entry that list does not name.
+            if self.weights_only or key not in self.manifest.pickled:
+                raise PickleNotAllowedError(
+                    f"{self.where}: {key!r} is a pickled object"
+                    + (" not declared in the manifest's 'pickled' list; refusing it" if key not in self.manifest.pickled
+                       else "; load with weights_only=False only if you trust where the file came from")
+                )
+            return pickle.loads(byte_view(self.entry_buffer(key)))  # noqa: S301
+        if tag == "$ndarray":
+            dt = _numpy_dtype(node["dtype"], self)
+            shape = tuple(node["shape"])
+            raw = self.entry_buffer(node["$ndarray"]).numpy()
+            if len(raw) != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
+                raise self.bad(f"ndarray {node['$ndarray']!r} has {len(raw)} bytes, shape {shape} needs more")
+            return raw.view(dt).reshape(shape)
+        if tag == "$per_rank":
+            raise self.bad(f"{node['$per_rank']!r} is a per-rank value, which only sharded checkpoints hold")
+        obj_id = node.get("obj")
+        if obj_id in self.objects:
+            return self.objects[obj_id]
+        tensor = self.tensor(node) if tag == "$tensor" else self.view(node)
+        if node.get("param"):
+            tensor = torch.nn.Parameter(tensor, requires_grad=bool(node.get("requires_grad")))
+        elif node.get("requires_grad"):
+            tensor.requires_grad_(True)
+        if obj_id is not None:
+            self.objects[obj_id] = tensor
+        return tensor
+
+    def placed(self, key: str, location: str) -> torch.Tensor:
+        """The entry's flat byte buffer on the device ``map_location`` chooses (once per entry)."""
+        if key not in self.bases:
+            self.bases[key] = _relocate(self.entry_buffer(key), location, self.map_location)
+        return self.bases[key]
+
+    def tensor(self, node: dict[str, Any]) -> torch.Tensor:
+        key = node["$tensor"]
+        entry = self.manifest.tensors.get(key)
+        if entry is None:
+            raise self.bad(f"tree refers to tensor {key!r}, which the manifest does not have")
+        base = self.placed(key, node.get("device", "cpu"))
+        dtype = dtype_from_name(entry.dtype, where=self.where)
+        flat = base.view(dtype) if base.numel() else _empty(dtype, base.device)
+        return flat.view(entry.shape)
+
+    def view(self, node: dict[str, Any]) -> torch.Tensor:
+        key = node["$view"]
+        base = self.placed(key, node.get("device", "cpu"))
+        dtype = dtype_from_name(node["dtype"], where=self.where)
+        shape, stride, offset = tuple(node["shape"]), tuple(node["stride"]), node["offset"]
+        es = dtype.itemsize
+        if any(type(x) is not int or x < 0 for x in (*shape, *stride, offset)) or len(shape) != len(stride):
+            raise self.bad(f"view of {key!r} has a malformed shape/stride/offset", key)
+        needed = (offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * es if all(shape) else 0
+        if needed > base.numel() * base.element_size():
+            raise self.bad(f"view of {key!r} reaches past the end of its storage", key)
+        start = base.storage_offset() * base.element_size()
+        if start % es:
+            raise self.bad(f"view of {key!r} is misaligned for {dtype}", key)
+        return _empty(dtype, base.device).set_(base.untyped_storage(), start // es + offset, shape, stride)
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Through uint8: allocating some dtypes directly warns (complex32 is "experimental").
+    return torch.empty(0, dtype=torch.uint8, device=device).view(dtype)
+
+
+def _numpy_dtype(spec: Any, m: _Materializer) -> np.dtype:
+    try:
+        dt = np.dtype(spec) if isinstance(spec, str) else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in "biufc" or dt.fields is not None:
+        raise m.bad(f"numpy dtype {spec!r} is not a plain numeric dtype")
+    return dt
+
+
+def _relocate(buf: torch.Tensor, location: str, map_location: MapLocation) -> torch.Tensor:
+    """Apply torch.load's map_location rules to one storage saved at ``location``."""
+    if map_location is None:
+        target: Any = location
+    elif isinstance(map_location, (str, torch.device)):
+        target = map_location
+    elif isinstance(map_location, dict):
+        target = map_location.get(location, location)
+    elif callable(map_location):
+        result = map_location(buf.untyped_storage(), location)
+        if result is None:
+            target = location
+        else:
+            storage = getattr(result, "_untyped_storage", result)
+            if not isinstance(storage, torch.UntypedStorage):
+                raise InvalidArgumentError(
+                    f"map_location returned {type(result).__name__}; it must return a storage or None"
+                )
+            return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    else:
+        raise InvalidArgumentError(
+            f"map_location must be None, a str, a torch.device, a dict or a callable, not {type(map_location).__name__}"
+        )
+    device = torch.device(target)
+    if device.type == buf.device.type and (device.index is None or device == buf.device):
+        return buf
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(
+            f"a tensor was saved on {location}, but CUDA is not available here; pass map_location='cpu' "
+            "(or another device) to load it"
+        )
+    return buf.to(device)
+
+
+
+
+def encode_value(value: Any) -> bytes:
+    """``value`` as the bytes of a complete single-file container (no pickle)."""
+    buf = io.BytesIO()
+    write_container(make_plan(value), FileObjectSink(buf, "<value>"))
+    return buf.getvalue()
+
+
+def decode_value(data: bytes, where: str) -> Any:
+    """The value :func:`encode_value` encoded, checksums verified, pickles refused."""
+    return load_container(FileObjectSource(io.BytesIO(data), where), None, True, False, None)
