@@ -128,3 +128,41 @@ def test_bad_job_name_and_ram_dir():
         RamTier("../escape", ram_dir=SHM)
     with pytest.raises(ckptstore.InvalidArgumentError, match="not a directory"):
         RamTier("ok", ram_dir="/nonexistent-dir")
+
+
+def test_frozen_tensors_are_not_recopied_while_their_version_is_unchanged(job):
+    tier = RamTier(job, ram_dir=SHM, slots=1)
+    frozen, trained = torch.randn(500, 100), torch.randn(10)
+    items = [("frozen", frozen), ("trained", trained)]
+    first = tier.stage(1, items, may_skip=frozenset({"frozen"}))
+    assert first.reused == () and first.copied_bytes == frozen.nbytes + trained.nbytes
+    trained.add_(1.0)  # an in-place update bumps the version counter
+    second = tier.stage(2, items, may_skip=frozenset({"frozen"}))
+    assert second.reused == ("frozen",) and second.copied_bytes == trained.nbytes
+    tier.commit(second, tier.checksums(second))
+    got = tier.read(tier.committed()[0])
+    assert torch.equal(got["frozen"], frozen) and torch.equal(got["trained"], trained)
+    frozen.add_(1.0)  # a visible update of a "frozen" tensor is still captured
+    third = tier.stage(3, items, may_skip=frozenset({"frozen"}))
+    assert third.reused == ()
+    tier.close(unlink=True)
+
+
+def test_the_data_hazard_is_why_skipping_is_opt_in(job):
+    """Writes through .data (or numpy views) do not bump the version counter: a skipped tensor
+    would keep its old bytes. Without opt-in every save copies; with opt-in the change is missed
+    until a save that copies everything (the store's refresh)."""
+    tier = RamTier(job, ram_dir=SHM, slots=1)
+    w = torch.zeros(1000)
+    tier.stage(1, [("w", w)], may_skip=frozenset({"w"}))
+    version = w._version
+    w.data.add_(5.0)
+    assert w._version == version, "the hazard: .data writes leave the version counter alone"
+    missed = tier.stage(2, [("w", w)], may_skip=frozenset({"w"}))
+    assert missed.reused == ("w",)
+    tier.commit(missed, tier.checksums(missed))
+    assert torch.equal(tier.read(tier.committed()[0])["w"], torch.zeros(1000)), "opted in: the change is missed"
+    safe = tier.stage(3, [("w", w)])  # no opt-in (or a refresh): copied
+    tier.commit(safe, tier.checksums(safe))
+    assert torch.equal(tier.read(tier.committed()[0])["w"], torch.full((1000,), 5.0))
+    tier.close(unlink=True)

@@ -173,3 +173,17 @@ def test_incomplete_local_steps_are_swept_and_never_restored(job, tmp_path, capl
         target = _empty()
         assert store.restore(target) == 1 and _same(target, _state(1))
     assert "incomplete step" in caplog.text
+
+
+def test_frozen_keys_skip_copies_and_the_refresh_catches_hidden_writes(job, tmp_path):
+    frozen = torch.zeros(2000)
+    state = {"base": frozen, "head": torch.zeros(3)}
+    with CheckpointStore(job, local=str(tmp_path / "l"), ram_slots=1, frozen=lambda k: k == "base",
+                         refresh_every=3) as store:
+        store.save(1, state).wait("local")  # save 1: everything copied
+        frozen.data.fill_(7.0)  # a write the version counter does not see
+        store.save(2, state).wait("local")  # save 2: "base" reused, the write missed
+        target = {"base": torch.zeros(2000), "head": torch.zeros(3)}
+        assert store.restore(target) == 2 and torch.equal(target["base"], torch.zeros(2000))
+        store.save(3, state).wait("local")  # save 3 is a refresh: everything copied
+        assert store.restore(target) == 3 and torch.equal(target["base"], torch.full((2000,), 7.0))

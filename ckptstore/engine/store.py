@@ -17,6 +17,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
@@ -90,6 +91,8 @@ class CheckpointStore:
         policy: str = "block",
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
+        frozen: Callable[[str], bool] | None = None,
+        refresh_every: int = 10,
     ) -> None:
         if Group(process_group).world != 1:
             raise CheckpointError("CheckpointStore runs in one process for now; multi-rank snapshots are not built yet")
@@ -109,6 +112,12 @@ class CheckpointStore:
         self._promoted: set[int] = set()
         self.skipped = 0
         self._closed = False
+        # Opt-in skipping of unchanged tensors (see RamTier.stage): ``frozen(key)`` says which
+        # manifest keys may be skipped when their version counter did not move; every
+        # ``refresh_every``-th save copies everything, so a change the counter missed (a write
+        # through .data or numpy) is captured within that many saves.
+        self.frozen, self.refresh_every = frozen, max(1, refresh_every)
+        self._saves = 0
         if local:
             self._sweep(local)
 
@@ -147,7 +156,10 @@ class CheckpointStore:
             concurrent.futures.wait([busy])
         local = _collect(state, 0, encode_value)
         items = [(key, t) for (key, _o, _s), t in local.items.items()]
-        staged = self.ram.stage(step, items)
+        self._saves += 1
+        refresh = self._saves % self.refresh_every == 0
+        may_skip = frozenset() if self.frozen is None or refresh else frozenset(k for k, _ in items if self.frozen(k))
+        staged = self.ram.stage(step, items, may_skip=may_skip)
         self._last_step = step
         futures: dict[str, concurrent.futures.Future | None] = {"ram": concurrent.futures.Future()}
         futures["local"] = concurrent.futures.Future() if self.local else None

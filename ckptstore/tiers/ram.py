@@ -107,6 +107,8 @@ class Staged:
     slot: int
     layout: Layout
     seconds: float
+    copied_bytes: int = 0
+    reused: tuple[str, ...] = ()  # keys whose bytes were already in the slot and were not copied
 
 
 class RamTier:
@@ -122,6 +124,10 @@ class RamTier:
         self.job, self.rank, self.ram_dir, self.nslots = job, rank, ram_dir, slots
         self._slots: dict[int, Slot] = {}
         self._next = 0
+        # Per slot: the layout it holds and, per key, the identity of the source tensor it copied
+        # (storage pointer, version counter, shape, strides, dtype) -- the basis of skipping.
+        self._layout_sig: dict[int, str] = {}
+        self._sources: dict[int, dict[str, tuple]] = {}
 
     def _name(self, slot: int, ext: str) -> str:
         return os.path.join(self.ram_dir, f"ckptstore-{self.job}-r{self.rank:05d}-s{slot}.{ext}")
@@ -134,8 +140,16 @@ class RamTier:
             slot = self._slots[index] = Slot(self._name(index, "bin"), size)
         return slot
 
-    def stage(self, step: int, items: list[tuple[str, torch.Tensor]]) -> Staged:
+    def stage(
+        self, step: int, items: list[tuple[str, torch.Tensor]], *, may_skip: frozenset[str] = frozenset()
+    ) -> Staged:
         """Copy ``items`` into the next slot; the blocking part of a save. Returns what was staged.
+
+        Keys in ``may_skip`` are not copied when the slot already holds the same source tensor at
+        the same version counter (frozen weights in fine-tuning). This is opt-in because writes
+        through ``.data``, numpy views or DLPack change a tensor without bumping its version
+        counter: the caller decides which tensors are truly frozen and refreshes them now and then
+        (an empty ``may_skip`` copies everything).
 
         The slot's previous manifest is removed first, so a crash mid-copy never leaves a
         committed-looking snapshot with half-overwritten bytes.
@@ -145,12 +159,24 @@ class RamTier:
         self._next = (self._next + 1) % self.nslots
         _unlink(self._name(index, "json"))
         slot = self._slot(index, layout.total)
+        if self._layout_sig.get(index) != layout.signature:
+            self._sources[index] = {}  # another layout (or a new segment): nothing in the slot is reusable
+        self._layout_sig[index] = layout.signature
+        held = self._sources.setdefault(index, {})
+        copied, reused = 0, []
         t0 = time.perf_counter()
         with torch.no_grad():
-            for (_key, src), e in zip(items, layout.entries):
+            for (key, src), e in zip(items, layout.entries):
+                identity = (src.data_ptr(), src._version, tuple(src.shape), tuple(src.stride()), src.dtype, src.device)
+                if key in may_skip and held.get(key) == identity:
+                    reused.append(key)
+                    continue
+                held.pop(key, None)  # a failed copy must not leave a stale identity behind
                 if e.nbytes:
                     slot.view(e).copy_(src.detach(), non_blocking=False)
-        return Staged(step, index, layout, time.perf_counter() - t0)
+                    copied += e.nbytes
+                held[key] = identity
+        return Staged(step, index, layout, time.perf_counter() - t0, copied, tuple(reused))
 
     def checksums(self, staged: Staged, block_size: int | None = None) -> dict[str, Any]:
         """xxh3 of each staged tensor's bytes (and of each block of it), computed from the staged
