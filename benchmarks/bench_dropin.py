@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -35,14 +34,8 @@ import torch
 
 import ckptstore
 
-
-def make_state(layers: int) -> dict:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(layers)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 2048)).sum().backward()
-    opt.step()
-    return {"model": model.state_dict(), "optim": opt.state_dict()}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import make_state, report  # noqa: E402 - shared by the benchmark scripts
 
 
 def nbytes(state: dict) -> int:
@@ -196,35 +189,9 @@ def main() -> None:
         "warm_load_speedup_vs_torch": med["torch_load_warm"] / med["ckptstore_load_warm"],
         "mmap_load_speedup_vs_torch": med["torch_load_mmap"] / med["ckptstore_load_mmap"],
     }
-    report = {
-        "benchmark": "dropin",
-        "bytes": n,
-        "GiB": n / 2**30,
-        "repeats": args.repeats,
-        "seconds": results,
-        "median_seconds": med,
-        "GB_per_s": {k: n / v / 1e9 for k, v in med.items()},
-        "ratios": ratios,
-        "file_sizes": file_sizes,
-        "checksums_verified_on_load": True,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "ckptstore": ckptstore.__version__,
-            "platform": platform.platform(),
-        },
-    }
-    print(f"state: {n / 2**30:.2f} GiB")
-    for k, v in med.items():
-        spread = f"[{min(results[k]):.3f}-{max(results[k]):.3f}]"
-        print(f"{k:24s} {v:8.3f} s {spread:>17s}  {n / v / 1e9:7.2f} GB/s")
-    for k, v in ratios.items():
-        print(f"{k:30s} {v:6.2f}x")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dropin.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
-    plot(report, os.path.join(args.out, "dropin.png"))
+    doc = report("dropin", n, args.repeats, results, ratios, args.out, file_sizes=file_sizes,
+                 checksums_verified_on_load=True)
+    plot(doc, os.path.join(args.out, "dropin.png"))
 
 
 def plot(report: dict, path: str) -> None:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -23,12 +21,11 @@ import warnings
 
 import torch
 
-import ckptstore
 from ckptstore.engine.store import CheckpointStore
 from ckptstore.tiers.ram import RamTier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dropin import make_state  # noqa: E402 - the same reference state as the drop-in benchmark
+from common import make_state, report  # noqa: E402 - shared by the benchmark scripts
 
 
 def _tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
@@ -154,15 +151,12 @@ def main() -> None:
         dist.destroy_process_group()
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in results.items()}
-    report = {
-        "benchmark": "staging",
-        "bytes": n,
-        "GiB": n / 2**30,
-        "repeats": args.repeats,
-        "seconds": results,
-        "median_seconds": med,
-        "GB_per_s": {k: n / v / 1e9 for k, v in med.items()},
-        "ratios": {
+    report(
+        "staging",
+        n,
+        args.repeats,
+        results,
+        {
             "ram_stage_vs_memcpy_floor": med["ckptstore_ram_stage"] / med["memcpy_floor"],
             "ram_stage_vs_dcp_reused_stager": med["ckptstore_ram_stage"] / med["dcp_async_staging_reused"],
             "ram_stage_vs_torch_save": med["ckptstore_ram_stage"] / med["torch_save"],
@@ -170,16 +164,8 @@ def main() -> None:
             "store_save_vs_dcp_reused_stager": med["ckptstore_store_save"] / med["dcp_async_staging_reused"],
             "store_save_90pct_frozen_vs_memcpy_floor": med["ckptstore_store_save_90pct_frozen"] / med["memcpy_floor"],
         },
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "ckptstore": ckptstore.__version__},
-    }
-    for k, v in med.items():
-        print(f"{k:28s} {v:7.3f} s [{min(results[k]):.3f}-{max(results[k]):.3f}] {n / v / 1e9:6.2f} GB/s")
-    for k, v in report["ratios"].items():
-        print(f"{k:34s} {v:5.2f}x")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "staging.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -8,9 +8,7 @@ against a raw s3fs put of the same bytes to the same endpoint, in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -20,7 +18,6 @@ import uuid
 
 import torch
 
-import ckptstore
 from ckptstore._local_s3 import start_local_s3
 from ckptstore.engine.materialize import encode_value
 from ckptstore.engine.persist import persist_staged
@@ -28,7 +25,7 @@ from ckptstore.engine.sharded import BLOCK_SIZE, _collect
 from ckptstore.tiers.ram import RamTier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dropin import make_state  # noqa: E402 - the same reference state as the drop-in benchmark
+from common import make_state, report  # noqa: E402 - shared by the benchmark scripts
 
 
 def main() -> None:
@@ -86,28 +83,18 @@ def main() -> None:
         tier.close(unlink=True)
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in results.items()}
-    report = {
-        "benchmark": "tiers",
-        "bytes": n,
-        "GiB": n / 2**30,
-        "repeats": args.repeats,
-        "seconds": results,
-        "median_seconds": med,
-        "GB_per_s": {k: n / v / 1e9 for k, v in med.items()},
-        "ratios": {
+    # Throughput ratios: higher is better.
+    report(
+        "tiers",
+        n,
+        args.repeats,
+        results,
+        {
             "local_persist_vs_raw": med["raw_write_fsync"] / med["local_persist"],
             "durable_promote_vs_raw_put": med["raw_s3_put"] / med["durable_promote"],
         },
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "ckptstore": ckptstore.__version__},
-    }
-    for k, v in med.items():
-        print(f"{k:18s} {v:7.3f} s [{min(results[k]):.3f}-{max(results[k]):.3f}] {n / v / 1e9:6.2f} GB/s")
-    for k, v in report["ratios"].items():
-        print(f"{k:28s} {v:5.2f}x (throughput, higher is better)")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tiers.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
+        args.out,
+    )
 
 
 if __name__ == "__main__":

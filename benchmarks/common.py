@@ -1,0 +1,68 @@
+"""What every benchmark script shares: the reference state, and one way to report results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from typing import Any
+
+import torch
+
+import ckptstore
+
+
+def make_state(layers: int) -> dict:
+    """The reference state of the issues: ``layers`` x Linear(2048, 2048) and their Adam state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 2048)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ckptstore": ckptstore.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def report(
+    name: str,
+    nbytes: int,
+    repeats: int,
+    results: dict[str, list[float]],
+    ratios: dict[str, float],
+    out_dir: str,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Print medians (with the spread), GB/s and ratios; write ``<out_dir>/<name>.json``."""
+    med = {k: statistics.median(v) for k, v in results.items()}
+    doc = {
+        "benchmark": name,
+        "bytes": nbytes,
+        "GiB": nbytes / 2**30,
+        "repeats": repeats,
+        "seconds": results,
+        "median_seconds": med,
+        "GB_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "ratios": ratios,
+        **extra,
+        "machine": machine(),
+    }
+    width = max(len(k) for k in [*med, *ratios])
+    print(f"{name}: {nbytes / 2**30:.2f} GiB, medians of {repeats}")
+    for k, v in med.items():
+        print(f"  {k:{width}s} {v:8.3f} s [{min(results[k]):.3f}-{max(results[k]):.3f}] {nbytes / v / 1e9:7.2f} GB/s")
+    for k, v in ratios.items():
+        print(f"  {k:{width}s} {v:6.2f}x")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:
+        json.dump(doc, fh, indent=2)
+    return doc
