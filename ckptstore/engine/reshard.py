@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import socket
 import time
@@ -57,7 +58,7 @@ def _reader(opened: Opened, buffer_bytes: int) -> Callable[[str, Box], torch.Ten
     def read_box(key: str, box: Box) -> torch.Tensor:
         entry = opened.manifest.tensors[key]
         dtype = dtype_from_name(entry.dtype, where=opened.display)
-        nbytes = dtype.itemsize * _prod(box[1])
+        nbytes = dtype.itemsize * math.prod(box[1])
         buf = alloc_bytes(nbytes)
         local = buf.view(dtype).view(box[1]) if nbytes else torch.empty(box[1], dtype=dtype)
         if nbytes:
@@ -65,13 +66,6 @@ def _reader(opened: Opened, buffer_bytes: int) -> Callable[[str, Box], torch.Ten
         return buf
 
     return read_box
-
-
-def _prod(xs: tuple[int, ...]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _per_rank_values(opened: Opened) -> dict[str, list[str]]:
@@ -164,9 +158,9 @@ def _to_sharded(
                     boxes.append((k, ((), ())))
                 continue
             box = shard_box(e.shape, (ranks,), [("shard", 0)], (r,))
-            if not _prod(box[1]) and any(e.shape):
+            if not math.prod(box[1]) and any(e.shape):
                 continue
-            row_bytes = dtype_from_name(e.dtype, where=opened.display).itemsize * _prod(e.shape[1:])
+            row_bytes = dtype_from_name(e.dtype, where=opened.display).itemsize * math.prod(e.shape[1:])
             boxes.extend((k, b) for b in _split_rows(box, row_bytes, max_chunk_bytes))
         if keep_per_rank:
             for base in per_rank:

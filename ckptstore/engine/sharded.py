@@ -16,6 +16,7 @@ import collections
 import functools
 import hashlib
 import json
+import math
 import os
 import queue
 import socket
@@ -693,7 +694,7 @@ def _jobs_for(target: ReadTarget, entry: TensorEntry, buffer_bytes: int, where: 
     jobs = []
     for r in reads:
         c = entry.chunks[r.chunk]
-        row_bytes = (element_size(dtype_from_name(entry.dtype, where=where)) * _prod(c.sizes[1:])) if c.sizes else es
+        row_bytes = (element_size(dtype_from_name(entry.dtype, where=where)) * math.prod(c.sizes[1:])) if c.sizes else es
         if c.codec != "raw" or not c.sizes:
             first, count = row_span(r.chunk_box, r.overlap)
             jobs.append(_ReadJob(target, c, c.offset, c.length, first, first * row_bytes, count, r.overlap, []))
@@ -713,13 +714,6 @@ def _jobs_for(target: ReadTarget, entry: TensorEntry, buffer_bytes: int, where: 
                 start, end, blocks = 0, c.length, []
             jobs.append(_ReadJob(target, c, c.offset + start, end - start, sub, lo - start, n, overlap, blocks))
     return jobs
-
-
-def _prod(xs: tuple[int, ...]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def read_targets(
@@ -786,7 +780,7 @@ def _direct_destination(job: _ReadJob, es: int) -> torch.Tensor | None:
     c, t = job.chunk, job.target
     if c.codec != "raw" or not c.sizes or job.skip:
         return None
-    if job.length != job.nrows * _prod(c.sizes[1:]) * es:
+    if job.length != job.nrows * math.prod(c.sizes[1:]) * es:
         return None
     if job.overlap[1][1:] != c.sizes[1:] or t.box[1][1:] != c.sizes[1:] or not t.local.is_contiguous():
         return None
@@ -823,7 +817,7 @@ def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf:
         src = buf[: es].view(dtype).view(())
         job.target.local.copy_(src)
         return
-    row_elems = _prod(c.sizes[1:])
+    row_elems = math.prod(c.sizes[1:])
     src = buf[job.skip : job.skip + job.nrows * row_elems * es].view(dtype).view((job.nrows,) + c.sizes[1:])
     dst = job.target.local
     for d in range(len(c.sizes)):
