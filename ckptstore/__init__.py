@@ -10,12 +10,21 @@ Public API (everything else is private and may change)::
                            per_rank="error", buffer_bytes=256 MiB)
     ckptstore.PerRank(value)   # marks a per-rank value (RNG state, loader offset) in a sharded state
 
+    store = ckptstore.CheckpointStore(job, *, local=None, durable=None, durable_every=10, keep_local=3,
+                                      keep_durable=None, ram_budget_bytes=None, ram_dir="/dev/shm",
+                                      storage_options=None, process_group=None, policy="block",
+                                      durable_compression=None, frozen=None, refresh_every=10, timeout_s=600)
+    handle = store.save(step, state)      # a SaveHandle: handle.wait("ram" | "local" | "durable")
+    step = store.restore(state)           # newest sound step, in place; None when there is none
+    store.close()
+
 plus the exception tree rooted at :class:`CheckpointError` (see ``ckptstore.errors``).
 """
 
 from ._version import __version__
 from .api.dropin import load, save
 from .api.sharded import PerRank, load_sharded, save_sharded
+from .engine.store import CheckpointStore, SaveHandle
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -36,6 +45,8 @@ __all__ = [
     "save_sharded",
     "load_sharded",
     "PerRank",
+    "CheckpointStore",
+    "SaveHandle",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",

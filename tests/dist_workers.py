@@ -167,3 +167,85 @@ def fsdp_resume_job(rank: int, world: int, url: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as fh:
             fh.write(repr(losses))
+
+
+# ---------------------------------------------------------------------------- CheckpointStore
+
+
+def _scaled_state(mesh_shape, layouts, step: int, *, per_rank: bool):
+    """The reference state with every floating tensor scaled by ``step`` (zeros for step 0)."""
+    from torch.distributed.tensor import DTensor
+
+    state = _state(mesh_shape, layouts, zeros=step == 0)
+    for t in state.values():
+        if step and t.is_floating_point():
+            with torch.no_grad():
+                (t.to_local() if isinstance(t, DTensor) else t).mul_(step)
+    state["step"] = step
+    if per_rank:
+        state["rng"] = ckptstore.PerRank(torch.tensor([dist.get_rank(), step]) if step else None)
+    return state
+
+
+def _check_scaled(state, step: int, *, per_rank: bool) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for name, ref in reference().items():
+        got = state[name]
+        full = got.full_tensor() if isinstance(got, DTensor) else got
+        want = ref * step if ref.is_floating_point() else ref
+        assert torch.equal(full.float() if full.dtype == torch.bfloat16 else full,
+                           want.float() if want.dtype == torch.bfloat16 else want), name
+    assert state["step"] == step
+    if per_rank:
+        assert torch.equal(state["rng"].value, torch.tensor([dist.get_rank(), step])), state["rng"].value
+
+
+def store_save_job(rank: int, world: int, name: str, local: str, durable: str, steps: list[int], mesh_shape, layouts) -> None:
+    store = ckptstore.CheckpointStore(name, local=local, durable=durable, durable_every=2, keep_local=2)
+    handles = [store.save(step, _scaled_state(mesh_shape, layouts, step, per_rank=True)) for step in steps]
+    handles[-1].wait("local")
+    assert all(h.done("ram") for h in handles)
+    store.close()
+
+
+def store_restore_job(rank: int, world: int, name: str, local: str | None, durable: str | None, expect: int,
+                      expect_tier: str, mesh_shape, layouts, per_rank: bool = True) -> None:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("ckptstore").addHandler(Keep())
+    logging.getLogger("ckptstore").setLevel(logging.INFO)
+    store = ckptstore.CheckpointStore(name, local=local, durable=durable)
+    state = _scaled_state(mesh_shape, layouts, 0, per_rank=per_rank)
+    got = store.restore(state)
+    assert got == expect, (got, expect, records)
+    _check_scaled(state, expect, per_rank=per_rank)
+    assert any(f"restored step {expect} from the {expect_tier} tier" in m for m in records), records
+    # The next save continues after the restored step, on every rank.
+    store.save(expect + 1, _scaled_state(mesh_shape, layouts, expect + 1, per_rank=per_rank)).wait("local")
+    store.close()
+
+
+def store_disagree_job(rank: int, world: int, name: str, local: str) -> None:
+    with ckptstore.CheckpointStore(name, local=local) as store:
+        try:
+            store.save(10 + rank, {"w": torch.ones(3)})
+        except ckptstore.InvalidArgumentError as exc:
+            assert "ranks passed different steps" in str(exc), str(exc)
+        else:
+            raise AssertionError("ranks saving different steps must all fail")
+        bad = {"w": torch.ones(3), "x": object() if rank == 1 else 1}
+        try:
+            store.save(20, bad)
+        except ckptstore.CheckpointError as exc:
+            # The rank at fault gets its own error; the others learn which rank failed and why.
+            assert ("obj['x']" if rank == 1 else "failed on other ranks: rank 1: obj['x']") in str(exc), str(exc)
+        else:
+            raise AssertionError("a save that fails on one rank must fail on all")
+        store.save(30, {"w": torch.full((3,), float(rank))}).wait("local")

@@ -13,8 +13,8 @@ import torch
 import ckptstore
 from ckptstore.cli import main
 from ckptstore.engine.materialize import encode_value
-from ckptstore.engine.persist import persist_staged
-from ckptstore.engine.sharded import BLOCK_SIZE, _collect
+from ckptstore.engine.sharded import BLOCK_SIZE, _build_manifest, _collect
+from ckptstore.tiers.directory import DirectoryTier
 from ckptstore.tiers.ram import RamTier
 
 
@@ -36,31 +36,36 @@ def _state():
     }
 
 
-def _stage_and_persist(tier, state, url, step=7):
+def _stage_and_persist(tier, state, root, step=7):
+    """What the store's pipeline does for one rank: stage, checksum, put, commit with a manifest."""
     local = _collect(state, 0, encode_value)
     items = [(key, t) for (key, _o, _s), t in local.items.items()]
     staged = tier.stage(step, items)
-    sums = tier.checksums(staged, block_size=BLOCK_SIZE)
-    tier.commit(staged, sums)
-    return persist_staged(tier, staged, sums, local.tree, url)
+    tier.checksums(staged, block_size=BLOCK_SIZE)
+    snap = tier.snapshot(staged, 1, {})
+    directory = DirectoryTier("local", str(root))
+    part = directory.put_sync(snap)
+    manifest = _build_manifest(local.tree, local.tensors, [part], 1)
+    directory.commit_sync(step, manifest)
+    return manifest
 
 
 def test_persisted_snapshot_loads_back_bitwise(tier, tmp_path):
     state = _state()
-    _stage_and_persist(tier, state, str(tmp_path / "step-7"))
+    _stage_and_persist(tier, state, tmp_path)
     target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "empty": torch.empty(0, 4),
               "step": 0, "rng": ckptstore.PerRank(None)}
-    ckptstore.load_sharded(target, tmp_path / "step-7")
+    ckptstore.load_sharded(target, tmp_path / "step-000000000007")
     for k, v in state["model"].items():
         got = target["model"][k]
         assert got.shape == v.shape and torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
     assert target["step"] == 7 and torch.equal(target["rng"].value, state["rng"].value)
-    assert main(["verify", str(tmp_path / "step-7")]) == 0
+    assert main(["verify", str(tmp_path / "step-000000000007")]) == 0
 
 
 def test_staged_checksums_match_what_save_sharded_writes(tier, tmp_path):
     state = _state()
-    persisted = _stage_and_persist(tier, state, str(tmp_path / "a"))
+    persisted = _stage_and_persist(tier, state, tmp_path / "a")
     ckptstore.save_sharded(state, tmp_path / "b")
     direct = json.loads((tmp_path / "b" / "manifest.json").read_text())
     for key in ("model/w", "model/b", "model/s"):
@@ -69,9 +74,10 @@ def test_staged_checksums_match_what_save_sharded_writes(tier, tmp_path):
 
 
 def test_a_step_is_never_rewritten(tier, tmp_path):
-    _stage_and_persist(tier, _state(), str(tmp_path / "s"))
-    before = (tmp_path / "s" / "manifest.json").read_bytes()
+    _stage_and_persist(tier, _state(), tmp_path)
+    step_dir = tmp_path / "step-000000000007"
+    before = (step_dir / "manifest.json").read_bytes()
     with pytest.raises(ckptstore.CheckpointError, match="never rewritten"):
-        _stage_and_persist(tier, _state(), str(tmp_path / "s"), step=8)
-    assert (tmp_path / "s" / "manifest.json").read_bytes() == before
-    assert sorted(os.listdir(tmp_path / "s")) == ["data", "manifest.json", "parts"]
+        _stage_and_persist(tier, _state(), tmp_path, step=7)
+    assert (step_dir / "manifest.json").read_bytes() == before
+    assert sorted(os.listdir(step_dir)) == ["data", "manifest.json", "parts"]

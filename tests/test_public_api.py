@@ -15,6 +15,8 @@ EXPECTED_ALL = [
     "save_sharded",
     "load_sharded",
     "PerRank",
+    "CheckpointStore",
+    "SaveHandle",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -149,3 +151,25 @@ def test_keyword_only_options_cannot_be_passed_positionally(tmp_path):
     ckptstore.save({}, path)
     with pytest.raises(TypeError):
         ckptstore.load(path, None, False)  # type: ignore[misc]
+
+
+def test_checkpoint_store_signature():
+    assert _shape(ckptstore.CheckpointStore) == [
+        ("job", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("local", P.KEYWORD_ONLY, None),
+        ("durable", P.KEYWORD_ONLY, None),
+        ("durable_every", P.KEYWORD_ONLY, 10),
+        ("keep_local", P.KEYWORD_ONLY, 3),
+        ("keep_durable", P.KEYWORD_ONLY, None),
+        ("ram_budget_bytes", P.KEYWORD_ONLY, None),
+        ("ram_dir", P.KEYWORD_ONLY, "/dev/shm"),
+        ("storage_options", P.KEYWORD_ONLY, None),
+        ("process_group", P.KEYWORD_ONLY, None),
+        ("policy", P.KEYWORD_ONLY, "block"),
+        ("durable_compression", P.KEYWORD_ONLY, None),
+        ("frozen", P.KEYWORD_ONLY, None),
+        ("refresh_every", P.KEYWORD_ONLY, 10),
+        ("timeout_s", P.KEYWORD_ONLY, 600.0),
+    ]
+    assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save"]
+    assert [n for n in dir(ckptstore.SaveHandle) if not n.startswith("_")] == ["done", "wait"]

@@ -48,7 +48,7 @@ def test_stage_commit_read_round_trip_and_slots_are_reused(job):
         items = _items(step)
         staged = tier.stage(step, items)
         ptrs.append(tier._slots[staged.slot].buffer.data_ptr())
-        tier.commit(staged, tier.checksums(staged))
+        tier.commit_staged(staged, tier.checksums(staged))
     assert ptrs[0] == ptrs[2] and ptrs[1] == ptrs[3], "the same two slots are reused, not reallocated"
     docs = tier.committed()
     assert [d["step"] for d in docs] == [3, 2]
@@ -61,7 +61,7 @@ def test_stage_commit_read_round_trip_and_slots_are_reused(job):
 def test_segments_are_owner_only(job):
     tier = RamTier(job, ram_dir=SHM)
     staged = tier.stage(1, _items())
-    tier.commit(staged, tier.checksums(staged))
+    tier.commit_staged(staged, tier.checksums(staged))
     for ext in ("bin", "json"):
         mode = os.stat(os.path.join(SHM, f"ckptstore-{job}-r00000-s0.{ext}")).st_mode
         assert stat.S_IMODE(mode) == 0o600, ext
@@ -75,7 +75,7 @@ from ckptstore.tiers.ram import RamTier
 g = torch.Generator().manual_seed(5)
 tier = RamTier({job!r}, ram_dir={SHM!r})
 staged = tier.stage(42, [("w", torch.randn(1000, 100, generator=g))])
-tier.commit(staged, tier.checksums(staged))
+tier.commit_staged(staged, tier.checksums(staged))
 os._exit(9)  # a crash: no cleanup, no close
 """
     assert subprocess.run([sys.executable, "-c", code]).returncode == 9
@@ -90,7 +90,7 @@ os._exit(9)  # a crash: no cleanup, no close
 def test_an_uncommitted_restage_hides_the_slot(job):
     tier = RamTier(job, ram_dir=SHM, slots=1)
     staged = tier.stage(1, _items(1))
-    tier.commit(staged, tier.checksums(staged))
+    tier.commit_staged(staged, tier.checksums(staged))
     tier.stage(2, _items(2))  # crash before commit: the old manifest must not describe new bytes
     assert tier.committed() == []
     tier.close(unlink=True)
@@ -99,7 +99,7 @@ def test_an_uncommitted_restage_hides_the_slot(job):
 def test_other_jobs_and_stale_segments_are_refused(job):
     tier = RamTier(job, ram_dir=SHM)
     staged = tier.stage(1, _items())
-    tier.commit(staged, tier.checksums(staged))
+    tier.commit_staged(staged, tier.checksums(staged))
     assert RamTier(job + "-other", ram_dir=SHM).committed() == []
     assert RamTier(job, rank=1, ram_dir=SHM).committed() == []
     os.truncate(os.path.join(SHM, f"ckptstore-{job}-r00000-s0.bin"), 4096)  # a segment of another generation
@@ -110,7 +110,7 @@ def test_other_jobs_and_stale_segments_are_refused(job):
 def test_damaged_segment_is_detected(job):
     tier = RamTier(job, ram_dir=SHM)
     staged = tier.stage(1, _items())
-    tier.commit(staged, tier.checksums(staged))
+    tier.commit_staged(staged, tier.checksums(staged))
     path = os.path.join(SHM, f"ckptstore-{job}-r00000-s0.bin")
     with open(path, "r+b") as fh:
         fh.seek(100)
@@ -139,7 +139,7 @@ def test_frozen_tensors_are_not_recopied_while_their_version_is_unchanged(job):
     trained.add_(1.0)  # an in-place update bumps the version counter
     second = tier.stage(2, items, may_skip=frozenset({"frozen"}))
     assert second.reused == ("frozen",) and second.copied_bytes == trained.nbytes
-    tier.commit(second, tier.checksums(second))
+    tier.commit_staged(second, tier.checksums(second))
     got = tier.read(tier.committed()[0])
     assert torch.equal(got["frozen"], frozen) and torch.equal(got["trained"], trained)
     frozen.add_(1.0)  # a visible update of a "frozen" tensor is still captured
@@ -160,9 +160,9 @@ def test_the_data_hazard_is_why_skipping_is_opt_in(job):
     assert w._version == version, "the hazard: .data writes leave the version counter alone"
     missed = tier.stage(2, [("w", w)], may_skip=frozenset({"w"}))
     assert missed.reused == ("w",)
-    tier.commit(missed, tier.checksums(missed))
+    tier.commit_staged(missed, tier.checksums(missed))
     assert torch.equal(tier.read(tier.committed()[0])["w"], torch.zeros(1000)), "opted in: the change is missed"
     safe = tier.stage(3, [("w", w)])  # no opt-in (or a refresh): copied
-    tier.commit(safe, tier.checksums(safe))
+    tier.commit_staged(safe, tier.checksums(safe))
     assert torch.equal(tier.read(tier.committed()[0])["w"], torch.full((1000,), 5.0))
     tier.close(unlink=True)

@@ -108,3 +108,51 @@ def test_fsdp2_model_and_optimizer_resume_on_other_world_sizes(tmp_path):
         got = tmp_path / f"resumed-{world}.txt"
         _spawn(world, "fsdp_resume_job", tmp_path, url=url, out=str(got))
         assert got.read_text() == expected.read_text(), f"next-step losses after resuming on {world} ranks"
+
+
+# ---------------------------------------------------------------------------- CheckpointStore
+
+
+def _wipe_ram(job: str) -> None:
+    for f in os.listdir("/dev/shm"):
+        if f.startswith(f"ckptstore-{job}-"):
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def test_store_over_four_ranks_restores_from_each_tier_and_into_two(tmp_path):
+    import shutil
+
+    job = f"dist-{os.urandom(6).hex()}"
+    local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+    try:
+        _spawn(4, "store_save_job", tmp_path, name=job, local=local, durable=durable, steps=[1, 2, 3],
+               mesh_shape=[4], layouts=ONE_D_SHARD0)
+        # One sharded checkpoint per step and tier, readable without the store; keep_local=2.
+        assert sorted(os.listdir(local)) == ["step-000000000002", "step-000000000003"]
+        assert sorted(os.listdir(durable)) == ["step-000000000002", "step-000000000003"]  # 2, and 3 on close
+        state = _load_single_process(os.path.join(durable, "step-000000000003"))
+        assert torch.equal(state["big"], dist_workers.reference()["big"] * 3)
+        # Restarted on the same node: from RAM. Each restore job then saves step + 1, which close()
+        # promotes to durable: 4 is the newest in local and durable after this one, 5 after the next.
+        _spawn(4, "store_restore_job", tmp_path, name=job, local=local, durable=durable, expect=3, expect_tier="ram",
+               mesh_shape=[4], layouts=ONE_D_SHARD0)
+        _wipe_ram(job)
+        _spawn(4, "store_restore_job", tmp_path, name=job, local=local, durable=durable, expect=4, expect_tier="local",
+               mesh_shape=[4], layouts=ONE_D_SHARD0)
+        _wipe_ram(job)
+        shutil.rmtree(local)
+        _spawn(4, "store_restore_job", tmp_path, name=job, local=local, durable=durable, expect=5,
+               expect_tier="durable", mesh_shape=[4], layouts=ONE_D_SHARD0)
+        # Into two ranks with another layout, from the four ranks' RAM segments of this node.
+        _spawn(2, "store_restore_job", tmp_path, name=job, local=None, durable=None, expect=6, expect_tier="ram",
+               mesh_shape=[2], layouts=SHARD1, per_rank=False)
+    finally:
+        _wipe_ram(job)
+
+
+def test_store_ranks_fail_together_instead_of_hanging(tmp_path):
+    job = f"dist-{os.urandom(6).hex()}"
+    try:
+        _spawn(2, "store_disagree_job", tmp_path, name=job, local=str(tmp_path / "local"))
+    finally:
+        _wipe_ram(job)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.engine.store import CheckpointStore
+from ckptstore import CheckpointStore
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_save_wait_and_restore_from_each_tier(job, tmp_path):
     assert sorted(os.listdir(local)) == ["step-000000000004", "step-000000000005"]  # keep_local=2
     # close() promoted the last step although 5 is not a multiple of durable_every.
     store = CheckpointStore(job, local=local, durable=durable)
-    assert store._steps(durable, None) == [2, 4, 5]
+    assert store.durable.steps_sync() == [2, 4, 5]
     target = _empty()
     assert store.restore(target) == 5 and _same(target, _state(5))  # from RAM
     store.close()
@@ -100,7 +100,7 @@ def test_no_sound_copy_is_an_error_not_a_fresh_start(job, tmp_path):
     raw[10] ^= 1
     data.write_bytes(bytes(raw))
     with CheckpointStore(job, local=local) as store, pytest.raises(
-        ckptstore.CorruptCheckpointError, match="no sound copy.*step 1 from local"
+        ckptstore.CorruptCheckpointError, match="no sound copy.*step 1: local"
     ):
         store.restore(_empty())
 
@@ -123,7 +123,7 @@ def test_a_background_failure_surfaces_and_keeps_earlier_steps(job, tmp_path):
 
 
 def test_skip_policy_counts_instead_of_growing_memory(job, tmp_path):
-    store = CheckpointStore(job, local=str(tmp_path / "l"), ram_slots=1, policy="skip")
+    store = CheckpointStore(job, local=str(tmp_path / "l"), ram_budget_bytes=1_000_000, policy="skip")
     gate = threading.Event()
 
     async def hold_the_loop():
@@ -178,7 +178,7 @@ def test_incomplete_local_steps_are_swept_and_never_restored(job, tmp_path, capl
 def test_frozen_keys_skip_copies_and_the_refresh_catches_hidden_writes(job, tmp_path):
     frozen = torch.zeros(2000)
     state = {"base": frozen, "head": torch.zeros(3)}
-    with CheckpointStore(job, local=str(tmp_path / "l"), ram_slots=1, frozen=lambda k: k == "base",
+    with CheckpointStore(job, local=str(tmp_path / "l"), ram_budget_bytes=20_000, frozen=lambda k: k == "base",
                          refresh_every=3) as store:
         store.save(1, state).wait("local")  # save 1: everything copied
         frozen.data.fill_(7.0)  # a write the version counter does not see

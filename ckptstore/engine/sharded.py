@@ -93,6 +93,15 @@ class Group:
             self.rank = dist.get_rank(process_group)
             self.world = dist.get_world_size(process_group)
 
+    @classmethod
+    def solo(cls) -> Group:
+        """This process alone, even when torch.distributed is initialized."""
+        group = cls.__new__(cls)
+        import torch.distributed as dist
+
+        group._dist, group.pg, group.rank, group.world = dist, None, 0, 1
+        return group
+
     def gather_to_root(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
         if self.world == 1:

@@ -1,36 +1,53 @@
-"""CheckpointStore, single process (issue 4, in progress; not public yet).
+"""CheckpointStore: save returns once the snapshot is in RAM; the rest happens in the background.
 
-``save`` stages the state into a reused RAM-tier slot and returns; a background asyncio loop then
-checksums the staged copy, commits it in RAM, persists it to the local directory and promotes
-every ``durable_every``-th step (and the last one, on close) to the durable URL, applying
-retention after each commit. ``restore`` loads the newest step that has a sound copy, trying RAM,
-then local, then durable, and falling back to the next copy on any damage.
+``save`` copies the state into a reused RAM-tier slot (the only part the training loop pays for)
+and hands the slot to one background asyncio loop per process. For each step that loop, in order:
+checksums the staged copy; gathers every rank's part and commits the step in RAM with its global
+manifest; writes each rank's bytes to the local directory and commits there (manifest last); and
+promotes every ``durable_every``-th step (and the last one, on close) to the durable URL, applying
+retention after each commit. In a process group each rank's snapshot is a shard of one sharded,
+layout-independent checkpoint: every tier holds ordinary ``load_sharded`` directories.
 
-Still missing before this becomes public: collectives over a process group of its own (multi-rank
-snapshots), version-counter skips, pinned memory with CUDA side streams, peer replicas.
+Collectives run on two gloo process groups of the store's own (one for the trainer's thread:
+agreeing on each save and on the step to restore; one for the background loop), never on the
+trainer's group, and the background steps run strictly one after another, so every rank issues
+them in the same order.
+
+``restore`` finds the newest step every rank can load a sound copy of, trying RAM, then local,
+then durable for its own shard and falling back on any damage; all ranks agree on the step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
-from ..format.manifest import Chunk, Manifest, TensorEntry
-from ..storage.targets import Target, open_source
-from ..tiers.ram import RamTier, Staged
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageError,
+)
+from ..format.container import align_up
+from ..format.manifest import Manifest
+from ..tiers.base import Snapshot, Tier, _in_thread
+from ..tiers.directory import DirectoryTier
+from ..tiers.ram import Layout, RamTier, Staged
 from .materialize import decode_value, encode_value
-from .persist import persist_staged
-from .sharded import BLOCK_SIZE, MANIFEST, Directory, Group, _collect, load_manifest, read_manifest
-from .single_file import io_pool
+from .sharded import BLOCK_SIZE, Group, _build_manifest, _collect, _digest, _my_writes, load_manifest
 
 log = logging.getLogger("ckptstore")
 TIERS = ("ram", "local", "durable")
+_RESTORE_BUFFER = 256 << 20
 
 
 class _Loop:
@@ -57,11 +74,13 @@ class SaveHandle:
         self.step, self.skipped, self._futures = step, skipped, futures
 
     def done(self, tier: str = "local") -> bool:
+        """Whether the snapshot reached ``tier`` (or failed); True when it never goes there."""
         f = self._future(tier)
         return f is None or f.done()
 
     def wait(self, tier: str = "local", timeout: float | None = None) -> None:
-        """Block until the snapshot is committed at ``tier``; re-raises a background failure."""
+        """Block until the snapshot is committed at ``tier``; re-raises a background failure.
+        Returns at once for a tier this step does not go to (or for a skipped save)."""
         f = self._future(tier)
         if f is not None:
             f.result(timeout)
@@ -71,67 +90,103 @@ class SaveHandle:
             raise InvalidArgumentError(f"tier must be one of {', '.join(TIERS)}, not {tier!r}")
         return self._futures.get(tier)
 
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ", ".join(f"{t}={'done' if self.done(t) else 'pending'}" for t in TIERS)
+        return f"SaveHandle(step={self.step}, {state})"
 
-def step_dir(root: str, step: int) -> str:
-    return f"{root.rstrip('/')}/step-{step:012d}"
+
+@dataclass
+class _Job:
+    """One step on its way through the pipeline."""
+
+    step: int
+    staged: Staged | None
+    error: BaseException | None
+    tree: Any = None
+    tensors: dict[str, Any] = field(default_factory=dict)
+    digest: str = ""
+    boxes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    frozen_end: int = 0
+    snap: Snapshot | None = None
+    shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
 
 
 class CheckpointStore:
+    """Tiered asynchronous checkpoints of one training job (see the module docstring).
+
+    ``frozen``: an optional predicate on manifest keys naming tensors that do not change (frozen
+    weights in fine-tuning). Their bytes are copied only when their storage or version counter
+    moved, and at every ``refresh_every``-th save (writes through ``.data``, numpy or DLPack do not
+    bump the version counter), and the tiers keep them in a file of their own that later steps
+    link instead of rewriting while its checksums are unchanged.
+    """
+
     def __init__(
         self,
         job: str,
         *,
-        local: str | None = None,
+        local: str | os.PathLike[str] | None = None,
         durable: str | None = None,
         durable_every: int = 10,
         keep_local: int | None = 3,
         keep_durable: int | None = None,
+        ram_budget_bytes: int | None = None,
         ram_dir: str = "/dev/shm",
-        ram_slots: int = 2,
-        policy: str = "block",
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
+        policy: str = "block",
+        durable_compression: str | None = None,
         frozen: Callable[[str], bool] | None = None,
         refresh_every: int = 10,
+        timeout_s: float = 600.0,
     ) -> None:
-        if Group(process_group).world != 1:
-            raise CheckpointError("CheckpointStore runs in one process for now; multi-rank snapshots are not built yet")
         if policy not in ("block", "skip"):
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
-        if durable_every < 1 or (keep_local is not None and keep_local < 1) or (keep_durable is not None and keep_durable < 1):
-            raise InvalidArgumentError("durable_every, keep_local and keep_durable must be at least 1")
-        self.job, self.local, self.durable = job, local, durable
-        self.durable_every, self.keep_local, self.keep_durable = durable_every, keep_local, keep_durable
-        self.policy, self.storage_options = policy, storage_options
-        self.ram = RamTier(job, ram_dir=ram_dir, slots=ram_slots)
+        for name, value in (("durable_every", durable_every), ("keep_local", keep_local), ("keep_durable", keep_durable),
+                            ("refresh_every", refresh_every)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidArgumentError(f"{name} must be a positive int (or None where allowed), not {value!r}")
+        if ram_budget_bytes is not None and (not isinstance(ram_budget_bytes, int) or ram_budget_bytes < 1):
+            raise InvalidArgumentError(f"ram_budget_bytes must be a positive int or None, not {ram_budget_bytes!r}")
+        if durable_compression not in (None, "zstd"):
+            raise InvalidArgumentError(f"durable_compression must be None or 'zstd', not {durable_compression!r}")
+        local = os.fspath(local) if local is not None else None
+        self.job, self.durable_every, self.keep_local, self.keep_durable = job, durable_every, keep_local, keep_durable
+        self.policy, self.ram_budget_bytes = policy, ram_budget_bytes
+        self.frozen, self.refresh_every = frozen, refresh_every
+        self._fg, self._bg = _groups(process_group, timeout_s)
+        self.rank, self.world = self._fg.rank, self._fg.world
+        self.ram = RamTier(job, self.rank, ram_dir=ram_dir, slots=2)
+        # Of the ranks sharing a local directory (one node), the lowest writes its manifests,
+        # sweeps it and applies retention; rank 0 does so for the shared durable URL.
+        where = (socket.gethostname(), os.path.realpath(local) if local else None)
+        peers = self._fg.all_gather(where)
+        local_writer = self.rank == min(r for r, w in enumerate(peers) if w == where)
+        self.local = DirectoryTier("local", local, manifest_writer=local_writer) if local else None
+        self.durable = (
+            DirectoryTier("durable", durable, storage_options=storage_options, codec=durable_compression,
+                          manifest_writer=self.rank == 0)
+            if durable else None
+        )
+        if self.local is not None and local_writer:
+            self.local.sweep_sync()
+        self._fg.all_gather(None)  # nobody saves into a directory another rank is still sweeping
+        # Stage next into a slot other than the one holding the newest committed snapshot, so a
+        # crash while staging never destroys the newest RAM copy.
+        mine = self.ram._docs(self.rank)
+        if mine:
+            self.ram._next = (max(mine, key=lambda d: d["step"])["slot"] + 1) % self.ram.nslots
         self._loop = _Loop()
-        self._busy: dict[int, concurrent.futures.Future] = {}  # slot -> its pipeline
+        self._busy: dict[int, concurrent.futures.Future] = {}  # slot -> the pipeline using it
+        self._tail: concurrent.futures.Future | None = None  # the last pipeline submitted
         self._errors: list[BaseException] = []
-        self._last: tuple[int, Staged, Any, dict[str, Any] | None] | None = None
+        self._last: _Job | None = None  # the newest step committed in RAM (close promotes it)
         self._last_step: int | None = None
         self._promoted: set[int] = set()
+        self._saves = 0
+        self._slots_set = False
         self.skipped = 0
         self._closed = False
-        # Opt-in skipping of unchanged tensors (see RamTier.stage): ``frozen(key)`` says which
-        # manifest keys may be skipped when their version counter did not move; every
-        # ``refresh_every``-th save copies everything, so a change the counter missed (a write
-        # through .data or numpy) is captured within that many saves.
-        self.frozen, self.refresh_every = frozen, max(1, refresh_every)
-        self._saves = 0
-        if local:
-            self._sweep(local)
-
-    def _sweep(self, root: str) -> None:
-        """Remove step directories a crashed save left without a manifest: they are not checkpoints.
-        (Safe here because nothing else writes under ``root`` while the store starts; a multi-rank
-        store must sweep on one rank between barriers.)"""
-        if not os.path.isdir(root):
-            return
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if name.startswith("step-") and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
-                log.warning("ckptstore: removing %s, an incomplete step (no %s)", path, MANIFEST)
-                _remove_tree(Directory(path, None))
 
     # ------------------------------------------------------------------------------ saving
 
@@ -141,169 +196,292 @@ class CheckpointStore:
             raise CheckpointError(f"an earlier background save failed: {exc}") from exc
 
     def save(self, step: int, state: Any) -> SaveHandle:
-        """Stage ``state`` in RAM (the only blocking part) and persist it in the background."""
+        """Stage ``state`` in RAM (the only blocking part) and persist it in the background.
+
+        In a process group every rank calls ``save`` with the same step. With ``policy="skip"``
+        a save that finds no free slot returns a skipped handle (counted in ``skipped``) instead
+        of waiting; all ranks skip together.
+        """
         if self._closed:
             raise CheckpointError("this CheckpointStore is closed")
         self._raise_pending()
-        if self._last_step is not None and step <= self._last_step:
-            raise InvalidArgumentError(f"step {step} is not after the last saved step {self._last_step}")
+        error: BaseException | None = None
+        busy = False
+        job = _Job(step, None, None)
+        items: list[tuple[str, Any]] = []
+        frozen_count = 0
+        try:
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+            if self._last_step is not None and step <= self._last_step:
+                raise InvalidArgumentError(f"step {step} is not after the last saved step {self._last_step}")
+            local = _collect(state, self.rank, encode_value)
+            mine = _my_writes(local, self.world, self.rank)
+            frozen = [m for m in mine if self.frozen is not None and self.frozen(m.key)]
+            rest = [m for m in mine if not (self.frozen is not None and self.frozen(m.key))]
+            items = [(m.key, local.items[(m.key, m.offsets, m.sizes)]) for m in frozen + rest]
+            frozen_count = len(frozen)
+            job.tree, job.tensors, job.digest = local.tree, local.tensors, _digest(local)
+            job.boxes = {m.key: m.offsets for m in mine}
+            self._size_slots(items)
+            pipeline = self._busy.get(self.ram._next)
+            busy = pipeline is not None and not pipeline.done()
+        except Exception as exc:  # noqa: BLE001 - in a group every rank must reach the agreement first
+            error = exc
+        if self.world > 1:
+            votes = self._fg.all_gather({"step": step, "busy": busy, "error": None if error is None else str(error)})
+            others = [f"rank {r}: {v['error']}" for r, v in enumerate(votes) if v["error"] and r != self.rank]
+            if error is None and others:
+                error = CheckpointError(f"save of step {step} failed on other ranks: " + "; ".join(others))
+            if error is None and len({v["step"] for v in votes}) > 1:
+                error = InvalidArgumentError(
+                    f"ranks passed different steps to save: {[v['step'] for v in votes]}; every rank saves the same step"
+                )
+            busy = any(v["busy"] for v in votes)
+        if error is not None:
+            raise error
+        if busy and self.policy == "skip":
+            self.skipped += 1
+            log.warning("ckptstore: step %d skipped: the previous snapshots are still being persisted", step)
+            return SaveHandle(step, {}, skipped=True)
         slot = self.ram._next
-        busy = self._busy.get(slot)
-        if busy is not None and not busy.done():
-            if self.policy == "skip":
-                self.skipped += 1
-                return SaveHandle(step, {}, skipped=True)
-            concurrent.futures.wait([busy])
-        local = _collect(state, 0, encode_value)
-        items = [(key, t) for (key, _o, _s), t in local.items.items()]
+        waiting = self._busy.get(slot)
+        if waiting is not None:
+            concurrent.futures.wait([waiting])
         self._saves += 1
         refresh = self._saves % self.refresh_every == 0
-        may_skip = frozenset() if self.frozen is None or refresh else frozenset(k for k, _ in items if self.frozen(k))
-        staged = self.ram.stage(step, items, may_skip=may_skip)
+        may_skip = frozenset() if refresh else frozenset(k for k, _ in items[:frozen_count])
+        try:
+            job.staged = self.ram.stage(step, items, may_skip=may_skip)
+        except BaseException as exc:
+            job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
+            if self.world == 1:
+                raise
+        if job.staged is not None and frozen_count:
+            e = job.staged.layout.entries[frozen_count - 1]
+            job.frozen_end = align_up(e.offset + e.nbytes)
         self._last_step = step
-        futures: dict[str, concurrent.futures.Future | None] = {"ram": concurrent.futures.Future()}
-        futures["local"] = concurrent.futures.Future() if self.local else None
         promote = self.durable is not None and step % self.durable_every == 0
-        futures["durable"] = concurrent.futures.Future() if promote else None
-        self._last = (step, staged, local.tree, None)  # before the pipeline can fill in its checksums
-        self._busy[staged.slot] = self._loop.submit(self._pipeline(staged, local.tree, futures))
+        futures: dict[str, concurrent.futures.Future | None] = {
+            "ram": concurrent.futures.Future(),
+            "local": concurrent.futures.Future() if self.local else None,
+            "durable": concurrent.futures.Future() if promote else None,
+        }
+        fut = self._submit(lambda prev: self._pipeline(prev, job, futures, promote))
+        if job.staged is not None:
+            self._busy[job.staged.slot] = fut
+        if job.error is not None:
+            raise job.error
         return SaveHandle(step, futures)
 
-    async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(io_pool(), lambda: fn(*args, **kwargs))
+    def _size_slots(self, items: list[tuple[str, Any]]) -> None:
+        """Fix the number of staging slots at the first save, from ram_budget_bytes."""
+        if self._slots_set:
+            return
+        size = Layout.of(items).total
+        if self.ram_budget_bytes is not None:
+            slots = self.ram_budget_bytes // size
+            if slots < 1:
+                raise InvalidArgumentError(
+                    f"ram_budget_bytes={self.ram_budget_bytes} is smaller than one snapshot of this state "
+                    f"({size} bytes on rank {self.rank}); raise it to at least {size} ({2 * size} lets one snapshot "
+                    "persist while the next is taken)"
+                )
+            self.ram.nslots = slots
+            self.ram._next %= slots
+        self._slots_set = True
 
-    async def _pipeline(self, staged: Staged, tree: Any, futures: dict[str, concurrent.futures.Future | None]) -> None:
-        pending = [f for f in futures.values() if f is not None]
+    def _submit(self, make: Callable[[concurrent.futures.Future | None], Any]) -> concurrent.futures.Future:
+        """Run a pipeline coroutine after the previous one: collectives keep one order on all ranks."""
+        fut = self._loop.submit(make(self._tail))
+        self._tail = fut
+        return fut
+
+    async def _agree(self, what: str, fn: Callable[[], Any]) -> list[Any]:
+        """Run ``fn`` on this rank, then learn every rank's outcome: all ranks return the list of
+        results, or all raise (naming the ranks that failed). Nobody is left waiting in a collective."""
+        local_exc: BaseException | None = None
         try:
-            sums = await self._run(self.ram.checksums, staged, BLOCK_SIZE)
-            await self._run(self.ram.commit, staged, sums, {"tree": tree})
-            if self._last is not None and self._last[0] == staged.step:
-                self._last = (staged.step, staged, tree, sums)
-            _resolve(futures["ram"], staged.step)
-            if self.local:
-                await self._run(persist_staged, self.ram, staged, sums, tree, step_dir(self.local, staged.step))
-                _resolve(futures["local"], staged.step)
-                await self._run(self._retain, self.local, self.keep_local, None)
-            if futures["durable"] is not None:
-                await self._promote(staged, tree, sums)
-                _resolve(futures["durable"], staged.step)
+            status: dict[str, Any] = {"ok": True, "value": await _in_thread(fn)}
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            local_exc = exc
+            status = {"ok": False, "error": f"rank {self.rank} ({socket.gethostname()}): {exc}"}
+        statuses = await _in_thread(self._bg.all_gather, status) if self.world > 1 else [status]
+        errors = [s["error"] for s in statuses if not s["ok"]]
+        if errors:
+            if self.world == 1 and local_exc is not None:
+                raise local_exc
+            raise CheckpointError(f"{what} failed: " + "; ".join(errors)) from local_exc
+        return [s["value"] for s in statuses]
+
+    def _manifest(self, job: _Job, parts: list[dict[str, Any]]) -> Manifest:
+        manifest = _build_manifest(job.shared["tree"], job.shared["tensors"], parts, self.world)
+        manifest.meta.update({"step": job.step, "job": self.job})
+        return manifest
+
+    async def _pipeline(
+        self, prev: concurrent.futures.Future | None, job: _Job, futures: dict[str, concurrent.futures.Future | None],
+        promote: bool,
+    ) -> None:
+        if prev is not None:
+            await asyncio.wrap_future(prev)
+        try:
+            def stage_part() -> dict[str, Any]:
+                if job.error is not None:
+                    raise job.error
+                assert job.staged is not None
+                self.ram.checksums(job.staged, BLOCK_SIZE)
+                job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
+                part = self.ram.put_sync(job.snap)
+                part.update(step=job.step, digest=job.digest, host=socket.gethostname(), pid=os.getpid(),
+                            timings=job.snap.meta["timings"])
+                if self.rank == 0:
+                    part["shared"] = {"tree": job.tree, "tensors": job.tensors}
+                return part
+
+            parts = await self._agree(f"staging step {job.step}", stage_part)
+            if len({p["step"] for p in parts}) > 1 or len({p["digest"] for p in parts}) > 1:
+                raise CheckpointError(
+                    f"ranks staged different steps or different tensors (keys, dtypes or global shapes) for step "
+                    f"{job.step}: every rank must save the same state dict structure at the same step"
+                )
+            job.shared = parts[0].pop("shared")
+            for p in parts[1:]:
+                p.pop("shared", None)
+            manifest = self._manifest(job, parts)
+            await self._agree(f"committing step {job.step} in RAM", lambda: self.ram.commit_sync(job.step, manifest))
+            self._last = job
+            _resolve(futures["ram"], job.step)
+            if self.local is not None:
+                await self._to_tier(self.local, job)
+                _resolve(futures["local"], job.step)
+                await self._retain(self.local, self.keep_local)
+            if promote:
+                await self._promote(job)
+                _resolve(futures["durable"], job.step)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
-            log.error("ckptstore: background save of step %d failed: %s", staged.step, exc)
+            log.error("ckptstore: background save of step %d failed: %s", job.step, exc)
             self._errors.append(exc)
-            for f in pending:
-                if not f.done():
+            for f in futures.values():
+                if f is not None and not f.done():
                     f.set_exception(exc)
 
-    async def _promote(self, staged: Staged, tree: Any, sums: dict[str, Any]) -> None:
+    async def _to_tier(self, tier: Tier, job: _Job) -> None:
+        assert job.snap is not None
+        snap = job.snap
+        parts = await self._agree(f"writing step {job.step} to the {tier.name} tier", lambda: tier.put_sync(snap))
+        manifest = self._manifest(job, parts)
+        await self._agree(f"committing step {job.step} in the {tier.name} tier", lambda: tier.commit_sync(job.step, manifest))
+
+    async def _promote(self, job: _Job) -> None:
         assert self.durable is not None
-        await self._run(
-            persist_staged, self.ram, staged, sums, tree, step_dir(self.durable, staged.step), storage_options=self.storage_options
-        )
-        self._promoted.add(staged.step)
-        # Durable retention never removes the newest durable step (it is the one just written).
-        await self._run(self._retain, self.durable, self.keep_durable, self.storage_options)
+        await self._to_tier(self.durable, job)
+        self._promoted.add(job.step)
+        await self._retain(self.durable, self.keep_durable)
 
-    def _steps(self, root: str, storage_options: dict[str, Any] | None) -> list[int]:
-        """Committed steps under ``root``: step directories that have a manifest."""
-        base = Directory(root, storage_options if "://" in root else None)
-        try:
-            if base.base.path is not None:
-                names = os.listdir(base.base.path) if os.path.isdir(base.base.path) else []
-            else:
-                names = [p.rstrip("/").rsplit("/", 1)[-1] for p in base.base.fs.ls(base.base.fspath, detail=False)]
-        except FileNotFoundError:
-            return []
-        steps = []
-        for name in names:
-            if name.startswith("step-") and name[5:].isdigit() and base.exists(f"{name}/{MANIFEST}"):
-                steps.append(int(name[5:]))
-        return sorted(steps)
-
-    def _retain(self, root: str, keep: int | None, storage_options: dict[str, Any] | None) -> None:
-        if keep is None:
+    async def _retain(self, tier: DirectoryTier, keep: int | None) -> None:
+        """Delete the oldest committed steps beyond ``keep``: a step goes only once ``keep`` newer
+        ones are committed in the same tier, so the newest step of a tier is never deleted."""
+        if keep is None or not tier.manifest_writer:
             return
-        steps = self._steps(root, storage_options)
-        for step in steps[:-keep]:
-            d = Directory(step_dir(root, step), storage_options if "://" in root else None)
-            d.remove(MANIFEST)  # uncommit first: a half-deleted step must never look complete
-            _remove_tree(d)
+        try:
+            steps = await tier.steps()
+            for step in steps[:-keep]:
+                await tier.remove(step)
+        except (CheckpointError, OSError) as exc:
+            log.warning("ckptstore: retention in the %s tier failed (old steps are kept): %s", tier.name, exc)
 
     # ------------------------------------------------------------------------------ restoring
 
     def restore(self, state: Any) -> int | None:
-        """Load the newest step with a sound copy into ``state`` in place; None when there is none."""
+        """Load the newest step with a sound copy into ``state`` in place; None when no tier holds
+        any checkpoint of this job. Raises CorruptCheckpointError (listing what was tried) when
+        checkpoints exist but no step has a sound copy for every rank."""
+        if self._closed:
+            raise CheckpointError("this CheckpointStore is closed")
         self._drain()
-        ram = {d["step"]: d for d in self.ram.committed() if "tree" in d.get("extra", {})}
-        local = set(self._steps(self.local, None)) if self.local else set()
-        durable = set(self._steps(self.durable, self.storage_options)) if self.durable else set()
+        tiers: list[Tier] = [t for t in (self.ram, self.local, self.durable) if t is not None]
+        listed: dict[str, set[int]] = {}
+        for tier in tiers:
+            try:
+                listed[tier.name] = set(tier.steps_sync())
+            except (CheckpointError, OSError) as exc:
+                log.warning("ckptstore: cannot list the %s tier: %s", tier.name, exc)
+                listed[tier.name] = set()
+        seen = set().union(*listed.values())
+        candidates = sorted(set().union(*map(set, self._fg.all_gather(sorted(seen)))), reverse=True)
         tried: list[str] = []
-        for step in sorted(set(ram) | local | durable, reverse=True):
-            copies: list[tuple[str, Any]] = []
-            if step in ram:
-                copies.append(("ram", ram[step]))
-            if step in local:
-                copies.append(("local", step_dir(self.local or "", step)))
-            if step in durable:
-                copies.append(("durable", step_dir(self.durable or "", step)))
-            for tier, where in copies:
-                try:
-                    if tier == "ram":
-                        self._load_ram(state, where)
-                    else:
-                        so = self.storage_options if tier == "durable" else None
-                        directory = Directory(where, so)
-                        load_manifest(state, read_manifest(directory), directory.display, directory.open, group=Group(None),
-                                      strict=True, per_rank="error", buffer_bytes=256 << 20, decode_per_rank=decode_value)
-                    self._last_step = max(self._last_step or step, step)
-                    return step
-                except CorruptCheckpointError as exc:
-                    log.warning("ckptstore: step %d in the %s tier is damaged (%s); trying the next copy", step, tier, exc)
-                    tried.append(f"step {step} from {tier}: {exc}")
+        for step in candidates:
+            outcome = self._restore_step(state, step, tiers, listed)
+            outcomes = self._fg.all_gather(outcome) if self.world > 1 else [outcome]
+            fatal = [o[1] for o in outcomes if o[0] == "fatal"]
+            if fatal:
+                raise CheckpointError("; ".join(fatal))
+            damaged = [o[1] for o in outcomes if o[0] == "damaged"]
+            if not damaged:
+                log.info("ckptstore: restored step %d from the %s tier", step, outcome[1])
+                self._last_step = max(self._last_step if self._last_step is not None else step, step)
+                return step
+            log.warning("ckptstore: step %d cannot be restored (%s); trying an older step", step, "; ".join(damaged))
+            tried.extend(damaged)
         if tried:
             raise CorruptCheckpointError("no sound copy of any checkpoint of this job: " + "; ".join(tried))
         return None
 
-    def _load_ram(self, state: Any, doc: dict[str, Any]) -> None:
-        rel = f"ckptstore-{self.job}-r{self.ram.rank:05d}-s{doc['slot']}.bin"
-        tensors = {}
-        for e in doc["layout"]:
-            sums = doc["checksums"][e["key"]]
-            blocks = sums.get("block_checksums")
-            chunks = []
-            if e["nbytes"] or not e["shape"]:
-                chunks.append(
-                    Chunk((0,) * len(e["shape"]), tuple(e["shape"]), rel, e["offset"], e["nbytes"], "raw", sums["checksum"],
-                          BLOCK_SIZE if blocks else None, tuple(blocks) if blocks else None)
-                )
-            tensors[e["key"]] = TensorEntry(e["dtype"], tuple(e["shape"]), chunks)
-        manifest = Manifest(kind="sharded", tensors=tensors, tree=doc["extra"]["tree"], meta={"world_size": 1})
-        display = f"RAM tier ({self.ram.ram_dir}, step {doc['step']})"
-
-        def open_file(name: str | None) -> Any:
-            return open_source(Target(display=f"{self.ram.ram_dir}/{name}", path=os.path.join(self.ram.ram_dir, name or "")))
-
-        load_manifest(state, manifest, display, open_file, group=Group(None), strict=True, per_rank="error",
-                      buffer_bytes=256 << 20, decode_per_rank=decode_value)
+    def _restore_step(self, state: Any, step: int, tiers: list[Tier], listed: dict[str, set[int]]) -> tuple[str, str]:
+        problems = []
+        for tier in tiers:
+            if step not in listed[tier.name]:
+                continue
+            try:
+                manifest = tier.manifest_sync(step)
+                load_manifest(state, manifest, tier.display(step), tier.opener(step), group=self._fg, strict=True,
+                              per_rank="error", buffer_bytes=_RESTORE_BUFFER, decode_per_rank=decode_value)
+                return ("ok", tier.name)
+            except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
+                log.warning("ckptstore: step %d in the %s tier is damaged or incomplete (%s); trying the next copy",
+                            step, tier.name, exc)
+                problems.append(f"{tier.name}: {exc}")
+            except CheckpointError as exc:  # the state does not match the checkpoint: no copy will do
+                return ("fatal", f"rank {self.rank}: {exc}")
+        if not problems:
+            problems.append("no tier this rank reaches holds it")
+        return ("damaged", f"rank {self.rank}, step {step}: " + "; ".join(problems))
 
     # ------------------------------------------------------------------------------ closing
 
     def _drain(self) -> None:
-        concurrent.futures.wait(list(self._busy.values()))
+        if self._tail is not None:
+            concurrent.futures.wait([self._tail])
 
     def close(self) -> None:
-        """Drain the pipeline, promote the last snapshot if it was not, and stop the loop."""
+        """Drain the pipeline, promote the last snapshot if it was not, and stop the loop.
+        Re-raises a background failure that nothing surfaced yet."""
         if self._closed:
             return
-        self._drain()
         try:
+            self._drain()
             last = self._last
-            if self.durable and last is not None and last[0] not in self._promoted and last[3] is not None and not self._errors:
-                self._loop.submit(self._promote(last[1], last[2], last[3])).result()
+            promote = self.durable is not None and last is not None and last.step not in self._promoted and not self._errors
+            if self.world > 1:
+                promote = all(self._fg.all_gather(promote))
+            if promote:
+                assert last is not None
+                self._submit(lambda prev: self._close_promote(prev, last)).result()
         finally:
             self._closed = True
             self._loop.close()
             self.ram.close()
         self._raise_pending()
+
+    async def _close_promote(self, prev: concurrent.futures.Future | None, job: _Job) -> None:
+        if prev is not None:
+            await asyncio.wrap_future(prev)
+        try:
+            await self._promote(job)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by close()
+            log.error("ckptstore: promoting step %d on close failed: %s", job.step, exc)
+            self._errors.append(exc)
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -312,18 +490,23 @@ class CheckpointStore:
         self.close()
 
 
+def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group]:
+    """Two gloo groups of the store's own over the ranks of ``process_group`` (or the world)."""
+    group = Group(process_group)
+    if group.world == 1:
+        solo = Group.solo()
+        return solo, solo
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"backend": "gloo", "timeout": datetime.timedelta(seconds=timeout_s)}
+    ranks = None
+    if process_group is not None:
+        ranks = dist.get_process_group_ranks(process_group)
+        if len(ranks) < dist.get_world_size():
+            kwargs["use_local_synchronization"] = True  # only the members take part in creating it
+    return Group(dist.new_group(ranks=ranks, **kwargs)), Group(dist.new_group(ranks=ranks, **kwargs))
+
+
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:
     if f is not None and not f.done():
         f.set_result(value)
-
-
-def _remove_tree(d: Directory) -> None:
-    if d.base.path is not None:
-        import shutil
-
-        shutil.rmtree(d.base.path, ignore_errors=True)
-    else:
-        try:
-            d.base.fs.rm(d.base.fspath, recursive=True)
-        except FileNotFoundError:
-            pass

@@ -12,8 +12,9 @@ page-faulted in at 1-2.5 GB/s on every save. A committed snapshot has a JSON man
 slot (written after the checksums, by rename), so a process that crashed and restarts on the same
 node finds it there and restores without touching disk.
 
-This module is the first brick of CheckpointStore (issue 4); the pipeline that persists and
-promotes snapshots builds on it.
+In a store the RAM tier commits a step only once every rank's part is staged, with the step's
+global manifest (the same one the local and durable tiers get), so a restarted job can load any
+rank's shard from the segments of the ranks on its node.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import mmap
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +36,13 @@ from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentErr
 from ..format.checksum import ALGORITHM
 from ..format.container import align_up
 from ..format.dtypes import dtype_from_name, dtype_name
+from ..format.manifest import Manifest, parse_manifest
+from ..storage.targets import Source, Target, open_source
+from .base import Snapshot, Tier
 
 RAM_FORMAT = "ckptstore-ram/1"
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+_DATA_RE = re.compile(r"^data/rank-(\d{5})(?:-frozen-[a-z]+-[0-9a-f]+)?\.bin$")
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class Slot:
         finally:
             os.close(fd)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.pinned = _pin(self.buffer) if torch.cuda.is_available() else False
 
     def view(self, e: SlotEntry) -> torch.Tensor:
         dtype = dtype_from_name(e.dtype, where=self.path)
@@ -98,6 +105,9 @@ class Slot:
 
     def release(self) -> None:
         # Views handed out keep the mapping alive; dropping ours is enough.
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
@@ -109,9 +119,10 @@ class Staged:
     seconds: float
     copied_bytes: int = 0
     reused: tuple[str, ...] = ()  # keys whose bytes were already in the slot and were not copied
+    sums: dict[str, Any] | None = None  # filled by RamTier.checksums
 
 
-class RamTier:
+class RamTier(Tier):
     """Two (or more) reusable staging slots for one rank of one job."""
 
     def __init__(self, job: str, rank: int = 0, *, ram_dir: str = "/dev/shm", slots: int = 2) -> None:
@@ -121,7 +132,11 @@ class RamTier:
             raise InvalidArgumentError("slots must be at least 1")
         if not os.path.isdir(ram_dir):
             raise InvalidArgumentError(f"ram_dir {ram_dir!r} is not a directory (use a tmpfs such as /dev/shm)")
+        self.name = "ram"
         self.job, self.rank, self.ram_dir, self.nslots = job, rank, ram_dir, slots
+        self._by_step: dict[int, Staged] = {}  # staged, not yet committed
+        self._slot_sums: dict[int, dict[str, Any]] = {}
+        self._streams: dict[Any, Any] = {}
         self._slots: dict[int, Slot] = {}
         self._next = 0
         # Per slot: the layout it holds and, per key, the identity of the source tensor it copied
@@ -158,14 +173,17 @@ class RamTier:
         index = self._next
         self._next = (self._next + 1) % self.nslots
         _unlink(self._name(index, "json"))
+        self._by_step = {s: st for s, st in self._by_step.items() if st.slot != index}
         slot = self._slot(index, layout.total)
         if self._layout_sig.get(index) != layout.signature:
             self._sources[index] = {}  # another layout (or a new segment): nothing in the slot is reusable
+            self._slot_sums.pop(index, None)
         self._layout_sig[index] = layout.signature
         held = self._sources.setdefault(index, {})
         copied, reused = 0, []
         t0 = time.perf_counter()
-        with torch.no_grad():
+        stream = self._side_stream(items)
+        with torch.no_grad(), _on(stream):
             for (key, src), e in zip(items, layout.entries):
                 identity = (src.data_ptr(), src._version, tuple(src.shape), tuple(src.stride()), src.dtype, src.device)
                 if key in may_skip and held.get(key) == identity:
@@ -173,10 +191,31 @@ class RamTier:
                     continue
                 held.pop(key, None)  # a failed copy must not leave a stale identity behind
                 if e.nbytes:
-                    slot.view(e).copy_(src.detach(), non_blocking=False)
+                    # Device tensors on the side stream's device copy asynchronously into the
+                    # pinned slot; everything else is an ordinary synchronous copy.
+                    slot.view(e).copy_(src.detach(), non_blocking=stream is not None and src.device == stream.device)
                     copied += e.nbytes
                 held[key] = identity
-        return Staged(step, index, layout, time.perf_counter() - t0, copied, tuple(reused))
+        if stream is not None:
+            stream.synchronize()  # save returns only once the snapshot is in host memory
+        staged = Staged(step, index, layout, time.perf_counter() - t0, copied, tuple(reused))
+        self._by_step[step] = staged
+        return staged
+
+    def _side_stream(self, items: list[tuple[str, torch.Tensor]]) -> Any:
+        """A CUDA stream of our own for device-to-host copies, so they overlap nothing the
+        trainer queued after this point and never wait behind its kernels' later work; it first
+        waits for the work already queued that produces the tensors."""
+        if not torch.cuda.is_available():
+            return None
+        device = next((t.device for _, t in items if t.is_cuda), None)
+        if device is None:
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
 
     def checksums(self, staged: Staged, block_size: int | None = None) -> dict[str, Any]:
         """xxh3 of each staged tensor's bytes (and of each block of it), computed from the staged
@@ -184,18 +223,26 @@ class RamTier:
         slot = self._slots[staged.slot]
         view = memoryview(slot.map)
         out: dict[str, Any] = {}
+        # Bytes that were not copied were not touched since this slot's last checksums.
+        previous = self._slot_sums.get(staged.slot, {}) if staged.reused else {}
+        reused = set(staged.reused)
         for e in staged.layout.entries:
+            if e.key in reused and e.key in previous:
+                out[e.key] = previous[e.key]
+                continue
             data = view[e.offset : e.offset + e.nbytes]
             entry: dict[str, Any] = {"checksum": f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"}
             if block_size and e.nbytes > block_size:
+                entry["block_size"] = block_size
                 entry["block_checksums"] = [
                     f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data[b : b + block_size])}" for b in range(0, e.nbytes, block_size)
                 ]
             out[e.key] = entry
         view.release()
+        staged.sums = self._slot_sums[staged.slot] = out
         return out
 
-    def commit(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+    def commit_staged(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
         """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes."""
         doc = {
             "format": RAM_FORMAT,
@@ -267,6 +314,104 @@ class RamTier:
             out[e.key] = t.clone()
         return out
 
+    # ------------------------------------------------------------------ the Tier interface
+
+    def snapshot(self, staged: Staged, world: int, boxes: dict[str, tuple[int, ...]], frozen_end: int = 0) -> Snapshot:
+        """The staged slot as every tier receives it (after :meth:`checksums`). ``boxes`` gives
+        each entry's offsets in its global tensor (all zeros for whole tensors)."""
+        if staged.sums is None:
+            raise CheckpointError("checksums of a staged snapshot are computed before it is handed to tiers")
+        slot = self._slots[staged.slot]
+        chunks: dict[str, list[dict[str, Any]]] = {}
+        for e in staged.layout.entries:
+            if not e.nbytes and e.shape:
+                chunks[e.key] = []
+                continue
+            sums = staged.sums[e.key]
+            blocks = sums.get("block_checksums")
+            chunks[e.key] = [{
+                "offsets": list(boxes.get(e.key, (0,) * len(e.shape))), "sizes": list(e.shape),
+                "file": f"data/rank-{self.rank:05d}.bin", "offset": e.offset, "length": e.nbytes, "codec": "raw",
+                "checksum": sums["checksum"], "block_size": sums.get("block_size") if blocks else None,
+                "block_checksums": blocks,
+            }]
+        data = slot.buffer.narrow(0, 0, staged.layout.total)
+        return Snapshot(staged.step, self.rank, world, data, chunks, frozen_end, {"timings": {"stage_s": round(staged.seconds, 6)}})
+
+    def put_sync(self, snap: Snapshot) -> dict[str, Any]:
+        staged = self._by_step.get(snap.step)
+        if staged is None or snap.rank != self.rank:
+            raise CheckpointError(f"step {snap.step} is not staged in this RAM tier (rank {self.rank})")
+        return {"rank": self.rank, "world_size": snap.world, "bytes": snap.nbytes, "written_bytes": 0, "chunks": snap.chunks}
+
+    def commit_sync(self, step: int, manifest: Manifest) -> None:
+        staged = self._by_step.pop(step, None)
+        if staged is None:
+            raise CheckpointError(f"step {step} is not staged in this RAM tier (rank {self.rank}), or its slot was reused")
+        self.commit_staged(staged, staged.sums or {}, {"manifest": manifest.to_json_bytes().decode()})
+
+    def _docs(self, rank: int) -> list[dict[str, Any]]:
+        """Committed snapshots of ``rank`` of this job in ram_dir (any rank on this node)."""
+        prefix = f"ckptstore-{self.job}-r{rank:05d}-s"
+        docs = []
+        for name in sorted(os.listdir(self.ram_dir)):
+            if not (name.startswith(prefix) and name.endswith(".json") and name[len(prefix) : -5].isdigit()):
+                continue
+            path = os.path.join(self.ram_dir, name)
+            try:
+                with open(path, "rb") as fh:
+                    doc = json.loads(fh.read())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError):
+                continue  # unreadable: not a usable copy; restore falls back to another tier
+            seg = path[:-5] + ".bin"
+            if (doc.get("format") != RAM_FORMAT or doc.get("job") != self.job or doc.get("rank") != rank
+                    or doc.get("slot") != int(name[len(prefix) : -5]) or "manifest" not in doc.get("extra", {})):
+                continue
+            if not os.path.exists(seg) or os.path.getsize(seg) != doc.get("size"):
+                continue
+            docs.append(doc)
+        return docs
+
+    def steps_sync(self) -> list[int]:
+        return sorted({d["step"] for d in self._docs(self.rank)})
+
+    def manifest_sync(self, step: int) -> Manifest:
+        for doc in self._docs(self.rank):
+            if doc["step"] == step:
+                return parse_manifest(doc["extra"]["manifest"].encode(), where=self.display(step))
+        from ..errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(f"{self.display(step)}: no committed snapshot of this step")
+
+    def opener(self, step: int) -> Callable[[str | None], Source]:
+        def open_file(rel: str | None) -> Source:
+            m = _DATA_RE.match(rel or "")
+            if m is None:
+                raise CorruptCheckpointError(f"{self.display(step)}: chunk file {rel!r} is not a RAM-tier data file")
+            rank = int(m.group(1))
+            for doc in self._docs(rank):
+                if doc["step"] == step:
+                    path = self._name_of(rank, doc["slot"], "bin")
+                    return open_source(Target(display=path, path=path))
+            from ..errors import CheckpointNotFoundError
+
+            raise CheckpointNotFoundError(f"{self.display(step)}: rank {rank}'s snapshot is not in {self.ram_dir} on this node")
+
+        return open_file
+
+    def remove_sync(self, step: int) -> None:
+        for doc in self._docs(self.rank):
+            if doc["step"] == step:
+                _unlink(self._name(doc["slot"], "json"))
+
+    def display(self, step: int) -> str:
+        return f"RAM tier {self.ram_dir} (job {self.job}, step {step})"
+
+    def _name_of(self, rank: int, slot: int, ext: str) -> str:
+        return os.path.join(self.ram_dir, f"ckptstore-{self.job}-r{rank:05d}-s{slot}.{ext}")
+
     def close(self, *, unlink: bool = False) -> None:
         for index, slot in self._slots.items():
             slot.release()
@@ -274,6 +419,34 @@ class RamTier:
                 _unlink(self._name(index, "bin"))
                 _unlink(self._name(index, "json"))
         self._slots.clear()
+
+
+def _pin(buffer: torch.Tensor) -> bool:
+    """Page-lock a shared-memory slot for the GPU (cudaHostRegister), so device-to-host copies
+    into it run at full DMA speed and asynchronously. A refusal (locked-memory limits) leaves the
+    slot pageable: slower copies, same bytes."""
+    import logging
+
+    rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    if int(rc) != 0:
+        logging.getLogger("ckptstore").warning("ckptstore: cannot pin the RAM-tier slot (cudaHostRegister: %s)", rc)
+        return False
+    return True
+
+
+class _on:
+    """``torch.cuda.stream(stream)`` when there is one, else nothing."""
+
+    def __init__(self, stream: Any) -> None:
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
 
 
 def _unlink(path: str) -> None:

@@ -1,0 +1,234 @@
+"""The local and durable tiers: step directories under a root path or fsspec URL.
+
+Every step is an ordinary sharded checkpoint (``<root>/step-<012d>/``: data files, part files,
+manifest.json last), so ``load_sharded``, ``ckptstore inspect`` and ``verify`` read any step of
+any tier without the store.
+
+A rank's bytes go out as the staged slot laid out on disk: one sequential write (O_DIRECT where
+the filesystem allows it) whose chunk checksums are the ones computed from the staged copy. When
+the caller declared some tensors frozen, their region of the slot becomes a file of its own whose
+name is derived from its chunk checksums: a later step whose frozen region hashes the same gets a
+hard link (local) or a server-side copy (object stores) instead of a rewrite, so the bytes written
+follow what changed, and each step directory stays complete on its own (retention can delete any
+step without breaking another).
+
+``codec="zstd"`` compresses each chunk for this tier only (the durable tier, where bandwidth
+costs more than CPU); checksums then cover the compressed bytes, as everywhere in the format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..engine.sharded import BLOCK_SIZE, MANIFEST, Directory, data_file, part_file, read_manifest
+from ..engine.single_file import write_raw
+from ..errors import CheckpointError, InvalidArgumentError
+from ..format import codecs
+from ..format.manifest import Manifest, parse_manifest
+from ..storage.targets import Source, open_sink
+from .base import Snapshot, Tier
+
+log = logging.getLogger("ckptstore")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+class DirectoryTier(Tier):
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        codec: str | None = None,
+        manifest_writer: bool = True,
+    ) -> None:
+        if codec not in (None, "raw", "zstd"):
+            raise InvalidArgumentError(f"codec must be None or 'zstd' for a tier, not {codec!r}")
+        self.name, self.root = name, root.rstrip("/") or "/"
+        self.storage_options = storage_options if "://" in root else None
+        self.codec = None if codec == "raw" else codec
+        # Of all ranks sharing this root, exactly one writes manifests, sweeps and applies retention.
+        self.manifest_writer = manifest_writer
+        self._base = Directory(self.root, self.storage_options)
+        # frozen file name -> (a step that holds it, its chunk table): what a later step may link.
+        self._frozen: dict[str, tuple[int, dict[str, list[dict[str, Any]]]]] = {}
+
+    def _dir(self, step: int) -> Directory:
+        return Directory(f"{self.root}/{step_name(step)}", self.storage_options)
+
+    def display(self, step: int) -> str:
+        return self._dir(step).display
+
+    # ------------------------------------------------------------------------------ writing
+
+    def put_sync(self, snap: Snapshot) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        d = self._dir(snap.step)
+        if d.exists(MANIFEST):
+            raise CheckpointError(f"{d.display} already holds a committed checkpoint; steps are never rewritten")
+        d.makedirs()
+        frozen_keys = [k for k, cs in snap.chunks.items() if cs and cs[0]["offset"] < snap.frozen_end]
+        rest_keys = [k for k in snap.chunks if k not in set(frozen_keys)]
+        chunks: dict[str, list[dict[str, Any]]] = {}
+        written = linked = 0
+        if frozen_keys:
+            digest = hashlib.sha256(
+                json.dumps([(k, [c["checksum"] for c in snap.chunks[k]]) for k in frozen_keys]).encode()
+            ).hexdigest()[:16]
+            rel = f"data/rank-{snap.rank:05d}-frozen-{self.codec or 'raw'}-{digest}.bin"
+            table = self._link(d, rel, snap.step)
+            if table is None:
+                table = self._write(d, rel, snap, frozen_keys, 0)
+                written += _extent(table)
+            else:
+                linked += _extent(table)
+            self._frozen = {rel: (snap.step, table)}  # only the newest frozen file is ever reused
+            chunks.update(table)
+        if rest_keys:
+            table = self._write(d, data_file(snap.rank), snap, rest_keys, snap.frozen_end)
+            written += _extent(table)
+            chunks.update(table)
+        part = {
+            "rank": snap.rank,
+            "world_size": snap.world,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "bytes": written + linked,
+            "written_bytes": written,
+            "chunks": chunks,
+            "timings": {"write_s": round(time.perf_counter() - t0, 6), **snap.meta.get("timings", {})},
+        }
+        d.write_small(part_file(snap.rank), json.dumps(part, separators=(",", ":")).encode())
+        return part
+
+    def _write(
+        self, d: Directory, rel: str, snap: Snapshot, keys: list[str], start: int
+    ) -> dict[str, list[dict[str, Any]]]:
+        """Write the chunks of ``keys`` (which sit in the slot from ``start`` on) to ``rel``."""
+        sink = open_sink(d.target(rel))
+        try:
+            if self.codec is None:
+                end = max((c["offset"] + c["length"] for k in keys for c in snap.chunks[k]), default=start)
+                write_raw(sink, [lambda: snap.data.narrow(0, start, end - start)])
+                table = {k: [{**c, "file": rel, "offset": c["offset"] - start} for c in snap.chunks[k]] for k in keys}
+            else:
+                flat = [(k, c) for k in keys for c in snap.chunks[k]]
+                done = write_raw(sink, [_encoder(self.codec, snap.data, c) for _k, c in flat])
+                table = {k: [] for k in keys}
+                for (k, c), w in zip(flat, done):
+                    table[k].append({**c, "file": rel, "offset": w.offset, "length": w.length, "codec": self.codec,
+                                     "checksum": w.checksum, "block_size": None, "block_checksums": None})
+            sink.commit(b"")
+        except BaseException:
+            sink.abort()
+            raise
+        return table
+
+    def _link(self, d: Directory, rel: str, step: int) -> dict[str, list[dict[str, Any]]] | None:
+        """Reuse ``rel`` from the step that last held it: a hard link or a server-side copy."""
+        held = self._frozen.get(rel)
+        if held is None or held[0] == step:
+            return None
+        src, dst = self._dir(held[0]).target(rel), d.target(rel)
+        try:
+            if src.path is not None and dst.path is not None:
+                os.link(src.path, dst.path)
+            else:
+                src.fs.copy(src.fspath, dst.fspath)
+        except (OSError, NotImplementedError) as exc:
+            log.info("ckptstore: cannot reuse %s (%s); writing it again", src.display, exc)
+            return None
+        return held[1]
+
+    def commit_sync(self, step: int, manifest: Manifest) -> None:
+        if not self.manifest_writer:
+            return
+        d = self._dir(step)
+        body = manifest.to_json_bytes()
+        parse_manifest(body, where=f"{d.display}/{MANIFEST}")  # never commit what we would refuse to read
+        if d.exists(MANIFEST):
+            raise CheckpointError(
+                f"{d.display} already holds a committed checkpoint: another writer committed step {step} first"
+            )
+        d.write_small(MANIFEST, body)
+
+    # ------------------------------------------------------------------------------ reading
+
+    def _names(self) -> list[str]:
+        base = self._base.base
+        try:
+            if base.path is not None:
+                return os.listdir(base.path) if os.path.isdir(base.path) else []
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in base.fs.ls(base.fspath, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    def steps_sync(self) -> list[int]:
+        steps = []
+        for name in self._names():
+            if name.startswith("step-") and name[5:].isdigit() and self._base.exists(f"{name}/{MANIFEST}"):
+                steps.append(int(name[5:]))
+        return sorted(steps)
+
+    def manifest_sync(self, step: int) -> Manifest:
+        return read_manifest(self._dir(step))
+
+    def opener(self, step: int) -> Callable[[str | None], Source]:
+        return self._dir(step).open
+
+    # ------------------------------------------------------------------------------ removing
+
+    def remove_sync(self, step: int) -> None:
+        d = self._dir(step)
+        d.remove(MANIFEST)  # uncommit first: a half-deleted step must never look complete
+        _remove_tree(d)
+
+    def sweep_sync(self) -> list[int]:
+        """Remove step directories that a crashed save left without a manifest; returns their steps.
+        Only safe while no save of this job is running (the store calls it at start-up)."""
+        swept = []
+        for name in self._names():
+            if name.startswith("step-") and name[5:].isdigit() and not self._base.exists(f"{name}/{MANIFEST}"):
+                d = self._dir(int(name[5:]))
+                log.warning("ckptstore: removing %s, an incomplete step (no %s)", d.display, MANIFEST)
+                _remove_tree(d)
+                swept.append(int(name[5:]))
+        return swept
+
+
+def _extent(table: dict[str, list[dict[str, Any]]]) -> int:
+    return sum(c["length"] for cs in table.values() for c in cs)
+
+
+def _encoder(codec: str, data: torch.Tensor, c: dict[str, Any]) -> Callable[[], torch.Tensor]:
+    def encode() -> torch.Tensor:
+        stored = codecs.encode(codec, data.narrow(0, c["offset"], c["length"]), 1)
+        return torch.frombuffer(bytearray(stored), dtype=torch.uint8) if len(stored) else torch.empty(0, dtype=torch.uint8)
+
+    return encode
+
+
+def _remove_tree(d: Directory) -> None:
+    if d.base.path is not None:
+        shutil.rmtree(d.base.path, ignore_errors=True)
+    else:
+        try:
+            d.base.fs.rm(d.base.fspath, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+__all__ = ["BLOCK_SIZE", "DirectoryTier", "step_name"]
