@@ -106,22 +106,23 @@ def test_error_in_the_middle_of_an_upload_leaves_existing_object_unchanged(s3, m
     ckptstore.save(old, url, storage_options=opts)
     before = _object_bytes(s3, key)
 
-    # Simulate the network failing while parts are being uploaded: the first `failing_part - 1`
-    # uploads go through, the next one raises as s3fs does for a failed request.
-    real_upload = s3fs.core.S3File._upload_chunk
-    calls = {"n": 0}
+    # Simulate the network failing while parts are being uploaded (5 MiB parts: three of them):
+    # part `failing_part` raises as s3fs does for a failed request, the others go through.
+    real_call = s3fs.S3FileSystem._call_s3
+    failed = []
 
-    def flaky_upload(self, final=False):
-        calls["n"] += 1
-        if calls["n"] >= failing_part:
+    async def flaky(self, method, *args, **kwargs):
+        if method == "upload_part" and kwargs.get("PartNumber") == failing_part:
+            failed.append(failing_part)
             raise OSError(errno.EIO, "injected upload failure")
-        return real_upload(self, final=final)
+        return await real_call(self, method, *args, **kwargs)
 
-    monkeypatch.setattr(s3fs.core.S3File, "_upload_chunk", flaky_upload)
+    monkeypatch.setenv("CKPTSTORE_S3_PART_SIZE", str(5 << 20))
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", flaky)
     new = {"a": torch.ones(6 << 20, dtype=torch.uint8), "b": torch.zeros(6 << 20, dtype=torch.uint8)}
     with pytest.raises(StorageError) as info:
         ckptstore.save(new, url, storage_options=opts)
-    assert calls["n"] == failing_part
+    assert failed == [failing_part]
     assert url in str(info.value)
     assert info.value.errno == errno.EIO
     monkeypatch.undo()

@@ -21,7 +21,7 @@ from typing import IO, Any, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CheckpointNotFoundError, InvalidArgumentError, StorageError, UnknownProtocolError
+from ..errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnknownProtocolError
 from . import direct
 
 FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
@@ -331,12 +331,101 @@ def write_bytes(target: Target, data: bytes) -> None:
         raise
 
 
+def _already_exists(display: str) -> CheckpointError:
+    return CheckpointError(
+        f"{display} already exists: another writer committed this step first; the existing file is untouched. "
+        "Load that checkpoint, or write this one under a new step."
+    )
+
+
+def write_small_exclusive(target: Target, data: bytes) -> None:
+    """Create a small file holding ``data`` only if nothing is at ``target`` yet, atomically.
+
+    Of concurrent writers exactly one succeeds; the others get a CheckpointError and the winner's
+    bytes stay as they are. Atomic on local filesystems (a hard link never replaces) and on S3
+    (a conditional PUT); other fsspec stores have no conditional create, so there it is
+    check-then-write, which two writers racing within the same instant can both pass.
+    """
+    if target.fileobj is not None:
+        raise InvalidArgumentError(f"{target.display}: an exclusive create needs a path or URL, not a file object")
+    if target.path is not None:
+        _create_local_exclusive(target.path, target.display, data)
+        return
+    from . import s3
+
+    fs, path = target.fs, target.fspath
+    assert path is not None
+    try:
+        if s3.is_s3(fs):
+            s3.put_if_absent(fs, path, data)
+            return
+        fs.invalidate_cache(path)  # a cached listing must not hide a file another process wrote
+        exists = fs.exists(path)
+    except FileExistsError:
+        raise _already_exists(target.display) from None
+    except OSError as exc:
+        raise storage_error(exc, "write", target.display, previous_kept=True) from None
+    if exists:
+        raise _already_exists(target.display)
+    write_bytes(target, data)
+
+
+def _create_local_exclusive(path: str, display: str, data: bytes) -> None:
+    directory, base = os.path.split(path)
+    tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)  # the bytes are on disk before the name can appear
+        finally:
+            os.close(fd)
+        try:
+            # Unlike rename, link never replaces: it fails with EEXIST if anything holds the name,
+            # and the check and the creation are one step, so exactly one racing writer wins.
+            os.link(tmp, path)
+        except FileExistsError:
+            raise _already_exists(display) from None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            _create_in_place(path, data)  # no hard links here (FAT, some FUSE and SMB mounts)
+    except FileExistsError:
+        raise _already_exists(display) from None
+    except OSError as exc:
+        raise storage_error(exc, "write", display, previous_kept=os.path.exists(path)) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fsync_dir(directory)
+
+
+def _create_in_place(path: str, data: bytes) -> None:
+    """O_EXCL create is just as exclusive as link, but a crash mid-write leaves a short file there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def open_sink(target: Target) -> Sink:
     if target.path is not None:
         return LocalSink(target.path, target.display)
     if target.fileobj is not None:
         return FileObjectSink(target.fileobj, target.display)
     assert target.fspath is not None
+    from . import s3
+
+    if s3.is_s3(target.fs):
+        upload = s3.upload_settings()
+        if upload is not None:
+            return s3.S3Sink(target.fs, target.fspath, target.display, upload)
     return FsspecSink(target.fs, target.fspath, target.display)
 
 

@@ -35,7 +35,7 @@ from ..engine.single_file import write_raw
 from ..errors import CheckpointError, InvalidArgumentError
 from ..format import codecs
 from ..format.manifest import Manifest, parse_manifest
-from ..storage.targets import Source, open_sink
+from ..storage.targets import Source, open_sink, write_small_exclusive
 from .base import Snapshot, Tier
 
 log = logging.getLogger("ckptstore")
@@ -159,11 +159,9 @@ class DirectoryTier(Tier):
         d = self._dir(step)
         body = manifest.to_json_bytes()
         parse_manifest(body, where=f"{d.display}/{MANIFEST}")  # never commit what we would refuse to read
-        if d.exists(MANIFEST):
-            raise CheckpointError(
-                f"{d.display} already holds a committed checkpoint: another writer committed step {step} first"
-            )
-        d.write_small(MANIFEST, body)
+        # A conditional create (link on local disks, If-None-Match on S3): of two writers
+        # committing the same step, exactly one wins and the other gets a clear error.
+        write_small_exclusive(d.target(MANIFEST), body)
 
     # ------------------------------------------------------------------------------ reading
 
