@@ -20,8 +20,8 @@ import torch
 
 from ckptstore._local_s3 import start_local_s3
 from ckptstore.engine.materialize import encode_value
-from ckptstore.engine.persist import persist_staged
-from ckptstore.engine.sharded import BLOCK_SIZE, _collect
+from ckptstore.engine.sharded import BLOCK_SIZE, _build_manifest, _collect
+from ckptstore.tiers.directory import DirectoryTier
 from ckptstore.tiers.ram import RamTier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +42,14 @@ def main() -> None:
     job = f"bench-{uuid.uuid4().hex[:8]}"
     tier = RamTier(job)
     staged = tier.stage(1, items)
-    sums = tier.checksums(staged, block_size=BLOCK_SIZE)
+    tier.checksums(staged, block_size=BLOCK_SIZE)
+    snap = tier.snapshot(staged, 1, {})
+
+    def persist(root: str, storage_options: dict | None = None) -> None:
+        """What the store's pipeline does per tier and step: this rank's files, then the manifest."""
+        target = DirectoryTier("bench", root, storage_options=storage_options)
+        part = target.put_sync(snap)
+        target.commit_sync(snap.step, _build_manifest(local_state.tree, local_state.tensors, [part], 1))
     slot_bytes = tier._slots[staged.slot].buffer[: staged.layout.total]
     n = staged.layout.total
     blob = slot_bytes.numpy()
@@ -62,15 +69,14 @@ def main() -> None:
                     os.fsync(fh.fileno())
 
             def local_persist(r: int = r) -> None:
-                persist_staged(tier, staged, sums, local_state.tree, os.path.join(work, f"step{r}"))
+                persist(os.path.join(work, f"local{r}"))
 
             def raw_put(r: int = r) -> None:
                 with fs.open(f"{s3.bucket}/raw{r}", "wb") as fh:
                     fh.write(memoryview(blob))
 
             def promote(r: int = r) -> None:
-                persist_staged(tier, staged, sums, local_state.tree, s3.url(f"steps/step{r}"),
-                               storage_options=s3.storage_options)
+                persist(s3.url(f"steps{r}"), s3.storage_options)
 
             order = [("raw_write_fsync", raw_write), ("local_persist", local_persist), ("raw_s3_put", raw_put),
                      ("durable_promote", promote)]

@@ -3,6 +3,7 @@ persists and promotes, restore finds the newest sound copy across RAM, local and
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -187,3 +188,104 @@ def test_frozen_keys_skip_copies_and_the_refresh_catches_hidden_writes(job, tmp_
         assert store.restore(target) == 2 and torch.equal(target["base"], torch.zeros(2000))
         store.save(3, state).wait("local")  # save 3 is a refresh: everything copied
         assert store.restore(target) == 3 and torch.equal(target["base"], torch.full((2000,), 7.0))
+
+
+def test_ram_budget_smaller_than_one_snapshot_is_refused(job, tmp_path):
+    store = CheckpointStore(job, local=str(tmp_path / "l"), ram_budget_bytes=100_000)
+    with pytest.raises(ckptstore.InvalidArgumentError, match=r"ram_budget_bytes=100000 is smaller than one snapshot"):
+        store.save(1, _state(1))
+    store.close()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"ckptstore-{job}-")]
+    assert not (tmp_path / "l").exists() or not os.listdir(tmp_path / "l")
+
+
+def test_ram_budget_sets_the_number_of_slots(job, tmp_path):
+    # Each snapshot of _state is 724,992 bytes in its slot: a budget of three gives three slots.
+    with CheckpointStore(job, local=str(tmp_path / "l"), ram_budget_bytes=3 * 724_992) as store:
+        for step in range(1, 5):
+            store.save(step, _state(step)).wait("local")
+    segments = sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"ckptstore-{job}-") and f.endswith(".bin"))
+    assert segments == [f"ckptstore-{job}-r00000-s{i}.bin" for i in range(3)]
+
+
+def _part(root, step: int) -> dict:
+    return json.loads((root / f"step-{step:012d}" / "parts" / "rank-00000.json").read_text())
+
+
+def test_bytes_written_follow_what_changed(job, tmp_path):
+    base = {f"layer{i}": torch.randn(250_000) for i in range(9)}  # 9 MB frozen
+    head = torch.randn(250_000)  # 1 MB trained
+    state = {"base": base, "head": head}
+    local = tmp_path / "local"
+    with CheckpointStore(job, local=str(local), keep_local=5, frozen=lambda k: k.startswith("base/"),
+                         refresh_every=100) as store:
+        for step in range(1, 4):
+            head.add_(1.0)
+            store.save(step, state).wait("local")
+        frozen_files = [f for f in os.listdir(local / "step-000000000001" / "data") if "frozen" in f]
+        assert len(frozen_files) == 1
+        inodes = {os.stat(local / f"step-{s:012d}" / "data" / frozen_files[0]).st_ino for s in (1, 2, 3)}
+        assert len(inodes) == 1, "unchanged frozen tensors must be linked, not rewritten"
+        assert _part(local, 1)["written_bytes"] >= 10_000_000
+        for step in (2, 3):
+            assert _part(local, step)["written_bytes"] < 1_100_000  # only the head
+        # A frozen tensor that does change (through the version counter) is written again.
+        base["layer0"].add_(1.0)
+        store.save(4, state).wait("local")
+        assert _part(local, 4)["written_bytes"] >= 10_000_000
+    _wipe_ram(job)
+    with CheckpointStore(job, local=str(local)) as store:
+        target = {"base": {k: torch.zeros_like(v) for k, v in base.items()}, "head": torch.zeros_like(head)}
+        assert store.restore(target) == 4
+        assert all(torch.equal(target["base"][k], base[k]) for k in base) and torch.equal(target["head"], head)
+
+
+def test_zstd_applies_to_the_durable_tier_only(job, tmp_path):
+    state = {"zeros": torch.zeros(1_000_000), "w": torch.randn(100)}
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    with CheckpointStore(job, local=str(local), durable=str(durable), durable_every=1,
+                         durable_compression="zstd") as store:
+        store.save(1, state).wait("durable")
+    codecs = lambda root: {c["codec"] for e in json.loads((root / "step-000000000001" / "manifest.json").read_text())[  # noqa: E731
+        "tensors"].values() for c in e["chunks"]}
+    assert codecs(local) == {"raw"} and codecs(durable) == {"zstd"}
+    assert (durable / "step-000000000001" / "data" / "rank-00000.bin").stat().st_size < 100_000
+    _wipe_ram(job)
+    import shutil
+
+    shutil.rmtree(local)
+    with CheckpointStore(job, local=str(local), durable=str(durable)) as store:
+        target = {"zeros": torch.ones(1_000_000), "w": torch.zeros(100)}
+        assert store.restore(target) == 1
+        assert torch.equal(target["zeros"], state["zeros"]) and torch.equal(target["w"], state["w"])
+
+
+def test_two_writers_of_one_step_one_wins(job, tmp_path):
+    local = tmp_path / "local"
+    other_ram = tmp_path / "ram2"  # a second process's RAM tier (any directory works for the test)
+    other_ram.mkdir()
+    with CheckpointStore(job, local=str(local)) as first:
+        first.save(7, _state(7)).wait("local")
+    committed = (local / "step-000000000007" / "manifest.json").read_bytes()
+    second = CheckpointStore(job, local=str(local), ram_dir=str(other_ram))
+    handle = second.save(7, _state(8))
+    with pytest.raises(ckptstore.CheckpointError, match="never rewritten|already exists"):
+        handle.wait("local")
+    with pytest.raises(ckptstore.CheckpointError):
+        second.close()
+    assert (local / "step-000000000007" / "manifest.json").read_bytes() == committed
+    _wipe_ram(job)
+    with CheckpointStore(job, local=str(local)) as store:
+        target = _empty()
+        assert store.restore(target) == 7 and _same(target, _state(7))
+
+
+def test_restore_into_a_mismatched_state_is_an_error_not_a_fallback(job, tmp_path):
+    with CheckpointStore(job, local=str(tmp_path / "l")) as store:
+        store.save(1, _state(1)).wait("local")
+        store.save(2, _state(2)).wait("local")
+        target = _empty()
+        target["model"]["extra"] = torch.zeros(3)
+        with pytest.raises(ckptstore.CheckpointError, match="lacks 1 key") as info:
+            store.restore(target)
+        assert not isinstance(info.value, ckptstore.CorruptCheckpointError)
