@@ -114,7 +114,7 @@ def test_a_background_failure_surfaces_and_keeps_earlier_steps(job, tmp_path):
     handle = store.save(2, _state(2))
     with pytest.raises(ckptstore.CheckpointError):
         handle.wait("local")
-    with pytest.raises(ckptstore.CheckpointError, match="earlier background save failed"):
+    with pytest.raises(ckptstore.CheckpointError, match=r"earlier background save \(step 2\) failed"):
         store.save(3, _state(3))
     store.close()
     _wipe_ram(job)

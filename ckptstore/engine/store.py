@@ -179,7 +179,9 @@ class CheckpointStore:
         self._loop = _Loop()
         self._busy: dict[int, concurrent.futures.Future] = {}  # slot -> the pipeline using it
         self._tail: concurrent.futures.Future | None = None  # the last pipeline submitted
-        self._errors: list[BaseException] = []
+        # Background failures not yet raised to the caller, by step; steps up to _reported were.
+        self._errors: list[tuple[int, BaseException]] = []
+        self._reported = -1
         self._last: _Job | None = None  # the newest step committed in RAM (close promotes it)
         self._last_step: int | None = None
         self._promoted: set[int] = set()
@@ -190,10 +192,19 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------------------ saving
 
-    def _raise_pending(self) -> None:
-        if self._errors:
-            exc = self._errors.pop(0)
-            raise CheckpointError(f"an earlier background save failed: {exc}") from exc
+    def _pending(self) -> tuple[int, BaseException] | None:
+        fresh = [(step, exc) for step, exc in self._errors if step > self._reported]
+        return fresh[0] if fresh else None
+
+    def _raise_pending(self, pending: tuple[int, BaseException] | None) -> None:
+        """Raise the oldest background failure once: later copies of it (another rank's report of
+        the same failed step arriving late) are dropped."""
+        if pending is None:
+            return
+        step, exc = pending
+        self._reported = max(self._reported, step)
+        self._errors = [(s, e) for s, e in self._errors if s > self._reported]
+        raise CheckpointError(f"an earlier background save (step {step}) failed: {exc}") from exc
 
     def save(self, step: int, state: Any) -> SaveHandle:
         """Stage ``state`` in RAM (the only blocking part) and persist it in the background.
@@ -204,7 +215,9 @@ class CheckpointStore:
         """
         if self._closed:
             raise CheckpointError("this CheckpointStore is closed")
-        self._raise_pending()
+        pending = self._pending()
+        if self.world == 1:
+            self._raise_pending(pending)
         error: BaseException | None = None
         busy = False
         job = _Job(step, None, None)
@@ -229,7 +242,15 @@ class CheckpointStore:
         except Exception as exc:  # noqa: BLE001 - in a group every rank must reach the agreement first
             error = exc
         if self.world > 1:
-            votes = self._fg.all_gather({"step": step, "busy": busy, "error": None if error is None else str(error)})
+            # One vote per save keeps the ranks together: a background failure that one rank has
+            # already seen (the others may learn of it a moment later) is raised on all of them.
+            votes = self._fg.all_gather({"step": step, "busy": busy, "error": None if error is None else str(error),
+                                         "pending": None if pending is None else (pending[0], str(pending[1]))})
+            reports = sorted({tuple(v["pending"]) for v in votes if v["pending"]})
+            if reports:
+                if pending is None or pending[0] != reports[0][0]:
+                    pending = (reports[0][0], CheckpointError(reports[0][1]))
+                self._raise_pending(pending)
             others = [f"rank {r}: {v['error']}" for r, v in enumerate(votes) if v["error"] and r != self.rank]
             if error is None and others:
                 error = CheckpointError(f"save of step {step} failed on other ranks: " + "; ".join(others))
@@ -361,7 +382,7 @@ class CheckpointStore:
                 _resolve(futures["durable"], job.step)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
             log.error("ckptstore: background save of step %d failed: %s", job.step, exc)
-            self._errors.append(exc)
+            self._errors.append((job.step, exc))
             for f in futures.values():
                 if f is not None and not f.done():
                     f.set_exception(exc)
@@ -416,7 +437,9 @@ class CheckpointStore:
             outcomes = self._fg.all_gather(outcome) if self.world > 1 else [outcome]
             fatal = [o[1] for o in outcomes if o[0] == "fatal"]
             if fatal:
-                raise CheckpointError("; ".join(fatal))
+                if self._fatal is not None:
+                    raise self._fatal  # this rank's own error, as raised
+                raise CheckpointError("restore failed on other ranks: " + "; ".join(fatal))
             damaged = [o[1] for o in outcomes if o[0] == "damaged"]
             if not damaged:
                 log.info("ckptstore: restored step %d from the %s tier", step, outcome[1])
@@ -429,6 +452,7 @@ class CheckpointStore:
         return None
 
     def _restore_step(self, state: Any, step: int, tiers: list[Tier], listed: dict[str, set[int]]) -> tuple[str, str]:
+        self._fatal: Exception | None = None
         problems = []
         for tier in tiers:
             if step not in listed[tier.name]:
@@ -442,7 +466,8 @@ class CheckpointStore:
                 log.warning("ckptstore: step %d in the %s tier is damaged or incomplete (%s); trying the next copy",
                             step, tier.name, exc)
                 problems.append(f"{tier.name}: {exc}")
-            except CheckpointError as exc:  # the state does not match the checkpoint: no copy will do
+            except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint: no copy will do
+                self._fatal = exc
                 return ("fatal", f"rank {self.rank}: {exc}")
         if not problems:
             problems.append("no tier this rank reaches holds it")
@@ -462,7 +487,7 @@ class CheckpointStore:
         try:
             self._drain()
             last = self._last
-            promote = self.durable is not None and last is not None and last.step not in self._promoted and not self._errors
+            promote = self.durable is not None and last is not None and last.step not in self._promoted and self._pending() is None
             if self.world > 1:
                 promote = all(self._fg.all_gather(promote))
             if promote:
@@ -472,7 +497,7 @@ class CheckpointStore:
             self._closed = True
             self._loop.close()
             self.ram.close()
-        self._raise_pending()
+        self._raise_pending(self._pending())
 
     async def _close_promote(self, prev: concurrent.futures.Future | None, job: _Job) -> None:
         if prev is not None:
@@ -481,7 +506,7 @@ class CheckpointStore:
             await self._promote(job)
         except BaseException as exc:  # noqa: BLE001 - surfaced by close()
             log.error("ckptstore: promoting step %d on close failed: %s", job.step, exc)
-            self._errors.append(exc)
+            self._errors.append((job.step, exc))
 
     def __enter__(self) -> CheckpointStore:
         return self
