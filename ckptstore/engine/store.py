@@ -354,8 +354,7 @@ class CheckpointStore:
                 self.ram.checksums(job.staged, BLOCK_SIZE)
                 job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
                 part = self.ram.put_sync(job.snap)
-                part.update(step=job.step, digest=job.digest, host=socket.gethostname(), pid=os.getpid(),
-                            timings=job.snap.meta["timings"])
+                part.update(step=job.step, digest=job.digest)
                 if self.rank == 0:
                     part["shared"] = {"tree": job.tree, "tensors": job.tensors}
                 return part

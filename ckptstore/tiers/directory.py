@@ -167,6 +167,10 @@ class DirectoryTier(Tier):
 
     def _names(self) -> list[str]:
         base = self._base.base
+        if base.fs is not None:
+            # Listings are cached per filesystem object, and steps are committed and removed
+            # through other objects and by other processes: always list afresh.
+            base.fs.invalidate_cache()
         try:
             if base.path is not None:
                 return os.listdir(base.path) if os.path.isdir(base.path) else []

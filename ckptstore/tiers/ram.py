@@ -24,6 +24,7 @@ import json
 import mmap
 import os
 import re
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -342,7 +343,8 @@ class RamTier(Tier):
         staged = self._by_step.get(snap.step)
         if staged is None or snap.rank != self.rank:
             raise CheckpointError(f"step {snap.step} is not staged in this RAM tier (rank {self.rank})")
-        return {"rank": self.rank, "world_size": snap.world, "bytes": snap.nbytes, "written_bytes": 0, "chunks": snap.chunks}
+        return {"rank": self.rank, "world_size": snap.world, "host": socket.gethostname(), "pid": os.getpid(),
+                "bytes": snap.nbytes, "written_bytes": 0, "chunks": snap.chunks, "timings": snap.meta.get("timings", {})}
 
     def commit_sync(self, step: int, manifest: Manifest) -> None:
         staged = self._by_step.pop(step, None)
