@@ -84,3 +84,32 @@ def test_overwrite_with_smaller_checkpoint_leaves_no_stale_tail(tmp_path):
     ckptstore.save(small, path)
     assert_same(ckptstore.load(path), small)
     assert os.path.getsize(path) < 16 << 10
+
+
+@pytest.mark.parametrize("tail", [0, 100], ids=["whole-blocks", "unaligned-tail"])
+def test_page_aligned_memory_goes_straight_to_disk_without_a_bounce_copy(tmp_path, monkeypatch, tail):
+    import mmap
+
+    from ckptstore.storage.targets import LocalSink
+
+    size = 3 * direct.BOUNCE_BYTES + 5 * direct.ALIGN + tail
+    buf = mmap.mmap(-1, size)  # page-aligned, like a RAM-tier slot
+    payload = os.urandom(size)
+    buf[:] = payload
+    bounced: list[int] = []
+    real_buffers = direct._buffers
+
+    def spy_buffers():
+        bounced.append(1)
+        return real_buffers()
+
+    monkeypatch.setattr(direct, "_buffers", spy_buffers)
+    sink = LocalSink(str(tmp_path / "f.bin"), "f.bin")
+    if sink.dfd is None:
+        sink.abort()
+        pytest.skip("this filesystem refuses O_DIRECT")
+    sink.write_at(0, memoryview(buf))
+    sink.skip_to(size)
+    sink.commit(b"")
+    assert (tmp_path / "f.bin").read_bytes() == payload
+    assert len(bounced) == (1 if tail else 0)  # only an unaligned tail is copied

@@ -89,7 +89,7 @@ class Written:
 
 
 def write_raw_parallel(
-    sink: Sink, raws: list[Callable[[], torch.Tensor]], *, block_size: int | None = None
+    sink: Sink, raws: list[Callable[[], torch.Tensor]], *, block_size: int | None = None, hash_bytes: bool = True
 ) -> list[Written]:
     """Write raw byte tensors (produced lazily by ``raws``) each at a 4 KiB-aligned offset from the
     sink's position, in parallel, and return where each went with its checksums.
@@ -106,6 +106,8 @@ def write_raw_parallel(
     all_futures: list = []
 
     def hashes(view: memoryview) -> tuple[str, tuple[str, ...] | None]:
+        if not hash_bytes:
+            return "", None
         if block_size is None or len(view) <= block_size:
             return checksum(view), None
         return checksum(view), tuple(checksum(view[b : b + block_size]) for b in range(0, len(view), block_size))
@@ -144,10 +146,13 @@ def write_raw_parallel(
     return [w for w in written if w is not None]
 
 
-def write_raw(sink: Sink, raws: list[Callable[[], torch.Tensor]], *, block_size: int | None = None) -> list[Written]:
-    """:func:`write_raw_parallel` where the sink allows it, else the same layout written in order."""
+def write_raw(
+    sink: Sink, raws: list[Callable[[], torch.Tensor]], *, block_size: int | None = None, hash_bytes: bool = True
+) -> list[Written]:
+    """:func:`write_raw_parallel` where the sink allows it, else the same layout written in order.
+    ``hash_bytes=False`` skips the checksums (empty in the result) when the caller has them already."""
     if sink.positional:
-        return write_raw_parallel(sink, raws, block_size=block_size)
+        return write_raw_parallel(sink, raws, block_size=block_size, hash_bytes=hash_bytes)
     pad = bytes(container.ALIGN)
     out = []
     for make_raw in raws:
@@ -156,9 +161,9 @@ def write_raw(sink: Sink, raws: list[Callable[[], torch.Tensor]], *, block_size:
         sink.write(view)
         sink.write(pad[: container.align_up(sink.tell()) - sink.tell()])
         blocks = None
-        if block_size is not None and len(view) > block_size:
+        if hash_bytes and block_size is not None and len(view) > block_size:
             blocks = tuple(checksum(view[b : b + block_size]) for b in range(0, len(view), block_size))
-        out.append(Written(offset, len(view), checksum(view), blocks))
+        out.append(Written(offset, len(view), checksum(view) if hash_bytes else "", blocks))
     return out
 
 

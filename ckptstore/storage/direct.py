@@ -11,6 +11,7 @@ one of a few bounce buffers that are allocated once and kept warm for the life o
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import queue
@@ -46,6 +47,14 @@ def open_direct(path: str) -> int | None:
         return None
 
 
+def _aligned(data: memoryview) -> bool:
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    except (TypeError, ValueError):  # read-only or empty buffers: take the bounce path
+        return False
+    return address % ALIGN == 0
+
+
 def pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
     """Write ``data`` at the block-aligned ``offset``, zero-padding the last block.
 
@@ -53,6 +62,16 @@ def pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
     Raises OSError from the kernel unchanged (EINVAL means the filesystem cannot do O_DIRECT here).
     """
     assert offset % ALIGN == 0
+    direct = len(data) - len(data) % ALIGN if _aligned(data) else 0
+    if direct:
+        # Already block-aligned memory (a RAM-tier slot, a page-aligned buffer): straight to the
+        # device, no bounce copy; only the unaligned tail goes through a bounce buffer.
+        done = 0
+        while done < direct:
+            done += os.pwrite(fd, data[done:direct], offset + done)
+        if direct == len(data):
+            return
+        data, offset = data[direct:], offset + direct
     free = _buffers()
     buf = free.get()
     try:

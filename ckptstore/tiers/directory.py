@@ -122,7 +122,8 @@ class DirectoryTier(Tier):
         try:
             if self.codec is None:
                 end = max((c["offset"] + c["length"] for k in keys for c in snap.chunks[k]), default=start)
-                write_raw(sink, [lambda: snap.data.narrow(0, start, end - start)])
+                # The chunk checksums were computed from the staged copy: no second pass here.
+                write_raw(sink, [lambda: snap.data.narrow(0, start, end - start)], hash_bytes=False)
                 table = {k: [{**c, "file": rel, "offset": c["offset"] - start} for c in snap.chunks[k]] for k in keys}
             else:
                 flat = [(k, c) for k in keys for c in snap.chunks[k]]
