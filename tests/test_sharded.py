@@ -164,3 +164,17 @@ def test_the_same_tensor_twice_loads_as_one_tensor_into_empty_slots(tmp_path):
     target = {"a": None, "b": None}
     ckptstore.load_sharded(target, tmp_path / "c")
     assert target["a"] is target["b"] and torch.equal(target["a"], shared)
+
+
+def test_a_whole_subtree_loads_where_the_caller_has_none(tmp_path):
+    # A fresh optimizer has no state yet: the saved subtree (tensors, tuples, nested dicts) replaces
+    # the caller's None instead of leaking internal references.
+    saved = {"opt": {"state": {0: {"exp_avg": torch.arange(4.0), "step": torch.tensor(3.0)}}, "pair": (1, torch.ones(2))},
+             "w": torch.randn(3)}
+    ckptstore.save_sharded(saved, tmp_path / "c")
+    target = {"opt": None, "w": torch.zeros(3)}
+    ckptstore.load_sharded(target, tmp_path / "c")
+    assert torch.equal(target["opt"]["state"][0]["exp_avg"], torch.arange(4.0))
+    assert torch.equal(target["opt"]["state"][0]["step"], torch.tensor(3.0))
+    assert target["opt"]["pair"][0] == 1 and torch.equal(target["opt"]["pair"][1], torch.ones(2))
+    assert torch.equal(target["w"], saved["w"])

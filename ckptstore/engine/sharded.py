@@ -675,6 +675,23 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
         return type(caller)(*items) if hasattr(type(caller), "_fields") else type(caller)(items)
     if isinstance(saved, _SavedRef):
         raise CheckpointError(f"{where}: unexpected {saved.tag} in the checkpoint")
+    return _materialize(saved, path, ctx)
+
+
+def _materialize(saved: Any, path: list[Any], ctx: _LoadCtx) -> Any:
+    """A saved subtree where the caller has nothing to fill (None, or a value of another kind):
+    it replaces the caller's value, with its tensors allocated fresh."""
+    if isinstance(saved, _SavedRef):
+        return _fill(None, saved, path, ctx)
+    if isinstance(saved, dict):
+        for k in list(saved):
+            saved[k] = _materialize(saved[k], path + [k], ctx)
+    elif isinstance(saved, list):
+        for i, v in enumerate(saved):
+            saved[i] = _materialize(v, path + [i], ctx)
+    elif isinstance(saved, tuple):
+        items = [_materialize(v, path + [i], ctx) for i, v in enumerate(saved)]
+        return type(saved)(*items) if hasattr(type(saved), "_fields") else type(saved)(items)
     return saved
 
 
