@@ -18,6 +18,9 @@ Public API (everything else is private and may change)::
     step = store.restore(state)           # newest sound step, in place; None when there is none
     store.close()
 
+    ckptstore.TrainState(*, model=None, optimizer=None, scheduler=None, scaler=None, loader=None,
+                         extra=None, generators=None)   # save/restore it like a state dict
+
 plus the exception tree rooted at :class:`CheckpointError` (see ``ckptstore.errors``).
 """
 
@@ -37,6 +40,7 @@ from .errors import (
     UnsupportedFormatVersionError,
     UnsupportedObjectError,
 )
+from .train_state import TrainState
 
 __all__ = [
     "__version__",
@@ -47,6 +51,7 @@ __all__ = [
     "PerRank",
     "CheckpointStore",
     "SaveHandle",
+    "TrainState",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",

@@ -17,6 +17,7 @@ EXPECTED_ALL = [
     "PerRank",
     "CheckpointStore",
     "SaveHandle",
+    "TrainState",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -172,4 +173,9 @@ def test_checkpoint_store_signature():
         ("timeout_s", P.KEYWORD_ONLY, 600.0),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save"]
+    assert _shape(ckptstore.CheckpointStore.restore) == [
+        ("self", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("state", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("per_rank", P.KEYWORD_ONLY, "error"),
+    ]
     assert [n for n in dir(ckptstore.SaveHandle) if not n.startswith("_")] == ["done", "wait"]

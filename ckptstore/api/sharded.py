@@ -7,6 +7,7 @@ from typing import Any
 from ..engine import sharded as _engine
 from ..engine.materialize import decode_value, encode_value
 from ..engine.sharded import PerRank
+from ..train_state import TrainState
 
 
 def save_sharded(
@@ -24,9 +25,10 @@ def save_sharded(
     ``url`` is a directory path or fsspec URL. Rank 0 writes ``manifest.json`` last, after every rank's
     data is durable; a directory without it is not a checkpoint. An existing checkpoint at ``url`` is
     only replaced with ``overwrite=True``. Without a process group, this process saves alone.
+    A :class:`~ckptstore.TrainState` is saved as its state dict.
     """
     _engine.save(
-        state_dict,
+        state_dict.state_dict() if isinstance(state_dict, TrainState) else state_dict,
         url,
         process_group=process_group,
         storage_options=storage_options,
@@ -51,8 +53,15 @@ def load_sharded(
     holds (reading only those byte ranges, at most ``buffer_bytes`` staged at once); other leaves are
     replaced by the saved values; keys the checkpoint lacks raise unless ``strict=False``. Per-rank
     values come back to the same rank index; when the world size changed they raise, unless
-    ``per_rank="skip"`` keeps the current ones.
+    ``per_rank="skip"`` keeps the current ones. A :class:`~ckptstore.TrainState` is restored whole,
+    its RNG states last.
     """
+    if isinstance(state_dict, TrainState):
+        skeleton = state_dict.skeleton()
+        load_sharded(skeleton, url, process_group=process_group, storage_options=storage_options, strict=strict,
+                     per_rank=per_rank, buffer_bytes=buffer_bytes)
+        state_dict.load_skeleton(skeleton)
+        return
     _engine.load(
         state_dict,
         url,

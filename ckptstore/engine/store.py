@@ -228,7 +228,7 @@ class CheckpointStore:
                 raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
             if self._last_step is not None and step <= self._last_step:
                 raise InvalidArgumentError(f"step {step} is not after the last saved step {self._last_step}")
-            local = _collect(state, self.rank, encode_value)
+            local = _collect(_as_state_dict(state), self.rank, encode_value)
             mine = _my_writes(local, self.world, self.rank)
             frozen = [m for m in mine if self.frozen is not None and self.frozen(m.key)]
             rest = [m for m in mine if not (self.frozen is not None and self.frozen(m.key))]
@@ -413,12 +413,30 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------------------ restoring
 
-    def restore(self, state: Any) -> int | None:
+    def restore(self, state: Any, *, per_rank: str = "error") -> int | None:
         """Load the newest step with a sound copy into ``state`` in place; None when no tier holds
         any checkpoint of this job. Raises CorruptCheckpointError (listing what was tried) when
-        checkpoints exist but no step has a sound copy for every rank."""
+        checkpoints exist but no step has a sound copy for every rank.
+
+        ``state`` is a state dict (tensors filled in place, other leaves replaced) or a
+        :class:`~ckptstore.TrainState` (every part restored, the RNG states last).
+        ``per_rank="skip"`` keeps the current per-rank values (RNG states, per-rank loader
+        positions) when the checkpoint was saved at another world size."""
         if self._closed:
             raise CheckpointError("this CheckpointStore is closed")
+        if per_rank not in ("error", "skip"):
+            raise InvalidArgumentError(f"per_rank={per_rank!r}: use 'error' or 'skip'")
+        from ..train_state import TrainState
+
+        if isinstance(state, TrainState):
+            skeleton = state.skeleton()
+            step = self._restore(skeleton, per_rank)
+            if step is not None:
+                state.load_skeleton(skeleton)
+            return step
+        return self._restore(state, per_rank)
+
+    def _restore(self, state: Any, per_rank: str) -> int | None:
         self._drain()
         tiers: list[Tier] = [t for t in (self.ram, self.local, self.durable) if t is not None]
         listed: dict[str, set[int]] = {}
@@ -432,7 +450,7 @@ class CheckpointStore:
         candidates = sorted(set().union(*map(set, self._fg.all_gather(sorted(seen)))), reverse=True)
         tried: list[str] = []
         for step in candidates:
-            outcome = self._restore_step(state, step, tiers, listed)
+            outcome = self._restore_step(state, step, tiers, listed, per_rank)
             outcomes = self._fg.all_gather(outcome) if self.world > 1 else [outcome]
             fatal = [o[1] for o in outcomes if o[0] == "fatal"]
             if fatal:
@@ -450,7 +468,9 @@ class CheckpointStore:
             raise CorruptCheckpointError("no sound copy of any checkpoint of this job: " + "; ".join(tried))
         return None
 
-    def _restore_step(self, state: Any, step: int, tiers: list[Tier], listed: dict[str, set[int]]) -> tuple[str, str]:
+    def _restore_step(
+        self, state: Any, step: int, tiers: list[Tier], listed: dict[str, set[int]], per_rank: str
+    ) -> tuple[str, str]:
         self._fatal: Exception | None = None
         problems = []
         for tier in tiers:
@@ -459,7 +479,7 @@ class CheckpointStore:
             try:
                 manifest = tier.manifest_sync(step)
                 load_manifest(state, manifest, tier.display(step), tier.opener(step), group=self._fg, strict=True,
-                              per_rank="error", buffer_bytes=_RESTORE_BUFFER, decode_per_rank=decode_value)
+                              per_rank=per_rank, buffer_bytes=_RESTORE_BUFFER, decode_per_rank=decode_value)
                 return ("ok", tier.name)
             except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
                 log.warning("ckptstore: step %d in the %s tier is damaged or incomplete (%s); trying the next copy",
@@ -512,6 +532,12 @@ class CheckpointStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _as_state_dict(state: Any) -> Any:
+    from ..train_state import TrainState
+
+    return state.state_dict() if isinstance(state, TrainState) else state
 
 
 def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group]:

@@ -1,0 +1,203 @@
+"""TrainState: everything a run needs to resume exactly, as one object the store saves and restores.
+
+A resume that replays or skips samples, or draws different random numbers, silently changes the
+run. TrainState gathers model, optimizer, LR scheduler, GradScaler, data-loader position, user
+extras and every RNG state into one state dict, and restores them in an order that keeps the run
+bitwise on course: the RNG states last, so nothing done while restoring consumes random numbers.
+
+Model and optimizer go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``
+and friends): optimizer state keyed by parameter names rather than ids, and FSDP2 / DTensor models
+handled the same way as plain ones. Model tensors load in place; the optimizer's state is loaded
+into the tensors those helpers initialise.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .engine.sharded import PerRank
+from .errors import CheckpointError, InvalidArgumentError
+
+_VERSION = 1
+
+
+class TrainState:
+    """The parts of a training run that a checkpoint must bring back.
+
+    ``loader``: any object with ``state_dict``/``load_state_dict`` (torchdata's StatefulDataLoader,
+    :class:`ckptstore.data.ResumableLoader`). Its state is stored per rank unless the loader says
+    its state is global (``ckptstore_global_state = True``, as ResumableLoader does: one global
+    sample cursor, valid at any world size).
+
+    ``generators``: named RNGs the run draws from besides the global ones (``torch.Generator`` or
+    ``numpy.random.Generator``); the global python, numpy, torch CPU and CUDA states are always
+    saved, per rank.
+
+    After a restore, ``extra`` holds the saved extras.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        loader: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        generators: Mapping[str, Any] | None = None,
+    ) -> None:
+        if optimizer is not None and model is None:
+            raise InvalidArgumentError("TrainState(optimizer=...) needs model= too: optimizer state is keyed by parameter names")
+        for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("loader", loader)):
+            if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise InvalidArgumentError(f"TrainState({name}=...) needs an object with state_dict() and load_state_dict()")
+        self.model, self.optimizer, self.scheduler, self.scaler, self.loader = model, optimizer, scheduler, scaler, loader
+        self.extra: dict[str, Any] = dict(extra or {})
+        self.generators: dict[str, Any] = dict(generators or {})
+
+    # ------------------------------------------------------------------------------ saving
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state to save: plain values, tensors (DTensors for sharded models) and PerRank values."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        sd: dict[str, Any] = {"version": _VERSION}
+        if self.model is not None:
+            sd["model"] = get_model_state_dict(self.model)
+        if self.optimizer is not None:
+            sd["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)  # type: ignore[arg-type]
+        if self.scheduler is not None:
+            sd["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            sd["scaler"] = self.scaler.state_dict()
+        if self.loader is not None:
+            state = self.loader.state_dict()
+            sd["loader"] = state if _global(self.loader) else PerRank(state)
+        sd["extra"] = dict(self.extra)
+        sd["rng"] = PerRank(capture_rng(self.generators))
+        return sd
+
+    # ------------------------------------------------------------------------------ restoring
+
+    def skeleton(self) -> dict[str, Any]:
+        """What a load fills: model and optimizer tensors in place, everything else replaced."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        sd: dict[str, Any] = {"version": None}
+        if self.model is not None:
+            sd["model"] = get_model_state_dict(self.model)
+        if self.optimizer is not None:
+            # Initialises a fresh optimizer's state (with a zero learning rate), so sharded state
+            # has shards to load into.
+            sd["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)  # type: ignore[arg-type]
+        for name in ("scheduler", "scaler"):
+            if getattr(self, name) is not None:
+                sd[name] = None
+        if self.loader is not None:
+            sd["loader"] = None if _global(self.loader) else PerRank(None)
+        sd["extra"] = None
+        sd["rng"] = PerRank(None)
+        return sd
+
+    def load_skeleton(self, sd: dict[str, Any]) -> None:
+        """Apply a filled :meth:`skeleton` to the live objects; the RNG states last."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if sd.get("version") != _VERSION:
+            raise CheckpointError(f"TrainState version {sd.get('version')!r} is not {_VERSION}; use a matching ckptstore")
+        if self.optimizer is not None:
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])  # type: ignore[arg-type]
+        elif self.model is not None:
+            set_model_state_dict(self.model, sd["model"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(sd["scaler"])
+        if self.loader is not None:
+            value = sd["loader"]
+            if isinstance(value, PerRank):
+                value = value.value
+            if value is not None:  # None: a per-rank position skipped at another world size
+                self.loader.load_state_dict(value)
+        self.extra = dict(sd["extra"] or {})
+        rng = sd["rng"].value if isinstance(sd["rng"], PerRank) else None
+        if rng is not None:
+            restore_rng(rng, self.generators)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from a complete state dict (as returned by :meth:`state_dict` or loaded whole)."""
+        self.load_skeleton(sd)
+
+
+def _global(loader: Any) -> bool:
+    return bool(getattr(loader, "ckptstore_global_state", False))
+
+
+def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every RNG state of this process: python, numpy's legacy global state, torch CPU, each CUDA
+    device (only once CUDA is initialised: touching it would create contexts), and ``generators``."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is optional
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    named = {}
+    for name, gen in (generators or {}).items():
+        if isinstance(gen, torch.Generator):
+            named[name] = {"torch": gen.get_state()}
+        elif hasattr(gen, "bit_generator"):
+            named[name] = {"numpy": gen.bit_generator.state}
+        else:
+            raise InvalidArgumentError(f"generator {name!r} is a {type(gen).__name__}: use torch.Generator or numpy.random.Generator")
+    state["generators"] = named
+    return state
+
+
+def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None = None) -> None:
+    """Put back what :func:`capture_rng` took. A generator saved but not registered now (or the
+    reverse) is an error: resuming with it unset would silently change the run."""
+    random.setstate(_tuples(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        saved = state["cuda"]
+        if len(saved) != torch.cuda.device_count():
+            raise CheckpointError(
+                f"the checkpoint holds RNG states of {len(saved)} CUDA devices but this process sees "
+                f"{torch.cuda.device_count()}; resume with the same devices per rank"
+            )
+        torch.cuda.set_rng_state_all(saved)
+    named = dict(state.get("generators", {}))
+    mine = dict(generators or {})
+    if set(named) != set(mine):
+        raise CheckpointError(
+            f"the checkpoint has RNG generators {sorted(named)} but this TrainState registers {sorted(mine)}; "
+            "register the same generators= to resume exactly"
+        )
+    for name, gen in mine.items():
+        saved_state = named[name]
+        if "torch" in saved_state:
+            gen.set_state(saved_state["torch"])
+        else:
+            gen.bit_generator.state = saved_state["numpy"]
+
+
+def _tuples(value: Any) -> Any:
+    """random.setstate wants tuples all the way down."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, tuple):
+        return tuple(_tuples(v) for v in value)
+    return value
