@@ -20,6 +20,9 @@ Public API (everything else is private and may change)::
 
     ckptstore.TrainState(*, model=None, optimizer=None, scheduler=None, scaler=None, loader=None,
                          extra=None, generators=None)   # save/restore it like a state dict
+    ckptstore.ResumableSampler(dataset_len, *, batch_size, seed=0, shuffle=True, rank=None,
+                               world_size=None, drop_last=True)
+    ckptstore.ResumableLoader(dataset, sampler, **dataloader_kwargs)  # exact position, any world size
 
 plus the exception tree rooted at :class:`CheckpointError` (see ``ckptstore.errors``).
 """
@@ -27,6 +30,7 @@ plus the exception tree rooted at :class:`CheckpointError` (see ``ckptstore.erro
 from ._version import __version__
 from .api.dropin import load, save
 from .api.sharded import PerRank, load_sharded, save_sharded
+from .data import ResumableLoader, ResumableSampler
 from .engine.store import CheckpointStore, SaveHandle
 from .errors import (
     CheckpointError,
@@ -52,6 +56,8 @@ __all__ = [
     "CheckpointStore",
     "SaveHandle",
     "TrainState",
+    "ResumableSampler",
+    "ResumableLoader",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",

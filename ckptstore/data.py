@@ -52,7 +52,7 @@ STATE_VERSION = 1
 _MASK64 = (1 << 64) - 1
 _STATE_KEYS = ("version", "epoch", "cursor", "seed", "dataset_len", "shuffle", "drop_last")
 # DataLoader arguments that the sampler decides; accepting them would contradict its stream.
-_RESERVED_KWARGS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+_RESERVED_KWARGS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
 
 
 def _mix64(x: int) -> int:
@@ -226,6 +226,10 @@ class ResumableLoader:
     :meth:`load_state_dict` supersedes any earlier iterator of this loader.
     """
 
+    #: The state is the same on every rank (a global cursor), so :class:`ckptstore.TrainState` stores
+    #: it once rather than per rank, and a resume at another world size can load it on every rank.
+    ckptstore_global_state = True
+
     def __init__(self, dataset: Dataset[Any], sampler: ResumableSampler, **dataloader_kwargs: Any) -> None:
         if not isinstance(sampler, ResumableSampler):
             raise InvalidArgumentError(
@@ -236,12 +240,24 @@ class ResumableLoader:
         if reserved:
             raise InvalidArgumentError(
                 f"ResumableLoader: {', '.join(reserved)} cannot be passed to the DataLoader; "
-                "set batch_size, shuffle and drop_last on the ResumableSampler instead"
+                "set batch_size, shuffle and drop_last on the ResumableSampler instead (and the loader seeds its workers from the sampler's seed)"
+            )
+        if dataloader_kwargs.get("in_order", True) is not True:
+            raise InvalidArgumentError(
+                "ResumableLoader: in_order=False lets workers deliver batches out of order, so the count of "
+                "delivered batches no longer names a stream position; leave in_order at its default True"
             )
         self.sampler = sampler
+        # Every DataLoader iterator draws its workers' base seed from a generator, by default the
+        # global torch RNG: a run resumed mid-epoch would make that draw at the resume, where the
+        # straight run made it at the epoch's start, and every random number after it (dropout...)
+        # would differ. A generator of our own, seeded per epoch, keeps the global stream untouched
+        # and the workers' seeds the same in both runs.
+        self._seeds = torch.Generator()
         #: The wrapped DataLoader; iterate this object, not it, or nothing is counted.
         self.dataloader: DataLoader[Any] = DataLoader(
-            dataset, batch_size=sampler.batch_size, sampler=sampler, drop_last=False, **dataloader_kwargs
+            dataset, batch_size=sampler.batch_size, sampler=sampler, drop_last=False, generator=self._seeds,
+            **dataloader_kwargs,
         )
         self._generation = 0
 
@@ -289,7 +305,9 @@ class ResumableLoader:
         """
         where = "ResumableLoader.load_state_dict"
         if not isinstance(state_dict, dict):
-            raise InvalidArgumentError(f"{where}: expected the dict state_dict() returned, got {type(state_dict).__name__}")
+            raise InvalidArgumentError(
+                f"{where}: expected the dict state_dict() returned, got {type(state_dict).__name__}"
+            )
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         if missing:
             raise InvalidArgumentError(
@@ -317,7 +335,9 @@ class ResumableLoader:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{where}: {key} must be a non-negative int, got {value!r}")
         if cursor > s.dataset_len:
-            raise InvalidArgumentError(f"{where}: cursor {cursor} is past the end of the {s.dataset_len}-sample dataset")
+            raise InvalidArgumentError(
+                f"{where}: cursor {cursor} is past the end of the {s.dataset_len}-sample dataset"
+            )
         self._generation += 1  # an iterator from before the load must not move the new position
         s.set_position(epoch, cursor)
 
@@ -334,6 +354,7 @@ class _EpochIterator(Iterator[Any]):
         self._global_batches = sampler.num_global_batches()
         self._delivered = 0
         # Created here, not on the first next(), so workers start prefetching right away.
+        loader._seeds.manual_seed(_mix64(_epoch_seed(loader.sampler.seed, loader.sampler.epoch) + 1))
         self._it: Iterator[Any] | None = iter(loader.dataloader) if self._global_batches else None
         if self._it is None:
             self._end_epoch()

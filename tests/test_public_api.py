@@ -18,6 +18,8 @@ EXPECTED_ALL = [
     "CheckpointStore",
     "SaveHandle",
     "TrainState",
+    "ResumableSampler",
+    "ResumableLoader",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
