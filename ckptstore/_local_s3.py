@@ -31,8 +31,43 @@ class LocalS3:
         self._server.stop()
 
 
-def start_local_s3(bucket: str = "ckptstore") -> LocalS3:
-    """Start moto's S3 server on a free loopback port and create ``bucket`` in it."""
+class _ServerProcess:
+    """moto's server in a process of its own, so its Python work does not compete for our GIL
+    (in-process, it slows down the very training loop a demo measures)."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self._proc.start()
+        if not self._parent.poll(60):
+            self._proc.kill()
+            raise RuntimeError("the local S3 server did not start within 60 s")
+        self.host, self.port = self._parent.recv()
+
+    def get_host_and_port(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.join(10)
+
+
+def _serve(conn: Any) -> None:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    conn.send(server.get_host_and_port())
+    conn.recv()  # until the parent goes away or terminates us
+
+
+def start_local_s3(bucket: str = "ckptstore", *, own_process: bool = False) -> LocalS3:
+    """Start moto's S3 server on a free loopback port and create ``bucket`` in it (in a thread of
+    this process, or with ``own_process=True`` in a process of its own)."""
     try:
         import boto3
         from moto.server import ThreadedMotoServer
@@ -40,8 +75,12 @@ def start_local_s3(bucket: str = "ckptstore") -> LocalS3:
         raise ImportError("the local S3 server needs moto: pip install 'moto[server]' boto3") from exc
     # werkzeug logs every request of the server to stderr.
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server: Any
+    if own_process:
+        server = _ServerProcess()
+    else:
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     client = boto3.client(

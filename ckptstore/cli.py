@@ -99,7 +99,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    result = run_demo(args.dir, mib=args.mib, use_s3=not args.no_s3)
+    result = run_demo(args.dir, mib=args.mib, use_s3=not args.no_s3, steps=args.steps)
     return 0 if result["ok"] else 1
 
 
@@ -202,11 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="run the main job on embedded defaults (local directory + local S3 server)",
-        description="Save and load a model + optimizer state with ckptstore and torch.save, locally and "
-        "through a local S3 server (moto on 127.0.0.1), and check every round trip bitwise.",
+        description="Train a small model with a CheckpointStore (local directory + a local S3 server, moto on "
+        "127.0.0.1), kill the training process halfway with SIGKILL, restore in a new process and finish; check "
+        "that the resumed run is bitwise equal to an uninterrupted one and report what each tier holds.",
     )
-    p.add_argument("--dir", default=None, help="directory for the local files (default: a new temp dir)")
-    p.add_argument("--mib", type=int, default=96, help="approximate size of the state in MiB (default 96)")
+    p.add_argument("--dir", default=None, help="keep the files in this directory (default: a temp dir, removed)")
+    p.add_argument("--mib", type=int, default=64, help="approximate size of model + Adam state in MiB (default 64)")
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60; the crash comes halfway)")
     p.add_argument("--no-s3", action="store_true", help="skip the local S3 server")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -73,12 +73,16 @@ def test_every_command_has_help():
         assert "usage: ckptstore" in res.stdout
 
 
-def test_demo_round_trips_locally_and_through_local_s3(tmp_path, capsys):
-    assert main(["demo", "--dir", str(tmp_path), "--mib", "4"]) == 0
+def test_demo_crashes_resumes_exactly_and_reports_the_tiers(tmp_path, capsys):
+    assert main(["demo", "--dir", str(tmp_path), "--mib", "12", "--steps", "24"]) == 0
     out = capsys.readouterr().out
-    assert "all round trips bitwise equal" in out
-    assert "s3://ckptstore/demo/demo.ckpt" in out
-    assert (tmp_path / "demo.ckpt").exists() and (tmp_path / "demo.pt").exists()
+    assert "killed with SIGKILL after step 14: yes" in out
+    assert "bitwise equal to the uninterrupted run: yes; final weights equal: yes" in out
+    assert "s3://ckptstore/demo/demo-" in out and "demo passed" in out
+    # Snapshots at 5, 10, ..., the crash after 14, the resume from 10 (RAM) and saves up to 20;
+    # every 4th snapshot and the last one on close reach the durable tier.
+    assert "restored step 10 from the ram tier" in out
+    assert "durable [20]" in out and "local [10, 15, 20]" in out
 
 
 def test_convert_round_trip_through_the_cli(tmp_path, capsys):

@@ -4,7 +4,7 @@
 and hands the slot to one background asyncio loop per process. For each step that loop, in order:
 checksums the staged copy; gathers every rank's part and commits the step in RAM with its global
 manifest; writes each rank's bytes to the local directory and commits there (manifest last); and
-promotes every ``durable_every``-th step (and the last one, on close) to the durable URL, applying
+promotes every ``durable_every``-th snapshot (and the last one, on close) to the durable URL, applying
 retention after each commit. In a process group each rank's snapshot is a shard of one sharded,
 layout-independent checkpoint: every tier holds ordinary ``load_sharded`` directories.
 
@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,10 +69,17 @@ class _Loop:
 
 
 class SaveHandle:
-    """The background progress of one save: wait for a tier, or ask whether it is done."""
+    """The background progress of one save: wait for a tier, or ask whether it is done.
 
-    def __init__(self, step: int, futures: dict[str, concurrent.futures.Future | None], skipped: bool = False) -> None:
+    ``step``; ``skipped`` (True when ``policy="skip"`` dropped this save); ``waited_s``, how long
+    ``save`` waited for a free RAM slot (the snapshots before it were still persisting); and
+    ``staged_s``, how long the copy into RAM took: together, what the training loop paid.
+    """
+
+    def __init__(self, step: int, futures: dict[str, concurrent.futures.Future | None], skipped: bool = False,
+                 waited_s: float = 0.0, staged_s: float = 0.0) -> None:
         self.step, self.skipped, self._futures = step, skipped, futures
+        self.waited_s, self.staged_s = waited_s, staged_s
 
     def done(self, tier: str = "local") -> bool:
         """Whether the snapshot reached ``tier`` (or failed); True when it never goes there."""
@@ -108,6 +116,7 @@ class _Job:
     boxes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     frozen_end: int = 0
     snap: Snapshot | None = None
+    fast_done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
 
 
@@ -154,7 +163,7 @@ class CheckpointStore:
         self.job, self.durable_every, self.keep_local, self.keep_durable = job, durable_every, keep_local, keep_durable
         self.policy, self.ram_budget_bytes = policy, ram_budget_bytes
         self.frozen, self.refresh_every = frozen, refresh_every
-        self._fg, self._bg = _groups(process_group, timeout_s)
+        self._fg, self._bg, self._bg_durable = _groups(process_group, timeout_s)
         self.rank, self.world = self._fg.rank, self._fg.world
         self.ram = RamTier(job, self.rank, ram_dir=ram_dir, slots=2)
         # Of the ranks sharing a local directory (one node), the lowest writes its manifests,
@@ -178,7 +187,12 @@ class CheckpointStore:
             self.ram._next = (max(mine, key=lambda d: d["step"])["slot"] + 1) % self.ram.nslots
         self._loop = _Loop()
         self._busy: dict[int, concurrent.futures.Future] = {}  # slot -> the pipeline using it
-        self._tail: concurrent.futures.Future | None = None  # the last pipeline submitted
+        # Two lanes, each first-in first-out so that its collectives keep one order on every rank:
+        # RAM + local commits, and durable promotions, which are slower and must not hold up the
+        # next step's RAM and local commits.
+        self._fast_tail: concurrent.futures.Future | None = None  # the fast part of the last pipeline
+        self._durable_tail: asyncio.Future | None = None  # the last promotion (touched on the loop only)
+        self._outstanding: set[concurrent.futures.Future] = set()
         # Background failures not yet raised to the caller, by step; steps up to _reported were.
         self._errors: list[tuple[int, BaseException]] = []
         self._reported = -1
@@ -267,8 +281,10 @@ class CheckpointStore:
             return SaveHandle(step, {}, skipped=True)
         slot = self.ram._next
         waiting = self._busy.get(slot)
+        t_wait = time.perf_counter()
         if waiting is not None:
             concurrent.futures.wait([waiting])
+        waited = time.perf_counter() - t_wait
         self._saves += 1
         refresh = self._saves % self.refresh_every == 0
         may_skip = frozenset() if refresh else frozenset(k for k, _ in items[:frozen_count])
@@ -282,18 +298,20 @@ class CheckpointStore:
             e = job.staged.layout.entries[frozen_count - 1]
             job.frozen_end = align_up(e.offset + e.nbytes)
         self._last_step = step
-        promote = self.durable is not None and step % self.durable_every == 0
+        promote = self.durable is not None and self._saves % self.durable_every == 0  # every N-th snapshot
         futures: dict[str, concurrent.futures.Future | None] = {
             "ram": concurrent.futures.Future(),
             "local": concurrent.futures.Future() if self.local else None,
             "durable": concurrent.futures.Future() if promote else None,
         }
-        fut = self._submit(lambda prev: self._pipeline(prev, job, futures, promote))
+        prev, self._fast_tail = self._fast_tail, job.fast_done
+        fut = self._loop.submit(self._pipeline(prev, job, futures, promote))
+        self._outstanding = {f for f in self._outstanding if not f.done()} | {fut}
         if job.staged is not None:
             self._busy[job.staged.slot] = fut
         if job.error is not None:
             raise job.error
-        return SaveHandle(step, futures)
+        return SaveHandle(step, futures, waited_s=waited, staged_s=job.staged.seconds if job.staged else 0.0)
 
     def _size_slots(self, items: list[tuple[str, Any]]) -> None:
         """Fix the number of staging slots at the first save, from ram_budget_bytes."""
@@ -312,13 +330,7 @@ class CheckpointStore:
             self.ram._next %= slots
         self._slots_set = True
 
-    def _submit(self, make: Callable[[concurrent.futures.Future | None], Any]) -> concurrent.futures.Future:
-        """Run a pipeline coroutine after the previous one: collectives keep one order on all ranks."""
-        fut = self._loop.submit(make(self._tail))
-        self._tail = fut
-        return fut
-
-    async def _agree(self, what: str, fn: Callable[[], Any]) -> list[Any]:
+    async def _agree(self, what: str, fn: Callable[[], Any], group: Group | None = None) -> list[Any]:
         """Run ``fn`` on this rank, then learn every rank's outcome: all ranks return the list of
         results, or all raise (naming the ranks that failed). Nobody is left waiting in a collective."""
         local_exc: BaseException | None = None
@@ -327,7 +339,8 @@ class CheckpointStore:
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_exc = exc
             status = {"ok": False, "error": f"rank {self.rank} ({socket.gethostname()}): {exc}"}
-        statuses = await _in_thread(self._bg.all_gather, status) if self.world > 1 else [status]
+        group = group or self._bg
+        statuses = await _in_thread(group.all_gather, status) if self.world > 1 else [status]
         errors = [s["error"] for s in statuses if not s["ok"]]
         if errors:
             if self.world == 1 and local_exc is not None:
@@ -347,55 +360,75 @@ class CheckpointStore:
         if prev is not None:
             await asyncio.wrap_future(prev)
         try:
-            def stage_part() -> dict[str, Any]:
-                if job.error is not None:
-                    raise job.error
-                assert job.staged is not None
-                self.ram.checksums(job.staged, BLOCK_SIZE)
-                job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
-                part = self.ram.put_sync(job.snap)
-                part.update(step=job.step, digest=job.digest)
-                if self.rank == 0:
-                    part["shared"] = {"tree": job.tree, "tensors": job.tensors}
-                return part
-
-            parts = await self._agree(f"staging step {job.step}", stage_part)
-            if len({p["step"] for p in parts}) > 1 or len({p["digest"] for p in parts}) > 1:
-                raise CheckpointError(
-                    f"ranks staged different steps or different tensors (keys, dtypes or global shapes) for step "
-                    f"{job.step}: every rank must save the same state dict structure at the same step"
-                )
-            job.shared = parts[0].pop("shared")
-            for p in parts[1:]:
-                p.pop("shared", None)
-            manifest = self._manifest(job, parts)
-            await self._agree(f"committing step {job.step} in RAM", lambda: self.ram.commit_sync(job.step, manifest))
-            self._last = job
-            _resolve(futures["ram"], job.step)
-            if self.local is not None:
-                await self._to_tier(self.local, job)
-                _resolve(futures["local"], job.step)
-                await self._retain(self.local, self.keep_local)
-            if promote:
+            await self._fast_part(job, futures)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
+            self._failed(job, futures, exc)
+            return
+        finally:
+            job.fast_done.set_result(None)
+        if promote:
+            prev_durable, mine = self._durable_tail, asyncio.get_running_loop().create_future()
+            self._durable_tail = mine
+            try:
+                if prev_durable is not None:
+                    await prev_durable
                 await self._promote(job)
                 _resolve(futures["durable"], job.step)
-        except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
-            log.error("ckptstore: background save of step %d failed: %s", job.step, exc)
-            self._errors.append((job.step, exc))
-            for f in futures.values():
-                if f is not None and not f.done():
-                    f.set_exception(exc)
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
+                self._failed(job, futures, exc)
+            finally:
+                mine.set_result(None)
 
-    async def _to_tier(self, tier: Tier, job: _Job) -> None:
+    def _failed(self, job: _Job, futures: dict[str, concurrent.futures.Future | None], exc: BaseException) -> None:
+        log.error("ckptstore: background save of step %d failed: %s", job.step, exc)
+        self._errors.append((job.step, exc))
+        for f in futures.values():
+            if f is not None and not f.done():
+                f.set_exception(exc)
+
+    async def _fast_part(self, job: _Job, futures: dict[str, concurrent.futures.Future | None]) -> None:
+        """Checksums, the RAM commit and the local tier, in step order."""
+        def stage_part() -> dict[str, Any]:
+            if job.error is not None:
+                raise job.error
+            assert job.staged is not None
+            self.ram.checksums(job.staged, BLOCK_SIZE)
+            job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
+            part = self.ram.put_sync(job.snap)
+            part.update(step=job.step, digest=job.digest)
+            if self.rank == 0:
+                part["shared"] = {"tree": job.tree, "tensors": job.tensors}
+            return part
+
+        parts = await self._agree(f"staging step {job.step}", stage_part)
+        if len({p["step"] for p in parts}) > 1 or len({p["digest"] for p in parts}) > 1:
+            raise CheckpointError(
+                f"ranks staged different steps or different tensors (keys, dtypes or global shapes) for step "
+                f"{job.step}: every rank must save the same state dict structure at the same step"
+            )
+        job.shared = parts[0].pop("shared")
+        for p in parts[1:]:
+            p.pop("shared", None)
+        manifest = self._manifest(job, parts)
+        await self._agree(f"committing step {job.step} in RAM", lambda: self.ram.commit_sync(job.step, manifest))
+        self._last = job
+        _resolve(futures["ram"], job.step)
+        if self.local is not None:
+            await self._to_tier(self.local, job, self._bg)
+            _resolve(futures["local"], job.step)
+            await self._retain(self.local, self.keep_local)
+
+    async def _to_tier(self, tier: Tier, job: _Job, group: Group) -> None:
         assert job.snap is not None
         snap = job.snap
-        parts = await self._agree(f"writing step {job.step} to the {tier.name} tier", lambda: tier.put_sync(snap))
+        parts = await self._agree(f"writing step {job.step} to the {tier.name} tier", lambda: tier.put_sync(snap), group)
         manifest = self._manifest(job, parts)
-        await self._agree(f"committing step {job.step} in the {tier.name} tier", lambda: tier.commit_sync(job.step, manifest))
+        await self._agree(f"committing step {job.step} in the {tier.name} tier",
+                          lambda: tier.commit_sync(job.step, manifest), group)
 
     async def _promote(self, job: _Job) -> None:
         assert self.durable is not None
-        await self._to_tier(self.durable, job)
+        await self._to_tier(self.durable, job, self._bg_durable)
         self._promoted.add(job.step)
         await self._retain(self.durable, self.keep_durable)
 
@@ -495,8 +528,7 @@ class CheckpointStore:
     # ------------------------------------------------------------------------------ closing
 
     def _drain(self) -> None:
-        if self._tail is not None:
-            concurrent.futures.wait([self._tail])
+        concurrent.futures.wait(list(self._outstanding))
 
     def close(self) -> None:
         """Drain the pipeline, promote the last snapshot if it was not, and stop the loop.
@@ -511,16 +543,14 @@ class CheckpointStore:
                 promote = all(self._fg.all_gather(promote))
             if promote:
                 assert last is not None
-                self._submit(lambda prev: self._close_promote(prev, last)).result()
+                self._loop.submit(self._close_promote(last)).result()
         finally:
             self._closed = True
             self._loop.close()
             self.ram.close()
         self._raise_pending(self._pending())
 
-    async def _close_promote(self, prev: concurrent.futures.Future | None, job: _Job) -> None:
-        if prev is not None:
-            await asyncio.wrap_future(prev)
+    async def _close_promote(self, job: _Job) -> None:
         try:
             await self._promote(job)
         except BaseException as exc:  # noqa: BLE001 - surfaced by close()
@@ -540,12 +570,13 @@ def _as_state_dict(state: Any) -> Any:
     return state.state_dict() if isinstance(state, TrainState) else state
 
 
-def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group]:
-    """Two gloo groups of the store's own over the ranks of ``process_group`` (or the world)."""
+def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group, Group]:
+    """Three gloo groups of the store's own over the ranks of ``process_group`` (or the world): the
+    trainer thread's, the fast lane's and the durable lane's."""
     group = Group(process_group)
     if group.world == 1:
         solo = Group.solo()
-        return solo, solo
+        return solo, solo, solo
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {"backend": "gloo", "timeout": datetime.timedelta(seconds=timeout_s)}
@@ -554,7 +585,8 @@ def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group]:
         ranks = dist.get_process_group_ranks(process_group)
         if len(ranks) < dist.get_world_size():
             kwargs["use_local_synchronization"] = True  # only the members take part in creating it
-    return Group(dist.new_group(ranks=ranks, **kwargs)), Group(dist.new_group(ranks=ranks, **kwargs))
+    fg, fast, durable = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(3))
+    return fg, fast, durable
 
 
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:
