@@ -249,3 +249,22 @@ def store_disagree_job(rank: int, world: int, name: str, local: str) -> None:
         else:
             raise AssertionError("a save that fails on one rank must fail on all")
         store.save(30, {"w": torch.full((3,), float(rank))}).wait("local")
+
+
+def fsdp_train_state_job(rank: int, world: int, name: str, local: str) -> None:
+    """FSDP2 model and optimizer in a TrainState, through the store: a resume continues bitwise."""
+    model, opt = _fsdp_setup(world)
+    for step in range(3):
+        _train_step(model, opt, step)
+    with ckptstore.CheckpointStore(name, local=local) as store:
+        store.save(3, ckptstore.TrainState(model=model, optimizer=opt, extra={"seen": 3})).wait("local")
+    straight = [_train_step(model, opt, 3 + i) for i in range(2)]
+
+    model2, opt2 = _fsdp_setup(world)
+    _train_step(model2, opt2, 999)  # other parameters and optimizer state, overwritten by the restore
+    state = ckptstore.TrainState(model=model2, optimizer=opt2)
+    with ckptstore.CheckpointStore(name, local=local) as store:
+        assert store.restore(state) == 3
+    assert state.extra == {"seen": 3}
+    resumed = [_train_step(model2, opt2, 3 + i) for i in range(2)]
+    assert resumed == straight, (resumed, straight)

@@ -156,3 +156,11 @@ def test_store_ranks_fail_together_instead_of_hanging(tmp_path):
         _spawn(2, "store_disagree_job", tmp_path, name=job, local=str(tmp_path / "local"))
     finally:
         _wipe_ram(job)
+
+
+def test_fsdp2_train_state_resumes_bitwise_through_the_store(tmp_path):
+    job = f"dist-{os.urandom(6).hex()}"
+    try:
+        _spawn(2, "fsdp_train_state_job", tmp_path, name=job, local=str(tmp_path / "local"))
+    finally:
+        _wipe_ram(job)
