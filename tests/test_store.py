@@ -289,3 +289,30 @@ def test_restore_into_a_mismatched_state_is_an_error_not_a_fallback(job, tmp_pat
         with pytest.raises(ckptstore.CheckpointError, match="lacks 1 key") as info:
             store.restore(target)
         assert not isinstance(info.value, ckptstore.CorruptCheckpointError)
+
+
+def test_a_restarted_store_never_restages_the_only_committed_snapshot(job):
+    # RAM tier only: step 3 is committed in slot 0 by a process that then dies (never closes).
+    crashed = CheckpointStore(job)
+    crashed.save(3, _state(3)).wait("ram")
+    crashed._loop.close()
+    crashed.ram.close()
+
+    store = CheckpointStore(job)
+    target = _empty()
+    assert store.restore(target) == 3
+    gate = threading.Event()
+
+    async def hold_the_loop():
+        gate.wait()
+
+    store._loop.submit(hold_the_loop())  # step 6's RAM commit cannot happen until the gate opens
+    store.save(6, _state(6))  # slot 1
+    threading.Timer(0.5, gate.set).start()
+    handle = store.save(9, _state(9))  # slot 0 holds step 3, the only committed snapshot: must wait
+    assert handle.waited_s >= 0.4
+    handle.wait("ram")
+    store.close()
+    with CheckpointStore(job) as again:
+        target = _empty()
+        assert again.restore(target) == 9 and _same(target, _state(9))

@@ -193,6 +193,7 @@ class CheckpointStore:
         self._fast_tail: concurrent.futures.Future | None = None  # the fast part of the last pipeline
         self._durable_tail: asyncio.Future | None = None  # the last promotion (touched on the loop only)
         self._outstanding: set[concurrent.futures.Future] = set()
+        self._last_ram: concurrent.futures.Future | None = None  # the RAM commit of the newest save
         # Background failures not yet raised to the caller, by step; steps up to _reported were.
         self._errors: list[tuple[int, BaseException]] = []
         self._reported = -1
@@ -280,10 +281,14 @@ class CheckpointStore:
             log.warning("ckptstore: step %d skipped: the previous snapshots are still being persisted", step)
             return SaveHandle(step, {}, skipped=True)
         slot = self.ram._next
-        waiting = self._busy.get(slot)
         t_wait = time.perf_counter()
-        if waiting is not None:
-            concurrent.futures.wait([waiting])
+        # Restaging a slot destroys the snapshot in it: first, the slot's own pipeline must be done
+        # with it, and the previous snapshot must be committed in RAM (in another slot), so that a
+        # crash while staging always leaves the newest committed snapshot behind. The second wait
+        # matters after a restart, when the slots hold snapshots no pipeline of ours tracks.
+        holders = [f for f in (self._busy.get(slot), self._last_ram) if f is not None]
+        if holders:
+            concurrent.futures.wait(holders)
         waited = time.perf_counter() - t_wait
         self._saves += 1
         refresh = self._saves % self.refresh_every == 0
@@ -304,6 +309,7 @@ class CheckpointStore:
             "local": concurrent.futures.Future() if self.local else None,
             "durable": concurrent.futures.Future() if promote else None,
         }
+        self._last_ram = futures["ram"]
         prev, self._fast_tail = self._fast_tail, job.fast_done
         fut = self._loop.submit(self._pipeline(prev, job, futures, promote))
         self._outstanding = {f for f in self._outstanding if not f.done()} | {fut}
@@ -462,8 +468,17 @@ class CheckpointStore:
         from ..train_state import TrainState
 
         if isinstance(state, TrainState):
+            # Building the skeleton initialises a fresh optimizer's state (DCP's helpers take a
+            # zero-learning-rate step); with nothing to restore, that must not stay behind, or the
+            # run would differ from one that never called restore.
+            fresh = state.optimizer is not None and not state.optimizer.state
             skeleton = state.skeleton()
-            step = self._restore(skeleton, per_rank)
+            step: int | None = None
+            try:
+                step = self._restore(skeleton, per_rank)
+            finally:
+                if fresh and step is None and state.optimizer is not None:
+                    state.optimizer.state.clear()
             if step is not None:
                 state.load_skeleton(skeleton)
             return step
