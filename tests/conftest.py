@@ -11,6 +11,7 @@ import collections
 import json
 import math
 import os
+import uuid
 from typing import Any
 
 import numpy as np
@@ -198,3 +199,38 @@ def s3(s3_server, request):
     prefix = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:80]
     opts = dict(s3_server["storage_options"], skip_instance_cache=True)
     return dict(s3_server, prefix=prefix, storage_options=opts)
+
+
+# ---------------------------------------------------------------------------- shared helpers
+
+
+def wipe_ram(job: str) -> None:
+    """Remove every RAM-tier segment of ``job`` in /dev/shm (a crashed or finished run's)."""
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"ckptstore-{job}-"):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
+
+
+@pytest.fixture
+def job():
+    """A job name of its own, whose /dev/shm segments are removed afterwards."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    wipe_ram(name)
+
+
+def s3_keys(s3: dict[str, Any], prefix: str) -> list[str]:
+    listed = s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=prefix)
+    return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+def s3_object_bytes(s3: dict[str, Any], key: str) -> bytes:
+    return s3["client"].get_object(Bucket=s3["bucket"], Key=key)["Body"].read()
+
+
+def s3_pending_uploads(s3: dict[str, Any], prefix: str) -> list[str]:
+    listed = s3["client"].list_multipart_uploads(Bucket=s3["bucket"], Prefix=prefix)
+    return [u["Key"] for u in listed.get("Uploads", [])]

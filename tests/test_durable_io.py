@@ -14,7 +14,7 @@ import uuid
 import pytest
 import s3fs
 import torch
-from conftest import assert_same
+from conftest import assert_same, s3_keys, s3_object_bytes, s3_pending_uploads
 
 import ckptstore
 from ckptstore import CheckpointError, InvalidArgumentError, StorageError
@@ -123,20 +123,6 @@ def test_memory_exclusive_create_falls_back_to_check_then_write():
     assert fs.ls(path.rsplit("/", 1)[0], detail=False) == [path], "no temporary keys left behind"
 
 
-def _keys(s3, prefix: str) -> list[str]:
-    listed = s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=prefix)
-    return sorted(o["Key"] for o in listed.get("Contents", []))
-
-
-def _object_bytes(s3, key: str) -> bytes:
-    return s3["client"].get_object(Bucket=s3["bucket"], Key=key)["Body"].read()
-
-
-def _pending_uploads(s3, prefix: str) -> list[str]:
-    listed = s3["client"].list_multipart_uploads(Bucket=s3["bucket"], Prefix=prefix)
-    return [u["Key"] for u in listed.get("Uploads", [])]
-
-
 def test_s3_exclusive_create_has_exactly_one_winner(s3):
     key = f"{s3['prefix']}/COMMITTED"
     url = f"s3://{s3['bucket']}/{key}"
@@ -144,8 +130,8 @@ def test_s3_exclusive_create_has_exactly_one_winner(s3):
     winners, errors = _race(lambda: resolve(url, s3["storage_options"]))
     assert len(winners) == 1
     _assert_lost(errors, url, 7)
-    assert _object_bytes(s3, key) == b"writer %d" % winners[0]
-    assert _keys(s3, s3["prefix"]) == [key]
+    assert s3_object_bytes(s3, key) == b"writer %d" % winners[0]
+    assert s3_keys(s3, s3["prefix"]) == [key]
 
 
 def test_s3_conditional_put_refuses_what_the_existence_check_missed(s3, monkeypatch):
@@ -159,7 +145,7 @@ def test_s3_conditional_put_refuses_what_the_existence_check_missed(s3, monkeypa
     with pytest.raises(CheckpointError) as info:
         write_small_exclusive(target, b"second")
     assert str(info.value).startswith(f"{url} {TAKEN}")
-    assert _object_bytes(s3, key) == b"first"
+    assert s3_object_bytes(s3, key) == b"first"
 
 
 def test_s3_exclusive_create_to_missing_bucket(s3):
@@ -243,12 +229,12 @@ def test_large_object_round_trips_with_bounded_parts_in_flight(s3, parallel_uplo
     for offset in range(0, len(payload), step):
         sink.write(view[offset : offset + step])
     assert sink.tell() == len(payload)
-    assert _keys(s3, key) == [], "nothing is visible before commit"
+    assert s3_keys(s3, key) == [], "nothing is visible before commit"
     sink.commit(b"")
 
-    assert _object_bytes(s3, key) == payload
-    assert _keys(s3, s3["prefix"]) == [key]
-    assert _pending_uploads(s3, s3["prefix"]) == []
+    assert s3_object_bytes(s3, key) == payload
+    assert s3_keys(s3, s3["prefix"]) == [key]
+    assert s3_pending_uploads(s3, s3["prefix"]) == []
     assert spy.calls.count("upload_part") == 5  # 8 MiB parts: 4 full + 1 partial
     assert spy.calls.count("create_multipart_upload") == 1
     assert 2 <= spy.most_running <= 4, spy.most_running
@@ -265,7 +251,7 @@ def test_object_smaller_than_a_part_is_one_put(s3, parallel_upload, monkeypatch,
     sink.write(payload)
     sink.commit(b"")
     assert spy.calls == ["put_object"]
-    assert _object_bytes(s3, key) == payload
+    assert s3_object_bytes(s3, key) == payload
 
 
 def test_exactly_one_part_uses_multipart(s3, parallel_upload, monkeypatch):
@@ -275,8 +261,8 @@ def test_exactly_one_part_uses_multipart(s3, parallel_upload, monkeypatch):
     sink = open_sink(target)
     sink.write(payload)
     sink.commit(b"")
-    assert _object_bytes(s3, key) == payload
-    assert _pending_uploads(s3, s3["prefix"]) == []
+    assert s3_object_bytes(s3, key) == payload
+    assert s3_pending_uploads(s3, s3["prefix"]) == []
 
 
 @pytest.mark.parametrize("fail_part", [1, 3, 5], ids=["first", "middle", "last-on-commit"])
@@ -297,19 +283,19 @@ def test_failed_part_aborts_the_upload(s3, parallel_upload, monkeypatch, fail_pa
     assert info.value.errno == errno.EIO
     assert url in str(info.value)
     assert "abort_multipart_upload" in spy.calls
-    assert _pending_uploads(s3, s3["prefix"]) == [], "the multipart upload must be aborted"
-    assert _keys(s3, s3["prefix"]) == [], "no object at the final key"
+    assert s3_pending_uploads(s3, s3["prefix"]) == [], "the multipart upload must be aborted"
+    assert s3_keys(s3, s3["prefix"]) == [], "no object at the final key"
 
 
 def test_abort_after_parts_were_uploaded_leaves_nothing(s3, parallel_upload):
     key = f"{s3['prefix']}/big.bin"
     sink = open_sink(resolve(f"s3://{s3['bucket']}/{key}", s3["storage_options"]))
     sink.write(os.urandom(20 << 20))  # two parts sent, the third still buffered
-    assert _pending_uploads(s3, s3["prefix"]) == [key]
+    assert s3_pending_uploads(s3, s3["prefix"]) == [key]
     sink.abort()
     sink.abort()  # idempotent, as callers may abort twice after a failed commit
-    assert _pending_uploads(s3, s3["prefix"]) == []
-    assert _keys(s3, s3["prefix"]) == []
+    assert s3_pending_uploads(s3, s3["prefix"]) == []
+    assert s3_keys(s3, s3["prefix"]) == []
 
 
 def test_save_and_load_through_the_concurrent_upload(s3, parallel_upload, monkeypatch):
@@ -318,7 +304,7 @@ def test_save_and_load_through_the_concurrent_upload(s3, parallel_upload, monkey
     gen = torch.Generator().manual_seed(3)
     old = {"w": torch.arange(10.0)}
     ckptstore.save(old, url, storage_options=s3["storage_options"])
-    before = _object_bytes(s3, key)
+    before = s3_object_bytes(s3, key)
 
     obj = {"big": torch.randint(0, 256, (20 << 20,), dtype=torch.uint8, generator=gen), "x": torch.randn(100)}
     # A failure in the middle leaves the previous checkpoint as it was.
@@ -333,10 +319,10 @@ def test_save_and_load_through_the_concurrent_upload(s3, parallel_upload, monkey
     with pytest.raises(StorageError):
         ckptstore.save(obj, url, storage_options=s3["storage_options"])
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", real)
-    assert _object_bytes(s3, key) == before
-    assert _pending_uploads(s3, s3["prefix"]) == []
+    assert s3_object_bytes(s3, key) == before
+    assert s3_pending_uploads(s3, s3["prefix"]) == []
 
     ckptstore.save(obj, url, storage_options=s3["storage_options"])
-    assert _keys(s3, s3["prefix"]) == [key]
-    assert _pending_uploads(s3, s3["prefix"]) == []
+    assert s3_keys(s3, s3["prefix"]) == [key]
+    assert s3_pending_uploads(s3, s3["prefix"]) == []
     assert_same(ckptstore.load(url, storage_options=s3["storage_options"]), obj)

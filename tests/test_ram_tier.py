@@ -6,7 +6,6 @@ import os
 import stat
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -15,15 +14,6 @@ import ckptstore
 from ckptstore.tiers.ram import RamTier
 
 SHM = "/dev/shm"
-
-
-@pytest.fixture
-def job():
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    for f in os.listdir(SHM):
-        if f.startswith(f"ckptstore-{name}-"):
-            os.unlink(os.path.join(SHM, f))
 
 
 def _items(seed: int = 0) -> list[tuple[str, torch.Tensor]]:

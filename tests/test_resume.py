@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_tensor_identical
+from conftest import assert_tensor_identical, wipe_ram
 
 import ckptstore
 
@@ -45,15 +45,6 @@ BATCH_SIZE = 8
 BATCHES_PER_EPOCH = 32  # 256 samples
 SEED = 7
 TIMEOUT_S = 60.0  # for any one worker process: nothing here may hang CI
-
-
-def _wipe_ram(job: str) -> None:
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"ckptstore-{job}-"):
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
 
 
 class Runner:
@@ -135,7 +126,7 @@ class Runner:
         for proc in self.procs:
             self.kill(proc)
         for job in self.jobs:
-            _wipe_ram(job)
+            wipe_ram(job)
 
 
 @pytest.fixture
@@ -251,7 +242,7 @@ def test_resume_after_sigkill_is_bitwise_equal_to_an_uninterrupted_run(runner, r
     crashed = runner.crash_at(cfg, N, wait_tier="ram" if tier == "ram" else None)
     _check_same_run(crashed, ref, 1, N)
     if tier == "local":
-        _wipe_ram(cfg["job"])
+        wipe_ram(cfg["job"])
     resumed = runner.finish(cfg)
     step = _restored_step(resumed, tier, {N} if tier == "ram" else IN_LOCAL_AT_KILL)
     _check_same_run(resumed, ref, step + 1, TOTAL)
@@ -270,7 +261,7 @@ def test_resume_from_the_durable_tier_on_s3(runner, reference, s3):
     crashed = runner.crash_at(cfg, N, wait_tier="durable")
     assert f"# waited durable {N}" in crashed["log"].read_text()
     _check_same_run(crashed, ref, 1, N)
-    _wipe_ram(job)
+    wipe_ram(job)
     shutil.rmtree(cfg["local"])
     resumed = runner.finish(cfg)
     step = _restored_step(resumed, "durable", {N})
@@ -308,7 +299,7 @@ def test_restore_without_a_checkpoint_leaves_a_fresh_optimizer_untouched(tmp_pat
         with ckptstore.CheckpointStore(job, local=str(tmp_path / "local")) as store:
             assert store.restore(ckptstore.TrainState(model=model, optimizer=opt)) is None
     finally:
-        _wipe_ram(job)
+        wipe_ram(job)
     assert opt.state_dict()["state"] == {}, "restore() returned None but initialised the optimizer's state"
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():

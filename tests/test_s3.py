@@ -7,25 +7,11 @@ import errno
 import pytest
 import s3fs
 import torch
-from conftest import assert_same, container_layout
+from conftest import assert_same, container_layout, s3_keys, s3_object_bytes, s3_pending_uploads
 from torch import nn
 
 import ckptstore
 from ckptstore import CheckpointError, CheckpointNotFoundError, StorageError, UnsupportedObjectError
-
-
-def _keys(s3, prefix: str) -> list[str]:
-    listed = s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=prefix)
-    return sorted(o["Key"] for o in listed.get("Contents", []))
-
-
-def _object_bytes(s3, key: str) -> bytes:
-    return s3["client"].get_object(Bucket=s3["bucket"], Key=key)["Body"].read()
-
-
-def _pending_uploads(s3, prefix: str) -> list[str]:
-    listed = s3["client"].list_multipart_uploads(Bucket=s3["bucket"], Prefix=prefix)
-    return [u["Key"] for u in listed.get("Uploads", [])]
 
 
 def _training_state():
@@ -43,8 +29,8 @@ def test_model_and_optimizer_round_trip(s3):
     url = f"s3://{s3['bucket']}/{key}"
     obj = _training_state()
     ckptstore.save(obj, url, storage_options=s3["storage_options"])
-    assert _keys(s3, s3["prefix"]) == [key], "exactly one object, no temporary keys"
-    assert _pending_uploads(s3, s3["prefix"]) == []
+    assert s3_keys(s3, s3["prefix"]) == [key], "exactly one object, no temporary keys"
+    assert s3_pending_uploads(s3, s3["prefix"]) == []
 
     loaded = ckptstore.load(url, storage_options=s3["storage_options"])
     assert_same(loaded, obj)
@@ -72,10 +58,10 @@ def test_object_larger_than_the_upload_block_size_round_trips(s3):
         "meta": {"note": "the manifest comes last, after the multipart boundary"},
     }
     ckptstore.save(obj, url, storage_options=opts)
-    assert _keys(s3, s3["prefix"]) == [key]
-    assert _pending_uploads(s3, s3["prefix"]) == []
+    assert s3_keys(s3, s3["prefix"]) == [key]
+    assert s3_pending_uploads(s3, s3["prefix"]) == []
 
-    stored = _object_bytes(s3, key)
+    stored = s3_object_bytes(s3, key)
     layout = container_layout(stored)  # header, footer and manifest are all in the object
     assert layout["length"] == len(stored)
     assert len(stored) > 12 << 20
@@ -87,13 +73,13 @@ def test_failed_save_leaves_existing_object_unchanged(s3):
     url = f"s3://{s3['bucket']}/{key}"
     old = {"w": torch.arange(10.0)}
     ckptstore.save(old, url, storage_options=s3["storage_options"])
-    before = _object_bytes(s3, key)
+    before = s3_object_bytes(s3, key)
 
     with pytest.raises(UnsupportedObjectError) as info:
         ckptstore.save({"w": torch.zeros(3), "bad": object()}, url, storage_options=s3["storage_options"])
     assert "obj['bad']" in str(info.value)
-    assert _object_bytes(s3, key) == before
-    assert _keys(s3, s3["prefix"]) == [key]
+    assert s3_object_bytes(s3, key) == before
+    assert s3_keys(s3, s3["prefix"]) == [key]
     assert_same(ckptstore.load(url, storage_options=s3["storage_options"]), old)
 
 
@@ -104,7 +90,7 @@ def test_error_in_the_middle_of_an_upload_leaves_existing_object_unchanged(s3, m
     url = f"s3://{s3['bucket']}/{key}"
     old = {"w": torch.arange(10.0)}
     ckptstore.save(old, url, storage_options=opts)
-    before = _object_bytes(s3, key)
+    before = s3_object_bytes(s3, key)
 
     # Simulate the network failing while parts are being uploaded (5 MiB parts: three of them):
     # part `failing_part` raises as s3fs does for a failed request, the others go through.
@@ -127,9 +113,9 @@ def test_error_in_the_middle_of_an_upload_leaves_existing_object_unchanged(s3, m
     assert info.value.errno == errno.EIO
     monkeypatch.undo()
 
-    assert _object_bytes(s3, key) == before
-    assert _keys(s3, s3["prefix"]) == [key]
-    assert _pending_uploads(s3, s3["prefix"]) == [], "the aborted multipart upload must be discarded"
+    assert s3_object_bytes(s3, key) == before
+    assert s3_keys(s3, s3["prefix"]) == [key]
+    assert s3_pending_uploads(s3, s3["prefix"]) == [], "the aborted multipart upload must be discarded"
     assert_same(ckptstore.load(url, storage_options=opts), old)
 
 

@@ -9,6 +9,7 @@ import dist_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import wipe_ram
 
 import ckptstore
 
@@ -113,12 +114,6 @@ def test_fsdp2_model_and_optimizer_resume_on_other_world_sizes(tmp_path):
 # ---------------------------------------------------------------------------- CheckpointStore
 
 
-def _wipe_ram(job: str) -> None:
-    for f in os.listdir("/dev/shm"):
-        if f.startswith(f"ckptstore-{job}-"):
-            os.unlink(os.path.join("/dev/shm", f))
-
-
 def test_store_over_four_ranks_restores_from_each_tier_and_into_two(tmp_path):
     import shutil
 
@@ -136,10 +131,10 @@ def test_store_over_four_ranks_restores_from_each_tier_and_into_two(tmp_path):
         # promotes to durable: 4 is the newest in local and durable after this one, 5 after the next.
         _spawn(4, "store_restore_job", tmp_path, name=job, local=local, durable=durable, expect=3, expect_tier="ram",
                mesh_shape=[4], layouts=ONE_D_SHARD0)
-        _wipe_ram(job)
+        wipe_ram(job)
         _spawn(4, "store_restore_job", tmp_path, name=job, local=local, durable=durable, expect=4, expect_tier="local",
                mesh_shape=[4], layouts=ONE_D_SHARD0)
-        _wipe_ram(job)
+        wipe_ram(job)
         shutil.rmtree(local)
         _spawn(4, "store_restore_job", tmp_path, name=job, local=local, durable=durable, expect=5,
                expect_tier="durable", mesh_shape=[4], layouts=ONE_D_SHARD0)
@@ -147,20 +142,12 @@ def test_store_over_four_ranks_restores_from_each_tier_and_into_two(tmp_path):
         _spawn(2, "store_restore_job", tmp_path, name=job, local=None, durable=None, expect=6, expect_tier="ram",
                mesh_shape=[2], layouts=SHARD1, per_rank=False)
     finally:
-        _wipe_ram(job)
+        wipe_ram(job)
 
 
-def test_store_ranks_fail_together_instead_of_hanging(tmp_path):
-    job = f"dist-{os.urandom(6).hex()}"
-    try:
-        _spawn(2, "store_disagree_job", tmp_path, name=job, local=str(tmp_path / "local"))
-    finally:
-        _wipe_ram(job)
+def test_store_ranks_fail_together_instead_of_hanging(tmp_path, job):
+    _spawn(2, "store_disagree_job", tmp_path, name=job, local=str(tmp_path / "local"))
 
 
-def test_fsdp2_train_state_resumes_bitwise_through_the_store(tmp_path):
-    job = f"dist-{os.urandom(6).hex()}"
-    try:
-        _spawn(2, "fsdp_train_state_job", tmp_path, name=job, local=str(tmp_path / "local"))
-    finally:
-        _wipe_ram(job)
+def test_fsdp2_train_state_resumes_bitwise_through_the_store(tmp_path, job):
+    _spawn(2, "fsdp_train_state_job", tmp_path, name=job, local=str(tmp_path / "local"))

@@ -7,22 +7,13 @@ import json
 import logging
 import os
 import threading
-import uuid
 
 import pytest
 import torch
+from conftest import wipe_ram
 
 import ckptstore
 from ckptstore import CheckpointStore
-
-
-@pytest.fixture
-def job():
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    for f in os.listdir("/dev/shm"):
-        if f.startswith(f"ckptstore-{name}-"):
-            os.unlink(os.path.join("/dev/shm", f))
 
 
 def _state(step: int) -> dict:
@@ -36,12 +27,6 @@ def _empty() -> dict:
 
 def _same(a: dict, b: dict) -> bool:
     return a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-
-
-def _wipe_ram(job: str) -> None:
-    for f in os.listdir("/dev/shm"):
-        if f.startswith(f"ckptstore-{job}-"):
-            os.unlink(os.path.join("/dev/shm", f))
 
 
 def test_save_wait_and_restore_from_each_tier(job, tmp_path):
@@ -58,12 +43,12 @@ def test_save_wait_and_restore_from_each_tier(job, tmp_path):
     target = _empty()
     assert store.restore(target) == 5 and _same(target, _state(5))  # from RAM
     store.close()
-    _wipe_ram(job)
+    wipe_ram(job)
     store = CheckpointStore(job, local=local, durable=durable)
     target = _empty()
     assert store.restore(target) == 5 and _same(target, _state(5))  # from local
     store.close()
-    _wipe_ram(job)
+    wipe_ram(job)
     import shutil
 
     shutil.rmtree(local)
@@ -95,7 +80,7 @@ def test_no_sound_copy_is_an_error_not_a_fresh_start(job, tmp_path):
     local = str(tmp_path / "local")
     with CheckpointStore(job, local=local) as store:
         store.save(1, _state(1)).wait("local")
-    _wipe_ram(job)
+    wipe_ram(job)
     data = tmp_path / "local" / "step-000000000001" / "data" / "rank-00000.bin"
     raw = bytearray(data.read_bytes())
     raw[10] ^= 1
@@ -117,7 +102,7 @@ def test_a_background_failure_surfaces_and_keeps_earlier_steps(job, tmp_path):
     with pytest.raises(ckptstore.CheckpointError, match=r"earlier background save \(step 2\) failed"):
         store.save(3, _state(3))
     store.close()
-    _wipe_ram(job)
+    wipe_ram(job)
     with CheckpointStore(job, local=str(local)) as again:
         target = _empty()
         assert again.restore(target) == 1 and _same(target, _state(1))
@@ -155,7 +140,7 @@ def test_promotion_to_s3_and_restore_from_it(job, s3):
     with CheckpointStore(job, durable=durable, durable_every=1, storage_options=s3["storage_options"]) as store:
         for step in (1, 2):
             store.save(step, _state(step)).wait("durable")
-    _wipe_ram(job)
+    wipe_ram(job)
     with CheckpointStore(job, durable=durable, storage_options=s3["storage_options"]) as store:
         target = _empty()
         assert store.restore(target) == 2 and _same(target, _state(2))
@@ -168,7 +153,7 @@ def test_incomplete_local_steps_are_swept_and_never_restored(job, tmp_path, capl
     torn = local / "step-000000000002"
     (torn / "data").mkdir(parents=True)
     (torn / "data" / "rank-00000.bin").write_bytes(b"half a checkpoint")
-    _wipe_ram(job)
+    wipe_ram(job)
     with caplog.at_level(logging.WARNING, logger="ckptstore"), CheckpointStore(job, local=str(local)) as store:
         assert not torn.exists()
         target = _empty()
@@ -233,7 +218,7 @@ def test_bytes_written_follow_what_changed(job, tmp_path):
         base["layer0"].add_(1.0)
         store.save(4, state).wait("local")
         assert _part(local, 4)["written_bytes"] >= 10_000_000
-    _wipe_ram(job)
+    wipe_ram(job)
     with CheckpointStore(job, local=str(local)) as store:
         target = {"base": {k: torch.zeros_like(v) for k, v in base.items()}, "head": torch.zeros_like(head)}
         assert store.restore(target) == 4
@@ -250,7 +235,7 @@ def test_zstd_applies_to_the_durable_tier_only(job, tmp_path):
         "tensors"].values() for c in e["chunks"]}
     assert codecs(local) == {"raw"} and codecs(durable) == {"zstd"}
     assert (durable / "step-000000000001" / "data" / "rank-00000.bin").stat().st_size < 100_000
-    _wipe_ram(job)
+    wipe_ram(job)
     import shutil
 
     shutil.rmtree(local)
@@ -274,7 +259,7 @@ def test_two_writers_of_one_step_one_wins(job, tmp_path):
     with pytest.raises(ckptstore.CheckpointError):
         second.close()
     assert (local / "step-000000000007" / "manifest.json").read_bytes() == committed
-    _wipe_ram(job)
+    wipe_ram(job)
     with CheckpointStore(job, local=str(local)) as store:
         target = _empty()
         assert store.restore(target) == 7 and _same(target, _state(7))

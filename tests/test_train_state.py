@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import random
-import uuid
 
 import numpy as np
 import pytest
@@ -12,15 +10,6 @@ import torch
 
 import ckptstore
 from ckptstore import CheckpointStore, TrainState
-
-
-@pytest.fixture
-def job():
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    for f in os.listdir("/dev/shm"):
-        if f.startswith(f"ckptstore-{name}-"):
-            os.unlink(os.path.join("/dev/shm", f))
 
 
 def _parts(seed: int = 0):
