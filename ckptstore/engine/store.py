@@ -43,8 +43,9 @@ from ..format.manifest import Manifest
 from ..tiers.base import Snapshot, Tier, _in_thread
 from ..tiers.directory import DirectoryTier
 from ..tiers.ram import Layout, RamTier, Staged
+from .exchange import exchange, get_manifest, needed_chunks, node_inventory, node_steps
 from .materialize import decode_value, encode_value
-from .sharded import BLOCK_SIZE, Group, _build_manifest, _collect, _digest, _my_writes, load_manifest
+from .sharded import BLOCK_SIZE, MANIFEST, Group, _build_manifest, _collect, _digest, _my_writes, load_manifest
 
 log = logging.getLogger("ckptstore")
 TIERS = ("ram", "local", "durable")
@@ -486,59 +487,110 @@ class CheckpointStore:
 
     def _restore(self, state: Any, per_rank: str) -> int | None:
         self._drain()
-        tiers: list[Tier] = [t for t in (self.ram, self.local, self.durable) if t is not None]
-        listed: dict[str, set[int]] = {}
-        for tier in tiers:
+        local_root = self.local.root if self.local is not None else None
+        seen = node_steps(self.job, self.ram.ram_dir, local_root)
+        durable_steps: set[int] = set()
+        if self.durable is not None:
             try:
-                listed[tier.name] = set(tier.steps_sync())
+                durable_steps = set(self.durable.steps_sync())
             except (CheckpointError, OSError) as exc:
-                log.warning("ckptstore: cannot list the %s tier: %s", tier.name, exc)
-                listed[tier.name] = set()
-        seen = set().union(*listed.values())
+                log.warning("ckptstore: cannot list the durable tier: %s", exc)
+        seen |= durable_steps
         candidates = sorted(set().union(*map(set, self._fg.all_gather(sorted(seen)))), reverse=True)
         tried: list[str] = []
         for step in candidates:
-            outcome = self._restore_step(state, step, tiers, listed, per_rank)
-            outcomes = self._fg.all_gather(outcome) if self.world > 1 else [outcome]
-            fatal = [o[1] for o in outcomes if o[0] == "fatal"]
-            if fatal:
-                if self._fatal is not None:
-                    raise self._fatal  # this rank's own error, as raised
-                raise CheckpointError("restore failed on other ranks: " + "; ".join(fatal))
-            damaged = [o[1] for o in outcomes if o[0] == "damaged"]
-            if not damaged:
-                log.info("ckptstore: restored step %d from the %s tier", step, outcome[1])
+            ok, detail = self._restore_step(state, step, step in durable_steps, per_rank)
+            if ok:
+                log.info("ckptstore: restored step %d from the %s tier", step, detail)
                 self._last_step = max(self._last_step if self._last_step is not None else step, step)
                 return step
-            log.warning("ckptstore: step %d cannot be restored (%s); trying an older step", step, "; ".join(damaged))
-            tried.extend(damaged)
+            log.warning("ckptstore: step %d cannot be restored (%s); trying an older step", step, detail)
+            tried.append(detail)
         if tried:
             raise CorruptCheckpointError("no sound copy of any checkpoint of this job: " + "; ".join(tried))
         return None
 
-    def _restore_step(
-        self, state: Any, step: int, tiers: list[Tier], listed: dict[str, set[int]], per_rank: str
-    ) -> tuple[str, str]:
-        self._fatal: Exception | None = None
-        problems = []
-        for tier in tiers:
-            if step not in listed[tier.name]:
-                continue
+    def _restore_step(self, state: Any, step: int, in_durable: bool, per_rank: str) -> tuple[bool, str]:
+        """One collective attempt (retried with bad copies excluded) to load ``step`` on every rank."""
+        local_root = self.local.root if self.local is not None else None
+        durable = self.durable if in_durable else None
+        display = f"step {step} of job {self.job}"
+        excluded: set[str] = set()
+        bad_owners: set[tuple[str, int]] = set()
+        detail = ""
+        for _attempt in range(3):
+            inv = node_inventory(self.job, self.ram.ram_dir, local_root, step)
+            fatal: Exception | None = None
+            retry = False
+            problem = ""
+            used: set[str] = set()
+            manifest = get_manifest(self._fg, inv, f"{display}/{MANIFEST}")
             try:
-                manifest = tier.manifest_sync(step)
-                load_manifest(state, manifest, tier.display(step), tier.opener(step), group=self._fg, strict=True,
-                              per_rank=per_rank, buffer_bytes=_RESTORE_BUFFER, decode_per_rank=decode_value)
-                return ("ok", tier.name)
+                if manifest is None and durable is not None:
+                    manifest = durable.manifest_sync(step)
+                if manifest is None:
+                    raise CheckpointNotFoundError(f"no copy of the manifest of {display}")
+                wanted = needed_chunks(state, manifest, display, self.rank, self.world)
             except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
-                log.warning("ckptstore: step %d in the %s tier is damaged or incomplete (%s); trying the next copy",
-                            step, tier.name, exc)
-                problems.append(f"{tier.name}: {exc}")
-            except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint: no copy will do
-                self._fatal = exc
-                return ("fatal", f"rank {self.rank}: {exc}")
-        if not problems:
-            problems.append("no tier this rank reaches holds it")
-        return ("damaged", f"rank {self.rank}, step {step}: " + "; ".join(problems))
+                wanted, problem = [], f"{exc}"
+            except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint
+                wanted, fatal = [], exc
+            fetched, _missing = exchange(self._fg, inv, wanted, excluded, bad_owners, display)
+            if not problem and fatal is None:
+                assert manifest is not None
+
+                open_file = _Opener(fetched, inv, excluded, durable.opener(step) if durable is not None else None,
+                                    self._kind, display, used)
+                try:
+                    load_manifest(state, manifest, display, open_file, group=self._fg, strict=True, per_rank=per_rank,
+                                  buffer_bytes=_RESTORE_BUFFER, decode_per_rank=decode_value)
+                except CorruptCheckpointError as exc:
+                    bad = self._exclude(exc, fetched, inv, excluded, bad_owners)
+                    problem, retry = str(exc) + (f" (the copy read was {bad})" if bad else ""), bad is not None
+                except (CheckpointNotFoundError, StorageError, OSError) as exc:
+                    problem = str(exc)
+                except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint
+                    fatal = exc
+            mine: dict[str, Any] = {"fatal": None if fatal is None else f"rank {self.rank}: {fatal}", "problem": problem,
+                    "retry": retry, "used": sorted(used)}
+            outcomes = self._fg.all_gather(mine) if self.world > 1 else [mine]
+            if any(o["fatal"] for o in outcomes):
+                if fatal is not None:
+                    raise fatal  # this rank's own error, as raised
+                raise CheckpointError("restore failed on other ranks: " + "; ".join(o["fatal"] for o in outcomes if o["fatal"]))
+            problems = [f"rank {r}: {o['problem']}" for r, o in enumerate(outcomes) if o["problem"]]
+            if not problems:
+                kinds = sorted({k for o in outcomes for k in o["used"]})
+                return True, "+".join(kinds) if kinds else "ram"
+            attempt = f"step {step}: " + "; ".join(problems)
+            detail = f"{detail}; then {attempt}" if detail else attempt
+            if not any(o["retry"] for o in outcomes):
+                break
+            log.warning("ckptstore: %s; retrying with the damaged copies excluded", attempt)
+        return False, detail
+
+    def _kind(self, where: str) -> str:
+        if where.startswith(self.ram.ram_dir.rstrip("/") + "/"):
+            return "peer" if "-peer" in os.path.basename(where) else "ram"
+        return "local"
+
+    @staticmethod
+    def _exclude(exc: CorruptCheckpointError, fetched: dict[str, Any], inv: Any, excluded: set[str],
+                 bad_owners: set[tuple[str, int]]) -> str | None:
+        """Mark the copy a corruption came from, so the next attempt reads another; returns it."""
+        location = exc.location or str(exc)
+        for rel, source in fetched.items():
+            if rel in location:
+                owner = int(source.display.split()[1].rstrip("'s"))
+                bad_owners.add((rel, owner))
+                return source.display
+        for rel, copies in inv.files.items():
+            if rel in location:
+                for where, _ in copies:
+                    if where not in excluded:
+                        excluded.add(where)
+                        return where
+        return None
 
     # ------------------------------------------------------------------------------ closing
 
@@ -577,6 +629,28 @@ class CheckpointStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Opener:
+    """Opens a chunk file for a restore: fetched from a peer, from this node, or from durable."""
+
+    def __init__(self, fetched: dict[str, Any], inv: Any, excluded: set[str], durable: Callable[[str | None], Any] | None,
+                 kind: Callable[[str], str], display: str, used: set[str]) -> None:
+        self.fetched, self.inv, self.excluded, self.durable = fetched, inv, excluded, durable
+        self.kind, self.display, self.used = kind, display, used
+
+    def __call__(self, rel: str | None) -> Any:
+        if rel in self.fetched:
+            self.used.add("peer")
+            return self.fetched[rel]
+        opened = self.inv.open(rel or "", self.excluded)
+        if opened is not None:
+            self.used.add(self.kind(opened[0]))
+            return opened[1]
+        if self.durable is not None:
+            self.used.add("durable")
+            return self.durable(rel)
+        raise CheckpointNotFoundError(f"{self.display}: no rank holds {rel} and the durable tier lacks the step")
 
 
 def _as_state_dict(state: Any) -> Any:

@@ -1,0 +1,256 @@
+"""Restoring across nodes: every rank serves the files its node holds, and fetches what it lacks.
+
+The RAM and local tiers are per node, and a rank's load can need other ranks' data files (its
+own shard was written by itself, but a replicated tensor was written once, by some rank, and a
+resharded load reads from many). After a crash every file of a step usually still exists on some
+node: in that node's RAM segments, its local directory, or a peer replica. So a restore runs, per
+candidate step, as one collective round:
+
+1. each rank lists what its node can serve for the step (the *inventory*: file name -> opener),
+   and whether it has the step's manifest;
+2. a rank with no manifest gets it from the lowest rank that has one;
+3. each rank plans the chunks its state needs (the same planning a load does), asks an owner for
+   each chunk of a file its node lacks, and the owners send the bytes (gloo point-to-point on the
+   store's own group, in one order every rank derives from the gathered requests);
+4. each rank loads, reading local files directly, fetched chunks from memory and anything nobody
+   holds from the durable tier. Checksums are verified on every byte as in any load, so a corrupt
+   copy is caught wherever it came from, and the next attempt excludes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointNotFoundError
+from ..format.manifest import Manifest, parse_manifest
+from ..planning.sharding import intersect
+from ..storage.targets import Source, Target, open_source
+from .sharded import MANIFEST, Decoder, Group, _fill, _LoadCtx, _SavedRef
+
+log = logging.getLogger("ckptstore")
+_SEG = re.compile(r"^ckptstore-(?P<job>.+)-r(?P<rank>\d{5})-(?:peer(?P<src>\d{5})-)?s(?P<slot>\d+)\.json$")
+
+
+class Inventory:
+    """What this rank's node holds of one step: data files by name, and a manifest if any."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, list[tuple[str, Callable[[], Source]]]] = {}  # name -> [(where, opener)]
+        self.manifest: bytes | None = None
+
+    def add(self, name: str, where: str, opener: Callable[[], Source]) -> None:
+        self.files.setdefault(name, []).append((where, opener))
+
+    def names(self, excluded: set[str]) -> list[str]:
+        return sorted(n for n, copies in self.files.items() if any(w not in excluded for w, _ in copies))
+
+    def open(self, name: str, excluded: set[str]) -> tuple[str, Source] | None:
+        for where, opener in self.files.get(name, []):
+            if where not in excluded:
+                return where, opener()
+        return None
+
+
+def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) -> Inventory:
+    """RAM segments and peer replicas of ``job`` in ``ram_dir`` and the local step directory."""
+    inv = Inventory()
+    try:
+        names = sorted(os.listdir(ram_dir))
+    except OSError:
+        names = []
+    for name in names:
+        m = _SEG.match(name)
+        if m is None or m.group("job") != job:
+            continue
+        path = os.path.join(ram_dir, name)
+        try:
+            with open(path, "rb") as fh:
+                doc = json.loads(fh.read())
+        except (OSError, ValueError):
+            continue
+        if doc.get("step") != step or "manifest" not in doc.get("extra", doc):
+            continue
+        seg = path[:-5] + ".bin"
+        if not os.path.exists(seg) or os.path.getsize(seg) != doc.get("size"):
+            continue
+        src = int(m.group("src") or m.group("rank"))
+        inv.add(f"data/rank-{src:05d}.bin", seg, _opener(seg))
+        if inv.manifest is None:
+            manifest = doc.get("extra", doc)["manifest"]
+            inv.manifest = manifest.encode() if isinstance(manifest, str) else manifest
+    if local_root is not None:
+        step_dir = os.path.join(local_root, f"step-{step:012d}")
+        if os.path.exists(os.path.join(step_dir, MANIFEST)):
+            data = os.path.join(step_dir, "data")
+            for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
+                if name.endswith(".bin") and not name.startswith("."):
+                    path = os.path.join(data, name)
+                    inv.add(f"data/{name}", path, _opener(path))
+            if inv.manifest is None:
+                with open(os.path.join(step_dir, MANIFEST), "rb") as fh:
+                    inv.manifest = fh.read()
+    return inv
+
+
+def _opener(path: str) -> Callable[[], Source]:
+    return lambda: open_source(Target(display=path, path=path))
+
+
+def needed_chunks(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, int, int]]:
+    """The (file, offset, length) of every chunk a load of ``state`` will read (whole chunks).
+
+    Runs the load's own planning walk; non-tensor leaves of ``state`` are already replaced by the
+    saved values, as the load that follows does anyway.
+    """
+    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
+    ctx = _LoadCtx(manifest)
+    with torch.no_grad():
+        _fill(state, saved, [], ctx, top=True)
+    out: set[tuple[str, int, int]] = set()
+    for target in ctx.targets:
+        entry = manifest.tensors[target.key]
+        for c in entry.chunks:
+            if c.file is not None and (not c.sizes or intersect(target.box, (c.offsets, c.sizes)) is not None):
+                out.add((c.file, c.offset, c.length))
+    if int(manifest.meta.get("world_size", 1)) == world:
+        for _wrapper, key, _path in ctx.per_rank:
+            per = manifest.tensors.get(f"{key}#rank{rank:05d}")
+            for c in per.chunks if per is not None else []:
+                if c.file is not None:
+                    out.add((c.file, c.offset, c.length))
+    return sorted(out)
+
+
+class FetchedSource(Source):
+    """Chunks of one file received from other ranks, served from memory."""
+
+    def __init__(self, display: str) -> None:
+        self.display, self.size = display, 0
+        self.ranges: list[tuple[int, torch.Tensor]] = []
+
+    def add(self, offset: int, data: torch.Tensor) -> None:
+        self.ranges.append((offset, data))
+        self.size = max(self.size, offset + data.numel())
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        for start, data in self.ranges:
+            if start <= offset and offset + len(out) <= start + data.numel():
+                out[:] = data.numpy()[offset - start : offset - start + len(out)].tobytes()
+                return
+        raise CheckpointNotFoundError(f"{self.display}: bytes {offset}..{offset + len(out)} were not fetched")
+
+
+def get_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
+    """The step's manifest on every rank: its own, or the lowest holder's. None when nobody has one."""
+    has = group.all_gather(inv.manifest is not None) if group.world > 1 else [inv.manifest is not None]
+    if not any(has):
+        return None
+    body = inv.manifest
+    if group.world > 1 and not all(has):
+        import torch.distributed as dist
+
+        holder = has.index(True)
+        box = [body if group.rank == holder else None]
+        src = dist.get_global_rank(group.pg, holder) if group.pg is not None else holder
+        dist.broadcast_object_list(box, src=src, group=group.pg)
+        body = box[0]
+    assert body is not None
+    return parse_manifest(body, where=where)
+
+
+def exchange(group: Group, inv: Inventory, wanted: list[tuple[str, int, int]], excluded: set[str],
+             bad_owners: set[tuple[str, int]], display: str) -> tuple[dict[str, FetchedSource], list[str]]:
+    """Fetch the chunks of ``wanted`` whose file this node lacks from a rank whose node has it.
+
+    Returns the fetched files and the names nobody could serve (for the durable tier)."""
+    import torch.distributed as dist
+
+    mine = set(inv.names(excluded))
+    remote = [w for w in wanted if w[0] not in mine]
+    gathered = group.all_gather({"has": sorted(mine), "want": remote}) if group.world > 1 else [{"has": sorted(mine), "want": remote}]
+    owners: dict[str, list[int]] = {}
+    for r, g in enumerate(gathered):
+        for name in g["has"]:
+            owners.setdefault(name, []).append(r)
+    # Every rank computes the same plan from the same gathered lists.
+    plan: list[tuple[int, int, str, int, int]] = []  # (requester, owner, file, offset, length)
+    missing: dict[int, set[str]] = {}
+    for r, g in enumerate(gathered):
+        for name, offset, length in g["want"]:
+            candidates = [o for o in owners.get(name, []) if o != r]
+            if r == group.rank:
+                candidates = [o for o in candidates if (name, o) not in bad_owners]
+            choice = _pick(candidates, r) if candidates else None
+            if choice is None:
+                missing.setdefault(r, set()).add(name)
+            else:
+                plan.append((r, choice, name, offset, length))
+    # A requester's exclusions are its own; make the plan agree by letting each requester's own
+    # choice win: broadcast nothing, but recompute the plan with the requester's view.
+    plan = _agree_plan(group, plan)
+    fetched: dict[str, FetchedSource] = {}
+    works, keep = [], []
+    for requester, owner, name, offset, length in plan:
+        if requester == group.rank:
+            buf = torch.empty(length, dtype=torch.uint8)
+            works.append(dist.irecv(buf, group=group.pg, group_src=owner))
+            fetched.setdefault(name, FetchedSource(f"rank {owner}'s copy of {display}/{name}")).add(offset, buf)
+        elif owner == group.rank:
+            opened = inv.open(name, excluded)
+            assert opened is not None
+            source = opened[1]
+            try:
+                data = torch.frombuffer(bytearray(source.read(offset, length)), dtype=torch.uint8) if length else (
+                    torch.empty(0, dtype=torch.uint8))
+            finally:
+                source.close()
+            keep.append(data)
+            works.append(dist.isend(data, group=group.pg, group_dst=requester))
+    for w in works:
+        if w is not None:
+            w.wait()
+    return fetched, sorted(missing.get(group.rank, set()))
+
+
+def _pick(candidates: list[int], requester: int) -> int:
+    # Spread requests over owners instead of sending them all to the lowest rank.
+    return candidates[requester % len(candidates)]
+
+
+def _agree_plan(group: Group, plan: list[tuple[int, int, str, int, int]]) -> list[tuple[int, int, str, int, int]]:
+    """Each requester's own entries are authoritative (only it knows which owners it excludes)."""
+    if group.world == 1:
+        return plan
+    mine = [p for p in plan if p[0] == group.rank]
+    return sorted(p for lst in group.all_gather(mine) for p in lst)
+
+
+def node_steps(job: str, ram_dir: str, local_root: str | None) -> set[int]:
+    """Every step of ``job`` this node holds anything of (RAM segments, replicas, local steps)."""
+    steps: set[int] = set()
+    try:
+        names = os.listdir(ram_dir)
+    except OSError:
+        names = []
+    for name in names:
+        m = _SEG.match(name)
+        if m is None or m.group("job") != job:
+            continue
+        try:
+            with open(os.path.join(ram_dir, name), "rb") as fh:
+                doc = json.loads(fh.read())
+            steps.add(int(doc["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if local_root is not None and os.path.isdir(local_root):
+        for name in os.listdir(local_root):
+            if name.startswith("step-") and name[5:].isdigit() and os.path.exists(os.path.join(local_root, name, MANIFEST)):
+                steps.add(int(name[5:]))
+    return steps
