@@ -268,3 +268,48 @@ def fsdp_train_state_job(rank: int, world: int, name: str, local: str) -> None:
     assert state.extra == {"seen": 3}
     resumed = [_train_step(model2, opt2, 3 + i) for i in range(2)]
     assert resumed == straight, (resumed, straight)
+
+
+# ---------------------------------------------------------------------------- peer replicas
+
+
+def _peer_store(name: str, rank: int, ram_root: str, local_root: str, per_node: int, replicas: int):
+    node = rank // per_node  # simulated nodes: each has its own RAM directory and local directory
+    ram_dir = os.path.join(ram_root, f"node{node}")
+    os.makedirs(ram_dir, exist_ok=True)
+    return ckptstore.CheckpointStore(name, local=os.path.join(local_root, f"node{node}"), ram_dir=ram_dir,
+                                     peer_replicas=replicas, node=node)
+
+
+def peer_save_job(rank: int, world: int, name: str, ram_root: str, local_root: str, per_node: int, replicas: int,
+                  steps: list[int]) -> None:
+    store = _peer_store(name, rank, ram_root, local_root, per_node, replicas)
+    for step in steps:
+        handle = store.save(step, _scaled_state([world], _SHARD0, step, per_rank=True))
+    handle.wait("peer")
+    handle.wait("local")
+    store.close()
+
+
+def peer_restore_job(rank: int, world: int, name: str, ram_root: str, local_root: str, per_node: int, replicas: int,
+                     expect: int, expect_log: str) -> None:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("ckptstore").addHandler(Keep())
+    logging.getLogger("ckptstore").setLevel(logging.INFO)
+    store = _peer_store(name, rank, ram_root, local_root, per_node, replicas)
+    state = _scaled_state([world], _SHARD0, 0, per_rank=True)
+    got = store.restore(state)
+    assert got == expect, (got, records)
+    _check_scaled(state, expect, per_rank=True)
+    assert any(expect_log in m for m in records), records
+    store.close()
+
+
+_SHARD0 = {"big": [("shard", 0)], "w": [("shard", 0)], "odd": [("shard", 0)], "bf": [("shard", 0)]}

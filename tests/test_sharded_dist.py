@@ -151,3 +151,53 @@ def test_store_ranks_fail_together_instead_of_hanging(tmp_path, job):
 
 def test_fsdp2_train_state_resumes_bitwise_through_the_store(tmp_path, job):
     _spawn(2, "fsdp_train_state_job", tmp_path, name=job, local=str(tmp_path / "local"))
+
+
+# ---------------------------------------------------------------------------- peer replicas
+
+
+def _lose_node(ram_root, local_root, node: int) -> None:
+    import shutil
+
+    shutil.rmtree(os.path.join(ram_root, f"node{node}"), ignore_errors=True)
+    shutil.rmtree(os.path.join(local_root, f"node{node}"), ignore_errors=True)
+
+
+@pytest.fixture
+def ram_root(job):
+    import shutil
+
+    root = f"/dev/shm/{job}-nodes"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_lost_node_is_restored_from_peer_replicas_without_any_durable_tier(tmp_path, job, ram_root):
+    # Three simulated nodes of two ranks; node 1 dies with its RAM and its local disk.
+    args = dict(name=job, ram_root=ram_root, local_root=str(tmp_path / "local"), per_node=2, replicas=1)
+    _spawn(6, "peer_save_job", tmp_path, steps=[1, 2, 3], **args)
+    _lose_node(ram_root, str(tmp_path / "local"), 1)
+    _spawn(6, "peer_restore_job", tmp_path, expect=3, expect_log="restored step 3 from the peer+ram tier", **args)
+
+
+def test_a_corrupt_replica_is_detected_and_the_next_copy_used(tmp_path, job, ram_root):
+    args = dict(name=job, ram_root=ram_root, local_root=str(tmp_path / "local"), per_node=2, replicas=2)
+    _spawn(6, "peer_save_job", tmp_path, steps=[1, 2], **args)
+    _lose_node(ram_root, str(tmp_path / "local"), 1)
+    # Rank 2 (node 1) has replicas on nodes 0 and 2. Ranks 0, 1, 4 and 5 can serve them; rank 2
+    # asks candidates[2 % 4], rank 4 (node 2), first: damage that copy, so the other must be used.
+    import glob
+    import json
+    from pathlib import Path
+
+    flipped = 0
+    for doc in sorted(glob.glob(os.path.join(ram_root, "node2", f"ckptstore-{job}-r*-peer00002-s*.json"))):
+        if json.loads(Path(doc).read_text())["step"] == 2 and not flipped:
+            with open(doc[:-5] + ".bin", "r+b") as fh:
+                fh.seek(100)
+                byte = fh.read(1)
+                fh.seek(100)
+                fh.write(bytes([byte[0] ^ 0xFF]))
+            flipped += 1
+    assert flipped == 1
+    _spawn(6, "peer_restore_job", tmp_path, expect=2, expect_log="retrying with the damaged copies excluded", **args)

@@ -40,6 +40,7 @@ from ..errors import (
 )
 from ..format.container import align_up
 from ..format.manifest import Manifest
+from ..planning.placement import node_of_ranks, replica_holders, replicas_held
 from ..tiers.base import Snapshot, Tier, _in_thread
 from ..tiers.directory import DirectoryTier
 from ..tiers.ram import Layout, RamTier, Staged
@@ -48,7 +49,7 @@ from .materialize import decode_value, encode_value
 from .sharded import BLOCK_SIZE, MANIFEST, Group, _build_manifest, _collect, _digest, _my_writes, load_manifest
 
 log = logging.getLogger("ckptstore")
-TIERS = ("ram", "local", "durable")
+TIERS = ("ram", "local", "peer", "durable")
 _RESTORE_BUFFER = 256 << 20
 
 
@@ -118,6 +119,8 @@ class _Job:
     frozen_end: int = 0
     snap: Snapshot | None = None
     fast_done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    parts: list[dict[str, Any]] = field(default_factory=list)  # every rank's RAM part, after the gather
+    manifest: bytes = b""
     shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
 
 
@@ -149,11 +152,14 @@ class CheckpointStore:
         frozen: Callable[[str], bool] | None = None,
         refresh_every: int = 10,
         timeout_s: float = 600.0,
+        peer_replicas: int = 0,
+        peer_every: int = 1,
+        node: Any = None,
     ) -> None:
         if policy not in ("block", "skip"):
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
         for name, value in (("durable_every", durable_every), ("keep_local", keep_local), ("keep_durable", keep_durable),
-                            ("refresh_every", refresh_every)):
+                            ("refresh_every", refresh_every), ("peer_every", peer_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidArgumentError(f"{name} must be a positive int (or None where allowed), not {value!r}")
         if ram_budget_bytes is not None and (not isinstance(ram_budget_bytes, int) or ram_budget_bytes < 1):
@@ -164,8 +170,15 @@ class CheckpointStore:
         self.job, self.durable_every, self.keep_local, self.keep_durable = job, durable_every, keep_local, keep_durable
         self.policy, self.ram_budget_bytes = policy, ram_budget_bytes
         self.frozen, self.refresh_every = frozen, refresh_every
-        self._fg, self._bg, self._bg_durable = _groups(process_group, timeout_s)
+        if not isinstance(peer_replicas, int) or isinstance(peer_replicas, bool) or peer_replicas < 0:
+            raise InvalidArgumentError(f"peer_replicas must be a non-negative int, not {peer_replicas!r}")
+        self._fg, self._bg, self._bg_durable, self._bg_peer = _groups(process_group, timeout_s)
         self.rank, self.world = self._fg.rank, self._fg.world
+        # Which node each rank runs on decides where replicas go: never on the source's node.
+        self.nodes = node_of_ranks(self._fg.all_gather(_node_identity(node, self.rank)))
+        holders = replica_holders(self.nodes, peer_replicas)
+        self._send_to, self._hold_for = holders[self.rank], replicas_held(holders, self.rank)
+        self.peer_replicas, self.peer_every = peer_replicas, peer_every
         self.ram = RamTier(job, self.rank, ram_dir=ram_dir, slots=2)
         # Of the ranks sharing a local directory (one node), the lowest writes its manifests,
         # sweeps it and applies retention; rank 0 does so for the shared durable URL.
@@ -192,7 +205,7 @@ class CheckpointStore:
         # RAM + local commits, and durable promotions, which are slower and must not hold up the
         # next step's RAM and local commits.
         self._fast_tail: concurrent.futures.Future | None = None  # the fast part of the last pipeline
-        self._durable_tail: asyncio.Future | None = None  # the last promotion (touched on the loop only)
+        self._lanes: dict[str, asyncio.Future] = {}  # lane -> its last work (touched on the loop only)
         self._outstanding: set[concurrent.futures.Future] = set()
         self._last_ram: concurrent.futures.Future | None = None  # the RAM commit of the newest save
         # Background failures not yet raised to the caller, by step; steps up to _reported were.
@@ -305,14 +318,16 @@ class CheckpointStore:
             job.frozen_end = align_up(e.offset + e.nbytes)
         self._last_step = step
         promote = self.durable is not None and self._saves % self.durable_every == 0  # every N-th snapshot
+        replicate = self.peer_replicas > 0 and self._saves % self.peer_every == 0
         futures: dict[str, concurrent.futures.Future | None] = {
             "ram": concurrent.futures.Future(),
             "local": concurrent.futures.Future() if self.local else None,
+            "peer": concurrent.futures.Future() if replicate else None,
             "durable": concurrent.futures.Future() if promote else None,
         }
         self._last_ram = futures["ram"]
         prev, self._fast_tail = self._fast_tail, job.fast_done
-        fut = self._loop.submit(self._pipeline(prev, job, futures, promote))
+        fut = self._loop.submit(self._pipeline(prev, job, futures, promote, replicate))
         self._outstanding = {f for f in self._outstanding if not f.done()} | {fut}
         if job.staged is not None:
             self._busy[job.staged.slot] = fut
@@ -362,7 +377,7 @@ class CheckpointStore:
 
     async def _pipeline(
         self, prev: concurrent.futures.Future | None, job: _Job, futures: dict[str, concurrent.futures.Future | None],
-        promote: bool,
+        promote: bool, replicate: bool,
     ) -> None:
         if prev is not None:
             await asyncio.wrap_future(prev)
@@ -373,18 +388,60 @@ class CheckpointStore:
             return
         finally:
             job.fast_done.set_result(None)
+        lanes = []
+        if replicate:
+            lanes.append(self._in_lane("peer", job, futures, self._replicate))
         if promote:
-            prev_durable, mine = self._durable_tail, asyncio.get_running_loop().create_future()
-            self._durable_tail = mine
-            try:
-                if prev_durable is not None:
-                    await prev_durable
-                await self._promote(job)
-                _resolve(futures["durable"], job.step)
-            except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
+            lanes.append(self._in_lane("durable", job, futures, self._promote))
+        await asyncio.gather(*lanes)
+
+    async def _in_lane(self, lane: str, job: _Job, futures: dict[str, concurrent.futures.Future | None],
+                       work: Callable[[_Job], Any]) -> None:
+        """Run ``work`` after the previous step's work in the same lane (one order on every rank)."""
+        prev, mine = self._lanes.get(lane), asyncio.get_running_loop().create_future()
+        self._lanes[lane] = mine
+        try:
+            if prev is not None:
+                await prev
+            await work(job)
+            _resolve(futures[lane], job.step)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
+            if lane == "peer":  # a missed replica costs a fallback at restore, never the run
+                log.warning("ckptstore: replicating step %d to peers failed: %s", job.step, exc)
+                f = futures["peer"]
+                if f is not None and not f.done():
+                    f.set_exception(exc)
+            else:
                 self._failed(job, futures, exc)
-            finally:
-                mine.set_result(None)
+        finally:
+            mine.set_result(None)
+
+    async def _replicate(self, job: _Job) -> None:
+        """Send this rank's staged bytes to its holders and take in the replicas it holds, over the
+        peer group; each received replica is checked against its source's chunk checksums before
+        it is committed in this node's RAM."""
+        import torch.distributed as dist
+
+        assert job.snap is not None
+        data, parts, manifest = job.snap.data, job.parts, job.manifest
+
+        def run() -> None:
+            works, received = [], []
+            for src in self._hold_for:
+                size = int(parts[src]["bytes"])
+                slot, buf = self.ram.replica_buffer(src, size)
+                works.append(dist.irecv(buf, group=self._bg_peer.pg, group_src=src))
+                received.append((src, slot, buf, size))
+            for dst in self._send_to:
+                works.append(dist.isend(data, group=self._bg_peer.pg, group_dst=dst))
+            for w in works:
+                if w is not None:
+                    w.wait()
+            for src, slot, buf, size in received:
+                _verify_replica(buf, parts[src]["chunks"], f"rank {src}'s replica of step {job.step}")
+                self.ram.commit_replica(src, slot, job.step, size, manifest)
+
+        await self._agree(f"replicating step {job.step} to peers", run, self._bg_peer)
 
     def _failed(self, job: _Job, futures: dict[str, concurrent.futures.Future | None], exc: BaseException) -> None:
         log.error("ckptstore: background save of step %d failed: %s", job.step, exc)
@@ -417,6 +474,7 @@ class CheckpointStore:
         for p in parts[1:]:
             p.pop("shared", None)
         manifest = self._manifest(job, parts)
+        job.parts, job.manifest = parts, manifest.to_json_bytes()
         await self._agree(f"committing step {job.step} in RAM", lambda: self.ram.commit_sync(job.step, manifest))
         self._last = job
         _resolve(futures["ram"], job.step)
@@ -653,19 +711,43 @@ class _Opener:
         raise CheckpointNotFoundError(f"{self.display}: no rank holds {rel} and the durable tier lacks the step")
 
 
+def _node_identity(node: Any, rank: int) -> Any:
+    """This rank's node: ``node=``, else the launcher's (torchrun's GROUP_RANK, NODE_RANK, or the rank
+    divided by LOCAL_WORLD_SIZE), else the host name."""
+    if node is not None:
+        return node
+    for var in ("GROUP_RANK", "NODE_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return rank // int(local)
+    return socket.gethostname()
+
+
+def _verify_replica(buf: Any, chunks: dict[str, list[dict[str, Any]]], what: str) -> None:
+    from ..format.checksum import checksum
+
+    view = memoryview(buf.numpy())
+    for key, cs in chunks.items():
+        for c in cs:
+            if checksum(view[c["offset"] : c["offset"] + c["length"]]) != c["checksum"]:
+                raise CorruptCheckpointError(f"{what}: tensor {key!r} arrived with another checksum than it was staged with")
+
+
 def _as_state_dict(state: Any) -> Any:
     from ..train_state import TrainState
 
     return state.state_dict() if isinstance(state, TrainState) else state
 
 
-def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group, Group]:
-    """Three gloo groups of the store's own over the ranks of ``process_group`` (or the world): the
-    trainer thread's, the fast lane's and the durable lane's."""
+def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group, Group, Group]:
+    """Four gloo groups of the store's own over the ranks of ``process_group`` (or the world): the
+    trainer thread's, and one per background lane (fast, durable, peer)."""
     group = Group(process_group)
     if group.world == 1:
         solo = Group.solo()
-        return solo, solo, solo
+        return solo, solo, solo, solo
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {"backend": "gloo", "timeout": datetime.timedelta(seconds=timeout_s)}
@@ -674,8 +756,8 @@ def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group, Group]:
         ranks = dist.get_process_group_ranks(process_group)
         if len(ranks) < dist.get_world_size():
             kwargs["use_local_synchronization"] = True  # only the members take part in creating it
-    fg, fast, durable = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(3))
-    return fg, fast, durable
+    fg, fast, durable, peer = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(4))
+    return fg, fast, durable, peer
 
 
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:

@@ -138,6 +138,8 @@ class RamTier(Tier):
         self._by_step: dict[int, Staged] = {}  # staged, not yet committed
         self._slot_sums: dict[int, dict[str, Any]] = {}
         self._streams: dict[Any, Any] = {}
+        self._replicas: dict[tuple[int, int], Slot] = {}  # (source rank, slot) -> segment
+        self._replica_next: dict[int, int] = {}
         self._slots: dict[int, Slot] = {}
         self._next = 0
         # Per slot: the layout it holds and, per key, the identity of the source tensor it copied
@@ -414,7 +416,47 @@ class RamTier(Tier):
     def _name_of(self, rank: int, slot: int, ext: str) -> str:
         return os.path.join(self.ram_dir, f"ckptstore-{self.job}-r{rank:05d}-s{slot}.{ext}")
 
+    # ------------------------------------------------------------------ peer replicas
+
+    def _replica_name(self, src: int, slot: int, ext: str) -> str:
+        return os.path.join(self.ram_dir, f"ckptstore-{self.job}-r{self.rank:05d}-peer{src:05d}-s{slot}.{ext}")
+
+    def replica_buffer(self, src: int, size: int) -> tuple[int, torch.Tensor]:
+        """A segment to receive rank ``src``'s next snapshot into: of two, the one not holding the
+        newest committed replica (so a transfer cut short never costs the last good copy)."""
+        slot = self._replica_next.get(src)
+        if slot is None:
+            held = []
+            for k in (0, 1):
+                try:
+                    with open(self._replica_name(src, k, "json"), "rb") as fh:
+                        held.append((json.loads(fh.read()).get("step", -1), k))
+                except (OSError, ValueError):
+                    held.append((-1, k))
+            slot = min(held)[1]
+        self._replica_next[src] = 1 - slot
+        _unlink(self._replica_name(src, slot, "json"))
+        seg = self._replicas.get((src, slot))
+        if seg is None or seg.size != size:
+            if seg is not None:
+                seg.release()
+            seg = self._replicas[(src, slot)] = Slot(self._replica_name(src, slot, "bin"), size)
+        return slot, seg.buffer.narrow(0, 0, size)
+
+    def commit_replica(self, src: int, slot: int, step: int, size: int, manifest: bytes) -> None:
+        """The received replica is verified: make it visible to restores (by rename, after the bytes)."""
+        doc = {"format": RAM_FORMAT, "job": self.job, "rank": self.rank, "src": src, "step": step, "slot": slot,
+               "size": size, "committed_unix": round(time.time(), 3), "extra": {"manifest": manifest.decode()}}
+        path = self._replica_name(src, slot, "json")
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(json.dumps(doc, separators=(",", ":")).encode())
+        os.replace(tmp, path)
+
     def close(self, *, unlink: bool = False) -> None:
+        for seg in self._replicas.values():
+            seg.release()
+        self._replicas.clear()
         for index, slot in self._slots.items():
             slot.release()
             if unlink:
