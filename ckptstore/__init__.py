@@ -13,8 +13,9 @@ Public API (everything else is private and may change)::
     store = ckptstore.CheckpointStore(job, *, local=None, durable=None, durable_every=10, keep_local=3,
                                       keep_durable=None, ram_budget_bytes=None, ram_dir="/dev/shm",
                                       storage_options=None, process_group=None, policy="block",
-                                      durable_compression=None, frozen=None, refresh_every=10, timeout_s=600)
-    handle = store.save(step, state)      # a SaveHandle: handle.wait("ram" | "local" | "durable")
+                                      durable_compression=None, frozen=None, refresh_every=10, timeout_s=600,
+                                      peer_replicas=0, peer_every=1, node=None)
+    handle = store.save(step, state)      # a SaveHandle: handle.wait("ram" | "local" | "peer" | "durable")
     step = store.restore(state)           # newest sound step, in place; None when there is none
     store.close()
 

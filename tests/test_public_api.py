@@ -173,6 +173,9 @@ def test_checkpoint_store_signature():
         ("frozen", P.KEYWORD_ONLY, None),
         ("refresh_every", P.KEYWORD_ONLY, 10),
         ("timeout_s", P.KEYWORD_ONLY, 600.0),
+        ("peer_replicas", P.KEYWORD_ONLY, 0),
+        ("peer_every", P.KEYWORD_ONLY, 1),
+        ("node", P.KEYWORD_ONLY, None),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save"]
     assert _shape(ckptstore.CheckpointStore.restore) == [
