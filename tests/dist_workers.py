@@ -313,3 +313,42 @@ def peer_restore_job(rank: int, world: int, name: str, ram_root: str, local_root
 
 
 _SHARD0 = {"big": [("shard", 0)], "w": [("shard", 0)], "odd": [("shard", 0)], "bf": [("shard", 0)]}
+
+
+def peer_hang_job(rank: int, world: int, name: str, ram_root: str, local_root: str) -> None:
+    """Rank 1 stops answering during the second replication: rank 0's saves and local commits go on,
+    its wait('peer') fails within the bound, and replication is switched off on both ranks."""
+    import time
+
+    node = rank
+    ram_dir = os.path.join(ram_root, f"node{node}")
+    os.makedirs(ram_dir, exist_ok=True)
+    store = ckptstore.CheckpointStore(name, local=os.path.join(local_root, f"node{node}"), ram_dir=ram_dir,
+                                      peer_replicas=1, node=node, peer_timeout_s=3)
+    state = {"w": torch.full((1000,), float(rank))}
+    store.save(1, state).wait("peer")
+    if rank == 1:
+        real = store.ram.replica_buffer
+
+        def stuck(src: int, size: int):
+            time.sleep(8)  # a peer that hangs
+            return real(src, size)
+
+        store.ram.replica_buffer = stuck  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    second = store.save(2, state)
+    if rank == 0:
+        second.wait("local")
+        try:
+            second.wait("peer", timeout=30)
+        except ckptstore.CheckpointError as exc:
+            raise AssertionError("expected the gloo timeout, not a checkpoint error") from exc
+        except Exception:  # noqa: BLE001 - the timeout surfaces as the transport's error
+            pass
+        else:
+            raise AssertionError("replication to a hung peer cannot succeed")
+        assert time.perf_counter() - t0 < 15, time.perf_counter() - t0
+    third = store.save(3, state)  # both ranks agree that replication is off now
+    third.wait("local")
+    assert third.done("peer") and third._futures["peer"] is None
+    store.close()

@@ -176,6 +176,7 @@ def test_checkpoint_store_signature():
         ("peer_replicas", P.KEYWORD_ONLY, 0),
         ("peer_every", P.KEYWORD_ONLY, 1),
         ("node", P.KEYWORD_ONLY, None),
+        ("peer_timeout_s", P.KEYWORD_ONLY, 60.0),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save"]
     assert _shape(ckptstore.CheckpointStore.restore) == [

@@ -201,3 +201,7 @@ def test_a_corrupt_replica_is_detected_and_the_next_copy_used(tmp_path, job, ram
             flipped += 1
     assert flipped == 1
     _spawn(6, "peer_restore_job", tmp_path, expect=2, expect_log="retrying with the damaged copies excluded", **args)
+
+
+def test_a_hung_peer_never_blocks_saves_and_replication_stops_within_its_bound(tmp_path, job, ram_root):
+    _spawn(2, "peer_hang_job", tmp_path, name=job, ram_root=ram_root, local_root=str(tmp_path / "local"))

@@ -155,6 +155,7 @@ class CheckpointStore:
         peer_replicas: int = 0,
         peer_every: int = 1,
         node: Any = None,
+        peer_timeout_s: float = 60.0,
     ) -> None:
         if policy not in ("block", "skip"):
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
@@ -172,13 +173,14 @@ class CheckpointStore:
         self.frozen, self.refresh_every = frozen, refresh_every
         if not isinstance(peer_replicas, int) or isinstance(peer_replicas, bool) or peer_replicas < 0:
             raise InvalidArgumentError(f"peer_replicas must be a non-negative int, not {peer_replicas!r}")
-        self._fg, self._bg, self._bg_durable, self._bg_peer = _groups(process_group, timeout_s)
+        self._fg, self._bg, self._bg_durable, self._bg_peer = _groups(process_group, timeout_s, peer_timeout_s)
         self.rank, self.world = self._fg.rank, self._fg.world
         # Which node each rank runs on decides where replicas go: never on the source's node.
         self.nodes = node_of_ranks(self._fg.all_gather(_node_identity(node, self.rank)))
         holders = replica_holders(self.nodes, peer_replicas)
         self._send_to, self._hold_for = holders[self.rank], replicas_held(holders, self.rank)
         self.peer_replicas, self.peer_every = peer_replicas, peer_every
+        self._peer_off = False  # set when a peer did not answer in time: replication stops for this run
         self.ram = RamTier(job, self.rank, ram_dir=ram_dir, slots=2)
         # Of the ranks sharing a local directory (one node), the lowest writes its manifests,
         # sweeps it and applies retention; rank 0 does so for the shared durable URL.
@@ -274,6 +276,7 @@ class CheckpointStore:
             # One vote per save keeps the ranks together: a background failure that one rank has
             # already seen (the others may learn of it a moment later) is raised on all of them.
             votes = self._fg.all_gather({"step": step, "busy": busy, "error": None if error is None else str(error),
+                                         "peer_off": self._peer_off,
                                          "pending": None if pending is None else (pending[0], str(pending[1]))})
             reports = sorted({tuple(v["pending"]) for v in votes if v["pending"]})
             if reports:
@@ -288,6 +291,7 @@ class CheckpointStore:
                     f"ranks passed different steps to save: {[v['step'] for v in votes]}; every rank saves the same step"
                 )
             busy = any(v["busy"] for v in votes)
+            self._peer_off = any(v["peer_off"] for v in votes)
         if error is not None:
             raise error
         if busy and self.policy == "skip":
@@ -318,7 +322,7 @@ class CheckpointStore:
             job.frozen_end = align_up(e.offset + e.nbytes)
         self._last_step = step
         promote = self.durable is not None and self._saves % self.durable_every == 0  # every N-th snapshot
-        replicate = self.peer_replicas > 0 and self._saves % self.peer_every == 0
+        replicate = self.peer_replicas > 0 and self._saves % self.peer_every == 0 and not self._peer_off
         futures: dict[str, concurrent.futures.Future | None] = {
             "ram": concurrent.futures.Future(),
             "local": concurrent.futures.Future() if self.local else None,
@@ -407,7 +411,12 @@ class CheckpointStore:
             _resolve(futures[lane], job.step)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
             if lane == "peer":  # a missed replica costs a fallback at restore, never the run
-                log.warning("ckptstore: replicating step %d to peers failed: %s", job.step, exc)
+                # A peer that does not answer within peer_timeout_s leaves the peer group in an
+                # unknown state: replication stops for this run (the ranks agree on the next save)
+                # rather than risk a collective that never returns.
+                self._peer_off = True
+                log.error("ckptstore: replicating step %d to peers failed, replication is off for the rest of this "
+                          "run (the local and durable tiers go on): %s", job.step, exc)
                 f = futures["peer"]
                 if f is not None and not f.done():
                     f.set_exception(exc)
@@ -741,7 +750,7 @@ def _as_state_dict(state: Any) -> Any:
     return state.state_dict() if isinstance(state, TrainState) else state
 
 
-def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group, Group, Group]:
+def _groups(process_group: Any, timeout_s: float, peer_timeout_s: float) -> tuple[Group, Group, Group, Group]:
     """Four gloo groups of the store's own over the ranks of ``process_group`` (or the world): the
     trainer thread's, and one per background lane (fast, durable, peer)."""
     group = Group(process_group)
@@ -756,8 +765,9 @@ def _groups(process_group: Any, timeout_s: float) -> tuple[Group, Group, Group, 
         ranks = dist.get_process_group_ranks(process_group)
         if len(ranks) < dist.get_world_size():
             kwargs["use_local_synchronization"] = True  # only the members take part in creating it
-    fg, fast, durable, peer = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(4))
-    return fg, fast, durable, peer
+    fg, fast, durable = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(3))
+    kwargs["timeout"] = datetime.timedelta(seconds=peer_timeout_s)
+    return fg, fast, durable, Group(dist.new_group(ranks=ranks, **kwargs))
 
 
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:
