@@ -273,17 +273,18 @@ def fsdp_train_state_job(rank: int, world: int, name: str, local: str) -> None:
 # ---------------------------------------------------------------------------- peer replicas
 
 
-def _peer_store(name: str, rank: int, ram_root: str, local_root: str, per_node: int, replicas: int):
+def _peer_store(name: str, rank: int, ram_root: str, local_root: str, per_node: int, replicas: int,
+                to_local: bool = False):
     node = rank // per_node  # simulated nodes: each has its own RAM directory and local directory
     ram_dir = os.path.join(ram_root, f"node{node}")
     os.makedirs(ram_dir, exist_ok=True)
     return ckptstore.CheckpointStore(name, local=os.path.join(local_root, f"node{node}"), ram_dir=ram_dir,
-                                     peer_replicas=replicas, node=node)
+                                     peer_replicas=replicas, node=node, peer_to_local=to_local)
 
 
 def peer_save_job(rank: int, world: int, name: str, ram_root: str, local_root: str, per_node: int, replicas: int,
-                  steps: list[int]) -> None:
-    store = _peer_store(name, rank, ram_root, local_root, per_node, replicas)
+                  steps: list[int], to_local: bool = False) -> None:
+    store = _peer_store(name, rank, ram_root, local_root, per_node, replicas, to_local)
     for step in steps:
         handle = store.save(step, _scaled_state([world], _SHARD0, step, per_rank=True))
     handle.wait("peer")
@@ -292,7 +293,7 @@ def peer_save_job(rank: int, world: int, name: str, ram_root: str, local_root: s
 
 
 def peer_restore_job(rank: int, world: int, name: str, ram_root: str, local_root: str, per_node: int, replicas: int,
-                     expect: int, expect_log: str) -> None:
+                     expect: int, expect_log: str, to_local: bool = False) -> None:
     import logging
 
     records: list[str] = []
@@ -303,7 +304,7 @@ def peer_restore_job(rank: int, world: int, name: str, ram_root: str, local_root
 
     logging.getLogger("ckptstore").addHandler(Keep())
     logging.getLogger("ckptstore").setLevel(logging.INFO)
-    store = _peer_store(name, rank, ram_root, local_root, per_node, replicas)
+    store = _peer_store(name, rank, ram_root, local_root, per_node, replicas, to_local)
     state = _scaled_state([world], _SHARD0, 0, per_rank=True)
     got = store.restore(state)
     assert got == expect, (got, records)

@@ -177,6 +177,7 @@ def test_checkpoint_store_signature():
         ("peer_every", P.KEYWORD_ONLY, 1),
         ("node", P.KEYWORD_ONLY, None),
         ("peer_timeout_s", P.KEYWORD_ONLY, 60.0),
+        ("peer_to_local", P.KEYWORD_ONLY, False),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save"]
     assert _shape(ckptstore.CheckpointStore.restore) == [

@@ -205,3 +205,18 @@ def test_a_corrupt_replica_is_detected_and_the_next_copy_used(tmp_path, job, ram
 
 def test_a_hung_peer_never_blocks_saves_and_replication_stops_within_its_bound(tmp_path, job, ram_root):
     _spawn(2, "peer_hang_job", tmp_path, name=job, ram_root=ram_root, local_root=str(tmp_path / "local"))
+
+
+def test_replicas_kept_on_local_disk_survive_a_reboot_of_every_node(tmp_path, job, ram_root):
+    # Two nodes of two ranks; replicas also go to <local>/peer/. Node 1 is lost and node 0
+    # reboots (its RAM is gone): node 0's disk still holds node 1's shards.
+    import shutil
+
+    args = dict(name=job, ram_root=ram_root, local_root=str(tmp_path / "local"), per_node=2, replicas=1,
+                to_local=True)
+    _spawn(4, "peer_save_job", tmp_path, steps=[1, 2], **args)
+    assert sorted(os.listdir(tmp_path / "local" / "node0" / "peer" / "step-000000000002" / "data")) == [
+        "rank-00002.bin", "rank-00003.bin"]
+    _lose_node(ram_root, str(tmp_path / "local"), 1)
+    shutil.rmtree(os.path.join(ram_root, "node0"))
+    _spawn(4, "peer_restore_job", tmp_path, expect=2, expect_log="restored step 2 from the local+peer tier", **args)

@@ -85,8 +85,8 @@ def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) ->
         if inv.manifest is None:
             manifest = doc.get("extra", doc)["manifest"]
             inv.manifest = manifest.encode() if isinstance(manifest, str) else manifest
-    if local_root is not None:
-        step_dir = os.path.join(local_root, f"step-{step:012d}")
+    for step_dir in ([os.path.join(local_root, f"step-{step:012d}"), os.path.join(local_root, "peer", f"step-{step:012d}")]
+                     if local_root is not None else []):
         if os.path.exists(os.path.join(step_dir, MANIFEST)):
             data = os.path.join(step_dir, "data")
             for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
@@ -249,8 +249,8 @@ def node_steps(job: str, ram_dir: str, local_root: str | None) -> set[int]:
             steps.add(int(doc["step"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    if local_root is not None and os.path.isdir(local_root):
-        for name in os.listdir(local_root):
-            if name.startswith("step-") and name[5:].isdigit() and os.path.exists(os.path.join(local_root, name, MANIFEST)):
+    for root in [local_root, os.path.join(local_root, "peer")] if local_root is not None else []:
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith("step-") and name[5:].isdigit() and os.path.exists(os.path.join(root, name, MANIFEST)):
                 steps.add(int(name[5:]))
     return steps

@@ -156,6 +156,7 @@ class CheckpointStore:
         peer_every: int = 1,
         node: Any = None,
         peer_timeout_s: float = 60.0,
+        peer_to_local: bool = False,
     ) -> None:
         if policy not in ("block", "skip"):
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
@@ -181,6 +182,9 @@ class CheckpointStore:
         self._send_to, self._hold_for = holders[self.rank], replicas_held(holders, self.rank)
         self.peer_replicas, self.peer_every = peer_replicas, peer_every
         self._peer_off = False  # set when a peer did not answer in time: replication stops for this run
+        if peer_to_local and local is None:
+            raise InvalidArgumentError("peer_to_local=True keeps replicas in the local directory: pass local= too")
+        self.peer_to_local = peer_to_local
         self.ram = RamTier(job, self.rank, ram_dir=ram_dir, slots=2)
         # Of the ranks sharing a local directory (one node), the lowest writes its manifests,
         # sweeps it and applies retention; rank 0 does so for the shared durable URL.
@@ -449,6 +453,8 @@ class CheckpointStore:
             for src, slot, buf, size in received:
                 _verify_replica(buf, parts[src]["chunks"], f"rank {src}'s replica of step {job.step}")
                 self.ram.commit_replica(src, slot, job.step, size, manifest)
+                if self.peer_to_local and self.local is not None:
+                    _replica_to_local(self.local.root, job.step, src, buf, manifest, self.keep_local)
 
         await self._agree(f"replicating step {job.step} to peers", run, self._bg_peer)
 
@@ -732,6 +738,38 @@ def _node_identity(node: Any, rank: int) -> Any:
     if local.isdigit() and int(local) > 0:
         return rank // int(local)
     return socket.gethostname()
+
+
+def _replica_to_local(root: str, step: int, src: int, buf: Any, manifest: bytes, keep: int | None) -> None:
+    """Keep a received replica on this node's disk too: ``<local>/peer/step-<012d>/`` holds the
+    replicas this node's ranks received, with the step's manifest, so they survive a reboot."""
+    from ..storage.targets import Target, open_sink, write_bytes
+    from .single_file import write_raw
+
+    peer_root = os.path.join(root, "peer")
+    step_dir = os.path.join(peer_root, f"step-{step:012d}")
+    os.makedirs(os.path.join(step_dir, "data"), exist_ok=True)
+    path = os.path.join(step_dir, "data", f"rank-{src:05d}.bin")
+    sink = open_sink(Target(display=path, path=path))
+    try:
+        write_raw(sink, [lambda: buf], hash_bytes=False)
+        sink.commit(b"")
+    except BaseException:
+        sink.abort()
+        raise
+    # Every rank of the node writes the same manifest: by rename, whoever is last, same bytes.
+    write_bytes(Target(display=f"{step_dir}/{MANIFEST}", path=os.path.join(step_dir, MANIFEST)), manifest)
+    if keep is not None:
+        steps = sorted(int(n[5:]) for n in os.listdir(peer_root) if n.startswith("step-") and n[5:].isdigit())
+        for old in steps[:-keep]:
+            import shutil
+
+            old_dir = os.path.join(peer_root, f"step-{old:012d}")
+            try:
+                os.unlink(os.path.join(old_dir, MANIFEST))
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(old_dir, ignore_errors=True)
 
 
 def _verify_replica(buf: Any, chunks: dict[str, list[dict[str, Any]]], what: str) -> None:
