@@ -24,6 +24,7 @@ import concurrent.futures
 import datetime
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -439,20 +440,31 @@ class CheckpointStore:
         data, parts, manifest = job.snap.data, job.parts, job.manifest
 
         def run() -> None:
-            works, received = [], []
+            # In pieces, so the checksums of what arrived are checked while the rest is in flight.
+            received, sends = [], []
             for src in self._hold_for:
                 size = int(parts[src]["bytes"])
                 slot, buf = self.ram.replica_buffer(src, size)
-                works.append(dist.irecv(buf, group=self._bg_peer.pg, group_src=src))
-                received.append((src, slot, buf, size))
+                recvs = [(o + n, dist.irecv(buf.narrow(0, o, n), group=self._bg_peer.pg, group_src=src))
+                         for o, n in _pieces(size)]
+                received.append((src, slot, buf, size, recvs))
             for dst in self._send_to:
-                works.append(dist.isend(data, group=self._bg_peer.pg, group_dst=dst))
-            for w in works:
-                if w is not None:
-                    w.wait()
-            for src, slot, buf, size in received:
-                _verify_replica(buf, parts[src]["chunks"], f"rank {src}'s replica of step {job.step}")
+                sends += [dist.isend(data.narrow(0, o, n), group=self._bg_peer.pg, group_dst=dst)
+                          for o, n in _pieces(int(data.numel()))]
+            for src, slot, buf, size, recvs in received:
+                chunks = sorted((c for cs in parts[src]["chunks"].values() for c in cs), key=lambda c: c["offset"])
+                done = 0
+                for end, work in recvs:
+                    if work is not None:
+                        work.wait()
+                    arrived = [c for c in chunks[done:] if c["offset"] + c["length"] <= end]
+                    _verify_replica(buf, arrived, f"rank {src}'s replica of step {job.step}")
+                    done += len(arrived)
+                _verify_replica(buf, chunks[done:], f"rank {src}'s replica of step {job.step}")
                 self.ram.commit_replica(src, slot, job.step, size, manifest)
+            for work in sends:
+                if work is not None:
+                    work.wait()
                 if self.peer_to_local and self.local is not None:
                     _replica_to_local(self.local.root, job.step, src, buf, manifest, self.keep_local)
 
@@ -644,7 +656,7 @@ class CheckpointStore:
 
     def _kind(self, where: str) -> str:
         if where.startswith(self.ram.ram_dir.rstrip("/") + "/"):
-            return "peer" if "-peer" in os.path.basename(where) else "ram"
+            return "peer" if re.search(r"-r\d{5}-peer\d{5}-s\d+\.bin$", where) else "ram"
         return "local"
 
     @staticmethod
@@ -772,14 +784,23 @@ def _replica_to_local(root: str, step: int, src: int, buf: Any, manifest: bytes,
             shutil.rmtree(old_dir, ignore_errors=True)
 
 
-def _verify_replica(buf: Any, chunks: dict[str, list[dict[str, Any]]], what: str) -> None:
+_PIECE = 32 << 20
+
+
+def _pieces(size: int) -> list[tuple[int, int]]:
+    return [(o, min(_PIECE, size - o)) for o in range(0, size, _PIECE)] or [(0, 0)]
+
+
+def _verify_replica(buf: Any, chunks: list[dict[str, Any]], what: str) -> None:
     from ..format.checksum import checksum
 
     view = memoryview(buf.numpy())
-    for key, cs in chunks.items():
-        for c in cs:
-            if checksum(view[c["offset"] : c["offset"] + c["length"]]) != c["checksum"]:
-                raise CorruptCheckpointError(f"{what}: tensor {key!r} arrived with another checksum than it was staged with")
+    for c in chunks:
+        if checksum(view[c["offset"] : c["offset"] + c["length"]]) != c["checksum"]:
+            raise CorruptCheckpointError(
+                f"{what}: the bytes at {c['offset']}..{c['offset'] + c['length']} arrived with another checksum than "
+                "they were staged with"
+            )
 
 
 def _as_state_dict(state: Any) -> Any:
