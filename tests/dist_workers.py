@@ -201,16 +201,8 @@ def _check_scaled(state, step: int, *, per_rank: bool) -> None:
         assert torch.equal(state["rng"].value, torch.tensor([dist.get_rank(), step])), state["rng"].value
 
 
-def store_save_job(rank: int, world: int, name: str, local: str, durable: str, steps: list[int], mesh_shape, layouts) -> None:
-    store = ckptstore.CheckpointStore(name, local=local, durable=durable, durable_every=2, keep_local=2)
-    handles = [store.save(step, _scaled_state(mesh_shape, layouts, step, per_rank=True)) for step in steps]
-    handles[-1].wait("local")
-    assert all(h.done("ram") for h in handles)
-    store.close()
-
-
-def store_restore_job(rank: int, world: int, name: str, local: str | None, durable: str | None, expect: int,
-                      expect_tier: str, mesh_shape, layouts, per_rank: bool = True) -> None:
+def _ckptstore_log() -> list[str]:
+    """Every message the ckptstore logger emits from now on (INFO and up)."""
     import logging
 
     records: list[str] = []
@@ -221,6 +213,20 @@ def store_restore_job(rank: int, world: int, name: str, local: str | None, durab
 
     logging.getLogger("ckptstore").addHandler(Keep())
     logging.getLogger("ckptstore").setLevel(logging.INFO)
+    return records
+
+
+def store_save_job(rank: int, world: int, name: str, local: str, durable: str, steps: list[int], mesh_shape, layouts) -> None:
+    store = ckptstore.CheckpointStore(name, local=local, durable=durable, durable_every=2, keep_local=2)
+    handles = [store.save(step, _scaled_state(mesh_shape, layouts, step, per_rank=True)) for step in steps]
+    handles[-1].wait("local")
+    assert all(h.done("ram") for h in handles)
+    store.close()
+
+
+def store_restore_job(rank: int, world: int, name: str, local: str | None, durable: str | None, expect: int,
+                      expect_tier: str, mesh_shape, layouts, per_rank: bool = True) -> None:
+    records = _ckptstore_log()
     store = ckptstore.CheckpointStore(name, local=local, durable=durable)
     state = _scaled_state(mesh_shape, layouts, 0, per_rank=per_rank)
     got = store.restore(state)
@@ -294,16 +300,7 @@ def peer_save_job(rank: int, world: int, name: str, ram_root: str, local_root: s
 
 def peer_restore_job(rank: int, world: int, name: str, ram_root: str, local_root: str, per_node: int, replicas: int,
                      expect: int, expect_log: str, to_local: bool = False) -> None:
-    import logging
-
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("ckptstore").addHandler(Keep())
-    logging.getLogger("ckptstore").setLevel(logging.INFO)
+    records = _ckptstore_log()
     store = _peer_store(name, rank, ram_root, local_root, per_node, replicas, to_local)
     state = _scaled_state([world], _SHARD0, 0, per_rank=True)
     got = store.restore(state)

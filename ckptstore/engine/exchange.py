@@ -61,20 +61,7 @@ class Inventory:
 def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) -> Inventory:
     """RAM segments and peer replicas of ``job`` in ``ram_dir`` and the local step directory."""
     inv = Inventory()
-    try:
-        names = sorted(os.listdir(ram_dir))
-    except OSError:
-        names = []
-    for name in names:
-        m = _SEG.match(name)
-        if m is None or m.group("job") != job:
-            continue
-        path = os.path.join(ram_dir, name)
-        try:
-            with open(path, "rb") as fh:
-                doc = json.loads(fh.read())
-        except (OSError, ValueError):
-            continue
+    for m, path, doc in _job_docs(job, ram_dir):
         if doc.get("step") != step or "manifest" not in doc.get("extra", doc):
             continue
         seg = path[:-5] + ".bin"
@@ -97,6 +84,28 @@ def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) ->
                 with open(os.path.join(step_dir, MANIFEST), "rb") as fh:
                     inv.manifest = fh.read()
     return inv
+
+
+def _job_docs(job: str, ram_dir: str) -> list[tuple[re.Match[str], str, dict[str, Any]]]:
+    """The readable RAM-tier manifests of ``job`` in ``ram_dir``: own slots and peer replicas."""
+    try:
+        names = sorted(os.listdir(ram_dir))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = _SEG.match(name)
+        if m is None or m.group("job") != job:
+            continue
+        path = os.path.join(ram_dir, name)
+        try:
+            with open(path, "rb") as fh:
+                doc = json.loads(fh.read())
+        except (OSError, ValueError):
+            continue  # being rewritten, or damaged: not a usable copy
+        if isinstance(doc, dict):
+            out.append((m, path, doc))
+    return out
 
 
 def _opener(path: str) -> Callable[[], Source]:
@@ -235,20 +244,9 @@ def _agree_plan(group: Group, plan: list[tuple[int, int, str, int, int]]) -> lis
 def node_steps(job: str, ram_dir: str, local_root: str | None) -> set[int]:
     """Every step of ``job`` this node holds anything of (RAM segments, replicas, local steps)."""
     steps: set[int] = set()
-    try:
-        names = os.listdir(ram_dir)
-    except OSError:
-        names = []
-    for name in names:
-        m = _SEG.match(name)
-        if m is None or m.group("job") != job:
-            continue
-        try:
-            with open(os.path.join(ram_dir, name), "rb") as fh:
-                doc = json.loads(fh.read())
-            steps.add(int(doc["step"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    for _m, _path, doc in _job_docs(job, ram_dir):
+        if isinstance(doc.get("step"), int):
+            steps.add(doc["step"])
     for root in [local_root, os.path.join(local_root, "peer")] if local_root is not None else []:
         for name in os.listdir(root) if os.path.isdir(root) else []:
             if name.startswith("step-") and name[5:].isdigit() and os.path.exists(os.path.join(root, name, MANIFEST)):
