@@ -133,6 +133,13 @@ class CheckpointStore:
     moved, and at every ``refresh_every``-th save (writes through ``.data``, numpy or DLPack do not
     bump the version counter), and the tiers keep them in a file of their own that later steps
     link instead of rewriting while its checksums are unchanged.
+
+    ``peer_replicas``: copies of each rank's snapshot kept in the RAM of ranks on other nodes
+    (every ``peer_every``-th snapshot; also on their disks with ``peer_to_local``), so a restart
+    after a node loss restores without the durable tier. ``node`` names this rank's node when the
+    launcher's environment does not. A peer that does not answer within ``peer_timeout_s`` fails
+    only that replication, and replication stops for the run. ``timeout_s`` bounds every other
+    collective of the store.
     """
 
     def __init__(
