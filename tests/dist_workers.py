@@ -350,3 +350,35 @@ def peer_hang_job(rank: int, world: int, name: str, ram_root: str, local_root: s
     third.wait("local")
     assert third.done("peer") and third._futures["peer"] is None
     store.close()
+
+
+def peer_restore_hang_job(rank: int, world: int, name: str, ram_root: str, local_root: str) -> None:
+    """Node 1 (rank 1) was lost; rank 2 holds a replica of it but hangs serving it: rank 1 must
+    fall back to rank 0's replica within peer_timeout_s instead of waiting."""
+    import time
+
+    from ckptstore.engine import exchange
+
+    if rank == 2:
+        real = exchange._serve
+
+        def stuck(*args):
+            time.sleep(8)  # serving others hangs; rank 2's own loading does not
+            return real(*args)
+
+        exchange._serve = stuck
+    records = _ckptstore_log()
+    os.makedirs(os.path.join(ram_root, f"node{rank}"), exist_ok=True)
+    store = ckptstore.CheckpointStore(name, local=os.path.join(local_root, f"node{rank}"),
+                                      ram_dir=os.path.join(ram_root, f"node{rank}"), peer_replicas=2, node=rank,
+                                      peer_timeout_s=2)
+    state = _scaled_state([world], _SHARD0, 0, per_rank=True)
+    t0 = time.perf_counter()
+    assert store.restore(state) == 2
+    elapsed = time.perf_counter() - t0
+    _check_scaled(state, 2, per_rank=True)
+    if rank == 1:
+        assert any("rank 2 did not send data/rank-00001.bin" in m for m in records), records
+        assert elapsed < 7, elapsed  # the 2 s bound, not the 8 s hang
+    time.sleep(7)  # let the stuck owner's late send land before the groups go away
+    store.close()

@@ -220,3 +220,12 @@ def test_replicas_kept_on_local_disk_survive_a_reboot_of_every_node(tmp_path, jo
     _lose_node(ram_root, str(tmp_path / "local"), 1)
     shutil.rmtree(os.path.join(ram_root, "node0"))
     _spawn(4, "peer_restore_job", tmp_path, expect=2, expect_log="restored step 2 from the local+peer tier", **args)
+
+
+def test_a_peer_that_hangs_during_restore_is_skipped_within_its_bound(tmp_path, job, ram_root):
+    # Three nodes of one rank, two replicas each; node 1 is lost. Rank 1 asks rank 2 first
+    # (candidates [0, 2], index 1 % 2), which hangs for 8 s: after peer_timeout_s=2 it uses rank 0.
+    args = dict(name=job, ram_root=ram_root, local_root=str(tmp_path / "local"))
+    _spawn(3, "peer_save_job", tmp_path, steps=[1, 2], per_node=1, replicas=2, **args)
+    _lose_node(ram_root, str(tmp_path / "local"), 1)
+    _spawn(3, "peer_restore_hang_job", tmp_path, **args)

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -174,11 +175,18 @@ def get_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
     return parse_manifest(body, where=where)
 
 
-def exchange(group: Group, inv: Inventory, wanted: list[tuple[str, int, int]], excluded: set[str],
-             bad_owners: set[tuple[str, int]], display: str) -> tuple[dict[str, FetchedSource], list[str]]:
+def exchange(group: Group, p2p: Group, inv: Inventory, wanted: list[tuple[str, int, int]], excluded: set[str],
+             bad_owners: set[tuple[str, int]], display: str, *, attempt: int = 0,
+             timeout_s: float = 60.0) -> tuple[dict[str, FetchedSource], set[tuple[str, int]]]:
     """Fetch the chunks of ``wanted`` whose file this node lacks from a rank whose node has it.
 
-    Returns the fetched files and the names nobody could serve (for the durable tier)."""
+    Returns the fetched files and the (file, owner) pairs that did not arrive within ``timeout_s``
+    (the caller retries with those owners excluded). Owners serve from threads of their own and
+    every attempt uses its own message tag, so an owner stuck reading its disk holds up nobody:
+    its late bytes land in the abandoned receive of the attempt they belong to. The bytes travel
+    on ``p2p``, a group that carries nothing else: gloo's collectives number their messages with
+    tags of the same space, so point-to-point messages still in flight on a collective group could
+    be taken for a collective's."""
     import torch.distributed as dist
 
     mine = set(inv.names(excluded))
@@ -188,44 +196,88 @@ def exchange(group: Group, inv: Inventory, wanted: list[tuple[str, int, int]], e
     for r, g in enumerate(gathered):
         for name in g["has"]:
             owners.setdefault(name, []).append(r)
-    # Every rank computes the same plan from the same gathered lists.
     plan: list[tuple[int, int, str, int, int]] = []  # (requester, owner, file, offset, length)
-    missing: dict[int, set[str]] = {}
     for r, g in enumerate(gathered):
         for name, offset, length in g["want"]:
             candidates = [o for o in owners.get(name, []) if o != r]
             if r == group.rank:
                 candidates = [o for o in candidates if (name, o) not in bad_owners]
-            choice = _pick(candidates, r) if candidates else None
-            if choice is None:
-                missing.setdefault(r, set()).add(name)
-            else:
-                plan.append((r, choice, name, offset, length))
-    # A requester's exclusions are its own; make the plan agree by letting each requester's own
-    # choice win: broadcast nothing, but recompute the plan with the requester's view.
+            if candidates:  # else the load reads it from durable, or reports it missing
+                plan.append((r, _pick(candidates, r), name, offset, length))
     plan = _agree_plan(group, plan)
+    tag = attempt + 1
     fetched: dict[str, FetchedSource] = {}
-    works, keep = [], []
+    recvs: list[tuple[str, int, Any]] = []
+    serve: list[tuple[int, str, int, int]] = []
     for requester, owner, name, offset, length in plan:
         if requester == group.rank:
             buf = torch.empty(length, dtype=torch.uint8)
-            works.append(dist.irecv(buf, group=group.pg, group_src=owner))
+            recvs.append((name, owner, dist.irecv(buf, group=p2p.pg, group_src=owner, tag=tag)))
             fetched.setdefault(name, FetchedSource(f"rank {owner}'s copy of {display}/{name}")).add(offset, buf)
         elif owner == group.rank:
+            serve.append((requester, name, offset, length))
+    if serve:
+        import threading
+
+        threading.Thread(target=_serve, args=(p2p, inv, excluded, serve, tag), daemon=True,
+                         name="ckptstore-serve").start()
+    # Wait in helper threads rather than wait(timeout): a gloo receive that times out closes the
+    # connection to that peer, and the group with it. An abandoned receive stays posted under this
+    # attempt's tag, and its thread ends when the late bytes land (or the group's timeout fires).
+    slow: set[tuple[str, int]] = set()
+    deadline = time.monotonic() + timeout_s
+    for name, owner, work in recvs:
+        if work is None:
+            continue
+        waiter = _Waiter(work)
+        if not waiter.done.wait(max(0.0, deadline - time.monotonic())):
+            log.warning("ckptstore: rank %d did not send %s within %.0f s; trying another copy", owner, name, timeout_s)
+            slow.add((name, owner))
+        elif waiter.error is not None:
+            raise waiter.error
+    for name, _owner in slow:
+        fetched.pop(name, None)
+    return fetched, slow
+
+
+class _Waiter:
+    def __init__(self, work: Any) -> None:
+        import threading
+
+        self.done = threading.Event()
+        self.error: Exception | None = None
+        threading.Thread(target=self._run, args=(work,), daemon=True, name="ckptstore-recv").start()
+
+    def _run(self, work: Any) -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+            self.error = exc
+        self.done.set()
+
+
+def _serve(group: Group, inv: Inventory, excluded: set[str], serve: list[tuple[int, str, int, int]], tag: int) -> None:
+    import torch.distributed as dist
+
+    works = []
+    try:
+        for requester, name, offset, length in serve:
             opened = inv.open(name, excluded)
-            assert opened is not None
+            if opened is None:
+                log.error("ckptstore: asked for %s, which this node no longer holds", name)
+                return
             source = opened[1]
             try:
                 data = torch.frombuffer(bytearray(source.read(offset, length)), dtype=torch.uint8) if length else (
                     torch.empty(0, dtype=torch.uint8))
             finally:
                 source.close()
-            keep.append(data)
-            works.append(dist.isend(data, group=group.pg, group_dst=requester))
-    for w in works:
-        if w is not None:
-            w.wait()
-    return fetched, sorted(missing.get(group.rank, set()))
+            works.append((data, dist.isend(data, group=group.pg, group_dst=requester, tag=tag)))
+        for _data, work in works:
+            if work is not None:
+                work.wait()
+    except Exception as exc:  # noqa: BLE001 - a requester that gave up on us is not our failure
+        log.warning("ckptstore: serving restore data failed: %s", exc)
 
 
 def _pick(candidates: list[int], requester: int) -> int:

@@ -182,13 +182,13 @@ class CheckpointStore:
         self.frozen, self.refresh_every = frozen, refresh_every
         if not isinstance(peer_replicas, int) or isinstance(peer_replicas, bool) or peer_replicas < 0:
             raise InvalidArgumentError(f"peer_replicas must be a non-negative int, not {peer_replicas!r}")
-        self._fg, self._bg, self._bg_durable, self._bg_peer = _groups(process_group, timeout_s, peer_timeout_s)
+        self._fg, self._bg, self._bg_durable, self._bg_peer, self._p2p = _groups(process_group, timeout_s, peer_timeout_s)
         self.rank, self.world = self._fg.rank, self._fg.world
         # Which node each rank runs on decides where replicas go: never on the source's node.
         self.nodes = node_of_ranks(self._fg.all_gather(_node_identity(node, self.rank)))
         holders = replica_holders(self.nodes, peer_replicas)
         self._send_to, self._hold_for = holders[self.rank], replicas_held(holders, self.rank)
-        self.peer_replicas, self.peer_every = peer_replicas, peer_every
+        self.peer_replicas, self.peer_every, self.peer_timeout_s = peer_replicas, peer_every, peer_timeout_s
         self._peer_off = False  # set when a peer did not answer in time: replication stops for this run
         if peer_to_local and local is None:
             raise InvalidArgumentError("peer_to_local=True keeps replicas in the local directory: pass local= too")
@@ -610,7 +610,7 @@ class CheckpointStore:
         excluded: set[str] = set()
         bad_owners: set[tuple[str, int]] = set()
         detail = ""
-        for _attempt in range(3):
+        for attempt in range(3):
             inv = node_inventory(self.job, self.ram.ram_dir, local_root, step)
             fatal: Exception | None = None
             retry = False
@@ -627,7 +627,12 @@ class CheckpointStore:
                 wanted, problem = [], f"{exc}"
             except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint
                 wanted, fatal = [], exc
-            fetched, _missing = exchange(self._fg, inv, wanted, excluded, bad_owners, display)
+            fetched, slow = exchange(self._fg, self._p2p, inv, wanted, excluded, bad_owners, display, attempt=attempt,
+                                     timeout_s=self.peer_timeout_s)
+            if slow:
+                bad_owners |= slow
+                problem = "no answer within peer_timeout_s from " + ", ".join(f"rank {o} ({n})" for n, o in sorted(slow))
+                retry = True
             if not problem and fatal is None:
                 assert manifest is not None
 
@@ -654,11 +659,11 @@ class CheckpointStore:
             if not problems:
                 kinds = sorted({k for o in outcomes for k in o["used"]})
                 return True, "+".join(kinds) if kinds else "ram"
-            attempt = f"step {step}: " + "; ".join(problems)
-            detail = f"{detail}; then {attempt}" if detail else attempt
+            summary = f"step {step}: " + "; ".join(problems)
+            detail = f"{detail}; then {summary}" if detail else summary
             if not any(o["retry"] for o in outcomes):
                 break
-            log.warning("ckptstore: %s; retrying with the damaged copies excluded", attempt)
+            log.warning("ckptstore: %s; retrying with the damaged copies excluded", summary)
         return False, detail
 
     def _kind(self, where: str) -> str:
@@ -816,13 +821,14 @@ def _as_state_dict(state: Any) -> Any:
     return state.state_dict() if isinstance(state, TrainState) else state
 
 
-def _groups(process_group: Any, timeout_s: float, peer_timeout_s: float) -> tuple[Group, Group, Group, Group]:
-    """Four gloo groups of the store's own over the ranks of ``process_group`` (or the world): the
-    trainer thread's, and one per background lane (fast, durable, peer)."""
+def _groups(process_group: Any, timeout_s: float, peer_timeout_s: float) -> tuple[Group, Group, Group, Group, Group]:
+    """Five gloo groups of the store's own over the ranks of ``process_group`` (or the world): the
+    trainer thread's, one per background lane (fast, durable, peer), and one that carries only the
+    point-to-point transfers of a restore."""
     group = Group(process_group)
     if group.world == 1:
         solo = Group.solo()
-        return solo, solo, solo, solo
+        return solo, solo, solo, solo, solo
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {"backend": "gloo", "timeout": datetime.timedelta(seconds=timeout_s)}
@@ -831,9 +837,9 @@ def _groups(process_group: Any, timeout_s: float, peer_timeout_s: float) -> tupl
         ranks = dist.get_process_group_ranks(process_group)
         if len(ranks) < dist.get_world_size():
             kwargs["use_local_synchronization"] = True  # only the members take part in creating it
-    fg, fast, durable = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(3))
+    fg, fast, durable, p2p = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(4))
     kwargs["timeout"] = datetime.timedelta(seconds=peer_timeout_s)
-    return fg, fast, durable, Group(dist.new_group(ranks=ranks, **kwargs))
+    return fg, fast, durable, Group(dist.new_group(ranks=ranks, **kwargs)), p2p
 
 
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:
