@@ -35,7 +35,7 @@ import torch
 import ckptstore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import make_state, report  # noqa: E402 - shared by the benchmark scripts
+from common import make_state, pyplot, report  # noqa: E402 - shared by the benchmark scripts
 
 
 def nbytes(state: dict) -> int:
@@ -195,13 +195,8 @@ def main() -> None:
 
 
 def plot(report: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     groups = ["save", "load_cold", "load_cold_disk", "load_warm", "load_mmap"]
     gbps = report["GB_per_s"]

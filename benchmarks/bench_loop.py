@@ -64,7 +64,7 @@ import torch
 from ckptstore.engine.store import CheckpointStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import report  # noqa: E402 - shared by the benchmark scripts
+from common import pyplot, report  # noqa: E402 - shared by the benchmark scripts
 
 CASES = {
     "a": (1, "1 training thread (a core left free, as in a GPU-bound loop)"),
@@ -356,13 +356,8 @@ def main() -> None:
 
 
 def plot(doc: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     cases = doc["cases"]
     fig, axes = plt.subplots(1, 1 + len(cases), figsize=(4 + 4.5 * len(cases), 3.8),

@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 import ckptstore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import report  # noqa: E402 - shared by the benchmark scripts
+from common import pyplot, report  # noqa: E402 - shared by the benchmark scripts
 
 WORLD = 2
 TENSORS = 4  # per state; each rank's shard of each is mib / TENSORS MiB
@@ -333,12 +333,8 @@ def main() -> None:
 
 
 def _plot(doc: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     series = [("raw_gloo_exchange", "raw gloo\nisend/irecv"), ("replication", "replication\n(RAM commit → peer)"),

@@ -29,6 +29,9 @@ import torch.multiprocessing as mp
 
 import ckptstore
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import pyplot  # noqa: E402 - shared by the benchmark scripts
+
 
 def _shapes(layers: int) -> dict[str, tuple[int, ...]]:
     out = {}
@@ -179,12 +182,8 @@ def main() -> None:
 
 
 def _plot(report: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     worlds = list(report["worlds"])
     ops = [("save", "save"), ("load", "load"), ("reshard_load", "load as Shard(1)")]

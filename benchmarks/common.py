@@ -66,3 +66,16 @@ def report(
     with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:
         json.dump(doc, fh, indent=2)
     return doc
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None (with a note) when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot written")
+        return None
+    return plt
