@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._faults import crashpoint
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -207,6 +208,8 @@ class CheckpointStore:
         )
         if self.local is not None and local_writer:
             self.local.sweep_sync()
+        if self.durable is not None and self.rank == 0:
+            self.durable.sweep_sync()
         self._fg.all_gather(None)  # nobody saves into a directory another rank is still sweeping
         # Stage next into a slot other than the one holding the newest committed snapshot, so a
         # crash while staging never destroys the newest RAM copy.
@@ -483,6 +486,7 @@ class CheckpointStore:
             if job.error is not None:
                 raise job.error
             assert job.staged is not None
+            crashpoint("ram.staged", str(job.step))
             self.ram.checksums(job.staged, BLOCK_SIZE)
             job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
             part = self.ram.put_sync(job.snap)
@@ -502,7 +506,9 @@ class CheckpointStore:
             p.pop("shared", None)
         manifest = self._manifest(job, parts)
         job.parts, job.manifest = parts, manifest.to_json_bytes()
+        crashpoint("ram.before_commit", str(job.step))
         await self._agree(f"committing step {job.step} in RAM", lambda: self.ram.commit_sync(job.step, manifest))
+        crashpoint("ram.committed", str(job.step))
         self._last = job
         _resolve(futures["ram"], job.step)
         if self.local is not None:
@@ -513,10 +519,22 @@ class CheckpointStore:
     async def _to_tier(self, tier: Tier, job: _Job, group: Group) -> None:
         assert job.snap is not None
         snap = job.snap
-        parts = await self._agree(f"writing step {job.step} to the {tier.name} tier", lambda: tier.put_sync(snap), group)
-        manifest = self._manifest(job, parts)
-        await self._agree(f"committing step {job.step} in the {tier.name} tier",
-                          lambda: tier.commit_sync(job.step, manifest), group)
+        try:
+            parts = await self._agree(f"writing step {job.step} to the {tier.name} tier", lambda: tier.put_sync(snap),
+                                      group)
+            manifest = self._manifest(job, parts)
+            await self._agree(f"committing step {job.step} in the {tier.name} tier",
+                              lambda: tier.commit_sync(job.step, manifest), group)
+        except BaseException:
+            # Every rank is past its writes (the agreement said so): the failed step's files go,
+            # so a full disk is not kept full by the attempt that found it full.
+            if isinstance(tier, DirectoryTier) and tier.manifest_writer:
+                try:
+                    await _in_thread(tier.discard_sync, job.step)
+                except (CheckpointError, OSError) as exc:
+                    log.warning("ckptstore: cannot remove what the failed save of step %d left in %s: %s", job.step,
+                                tier.display(job.step), exc)
+            raise
 
     async def _promote(self, job: _Job) -> None:
         assert self.durable is not None

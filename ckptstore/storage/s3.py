@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._faults import crashpoint
 from ..errors import InvalidArgumentError
 from .targets import Sink, storage_error
 
@@ -108,6 +109,18 @@ def put_if_absent(fs: Any, path: str, data: bytes) -> None:
     fs.invalidate_cache(path)
 
 
+def pending_uploads(fs: Any, bucket: str, prefix: str) -> list[dict[str, Any]]:
+    """The multipart uploads started under ``prefix`` and neither completed nor aborted."""
+    out: list[dict[str, Any]] = []
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+    while True:
+        page = fs.call_s3("list_multipart_uploads", **kwargs)
+        out.extend(page.get("Uploads", []))
+        if not page.get("IsTruncated"):
+            return out
+        kwargs.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+
+
 class S3Sink(Sink):
     """Sequential sink for one S3 object: full parts are uploaded concurrently while writing continues.
 
@@ -184,6 +197,7 @@ class S3Sink(Sink):
         if self.checksum_algorithm and f"Checksum{self.checksum_algorithm}" in out:
             part[f"Checksum{self.checksum_algorithm}"] = out[f"Checksum{self.checksum_algorithm}"]
         self.parts.append(part)
+        crashpoint("s3.part_uploaded", self.path)
 
     def commit(self, header: bytes) -> None:
         # As with FsspecSink, the header cannot be patched into an object: its length field stays
@@ -196,6 +210,7 @@ class S3Sink(Sink):
                     self._send()
                 while self.in_flight:
                     self._finish_oldest()
+                crashpoint("s3.before_complete", self.path)
                 self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": self.parts})
                 self.upload_id = None
         except BaseException:

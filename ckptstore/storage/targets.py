@@ -21,6 +21,7 @@ from typing import IO, Any, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from .._faults import crashpoint
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnknownProtocolError
 from . import direct
 
@@ -186,8 +187,10 @@ class LocalSink(Sink):
         try:
             os.pwrite(self.fd, header, 0)
             os.ftruncate(self.fd, self.pos)  # direct writes pad to a block: the file ends at the footer
+            crashpoint("file.written", self.path)
             # An fsync error means the data may be lost: it is reported, never retried into success.
             os.fsync(self.fd)
+            crashpoint("file.fsynced", self.path)
             os.close(self.fd)
             self.fd = -1
             self._close_direct()
@@ -195,6 +198,7 @@ class LocalSink(Sink):
         except OSError as exc:
             self.abort()
             raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
+        crashpoint("file.renamed", self.path)
         fsync_dir(os.path.dirname(self.path))
 
     def _close_direct(self) -> None:
@@ -386,6 +390,7 @@ def _create_local_exclusive(path: str, display: str, data: bytes) -> None:
             # Unlike rename, link never replaces: it fails with EEXIST if anything holds the name,
             # and the check and the creation are one step, so exactly one racing writer wins.
             os.link(tmp, path)
+            crashpoint("manifest.linked", path)
         except FileExistsError:
             raise _already_exists(display) from None
         except OSError as exc:

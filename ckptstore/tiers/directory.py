@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .._faults import crashpoint
 from ..engine.sharded import BLOCK_SIZE, MANIFEST, Directory, data_file, part_file, read_manifest
 from ..engine.single_file import write_raw
 from ..errors import CheckpointError, InvalidArgumentError
@@ -101,6 +102,7 @@ class DirectoryTier(Tier):
             table = self._write(d, data_file(snap.rank), snap, rest_keys, snap.frozen_end)
             written += _extent(table)
             chunks.update(table)
+        crashpoint("tier.data_written", d.display)
         part = {
             "rank": snap.rank,
             "world_size": snap.world,
@@ -112,6 +114,7 @@ class DirectoryTier(Tier):
             "timings": {"write_s": round(time.perf_counter() - t0, 6), **snap.meta.get("timings", {})},
         }
         d.write_small(part_file(snap.rank), json.dumps(part, separators=(",", ":")).encode())
+        crashpoint("tier.part_written", d.display)
         return part
 
     def _write(
@@ -160,6 +163,7 @@ class DirectoryTier(Tier):
         d = self._dir(step)
         body = manifest.to_json_bytes()
         parse_manifest(body, where=f"{d.display}/{MANIFEST}")  # never commit what we would refuse to read
+        crashpoint("tier.before_manifest", d.display)
         # A conditional create (link on local disks, If-None-Match on S3): of two writers
         # committing the same step, exactly one wins and the other gets a clear error.
         write_small_exclusive(d.target(MANIFEST), body)
@@ -197,19 +201,59 @@ class DirectoryTier(Tier):
     def remove_sync(self, step: int) -> None:
         d = self._dir(step)
         d.remove(MANIFEST)  # uncommit first: a half-deleted step must never look complete
+        crashpoint("tier.removing", d.display)
         _remove_tree(d)
 
+    def discard_sync(self, step: int) -> None:
+        """Remove what a failed save of ``step`` wrote, unless the step is committed (by another
+        writer, say): a failed save leaves no debris behind, and never touches a committed step."""
+        d = self._dir(step)
+        if not d.exists(MANIFEST):
+            _remove_tree(d)
+
     def sweep_sync(self) -> list[int]:
-        """Remove step directories that a crashed save left without a manifest; returns their steps.
-        Only safe while no save of this job is running (the store calls it at start-up)."""
-        swept = []
+        """Remove what a crashed save left behind: step directories without a manifest (returns
+        their steps), temporary files in the newest committed steps, and, on S3, unfinished
+        multipart uploads under the root. Only safe while no save of this job is running (the
+        store calls it at start-up, before any rank saves)."""
+        swept, committed = [], []
         for name in self._names():
-            if name.startswith("step-") and name[5:].isdigit() and not self._base.exists(f"{name}/{MANIFEST}"):
-                d = self._dir(int(name[5:]))
-                log.warning("ckptstore: removing %s, an incomplete step (no %s)", d.display, MANIFEST)
-                _remove_tree(d)
-                swept.append(int(name[5:]))
+            if not (name.startswith("step-") and name[5:].isdigit()):
+                continue
+            if self._base.exists(f"{name}/{MANIFEST}"):
+                committed.append(int(name[5:]))
+                continue
+            d = self._dir(int(name[5:]))
+            log.warning("ckptstore: removing %s, an incomplete step (no %s)", d.display, MANIFEST)
+            _remove_tree(d)
+            swept.append(int(name[5:]))
+        # A crash between linking a manifest into place and removing its temporary name leaves
+        # that name in a committed step; only the steps being written at the time can hold one.
+        for step in sorted(committed)[-2:]:
+            _remove_temporaries(self._dir(step))
+        self._abort_uploads()
         return swept
+
+    def _abort_uploads(self) -> None:
+        """Abort multipart uploads under this root that a killed writer never completed: S3 keeps
+        (and bills) their parts forever otherwise."""
+        base = self._base.base
+        if base.fs is None:
+            return
+        from ..storage import s3
+
+        if not s3.is_s3(base.fs):
+            return
+        bucket, key, _ = base.fs.split_path(base.fspath)
+        prefix = key.rstrip("/") + "/" if key else ""
+        try:
+            for upload in s3.pending_uploads(base.fs, bucket, prefix):
+                log.warning("ckptstore: aborting s3://%s/%s, an upload a crashed save left unfinished", bucket,
+                            upload["Key"])
+                base.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
+                                UploadId=upload["UploadId"])
+        except OSError as exc:
+            log.warning("ckptstore: cannot list or abort unfinished uploads under %s: %s", self.root, exc)
 
 
 def _extent(table: dict[str, list[dict[str, Any]]]) -> int:
@@ -222,6 +266,24 @@ def _encoder(codec: str, data: torch.Tensor, c: dict[str, Any]) -> Callable[[], 
         return torch.frombuffer(bytearray(stored), dtype=torch.uint8) if len(stored) else torch.empty(0, dtype=torch.uint8)
 
     return encode
+
+
+def _remove_temporaries(d: Directory) -> None:
+    base = d.base
+    try:
+        if base.path is not None:
+            for top, _dirs, files in os.walk(base.path):
+                for f in files:
+                    if ".ckptstore-tmp-" in f:
+                        log.warning("ckptstore: removing %s, a temporary file a crashed save left", os.path.join(top, f))
+                        os.unlink(os.path.join(top, f))
+        else:
+            for f in base.fs.find(base.fspath):
+                if ".ckptstore-tmp-" in f.rsplit("/", 1)[-1]:
+                    log.warning("ckptstore: removing %s, a temporary object a crashed save left", f)
+                    base.fs.rm(f)
+    except FileNotFoundError:
+        pass
 
 
 def _remove_tree(d: Directory) -> None:
