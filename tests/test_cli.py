@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -82,7 +83,9 @@ def test_demo_crashes_resumes_exactly_and_reports_the_tiers(tmp_path, capsys):
     # Snapshots at 5, 10, ..., the crash after 14, the resume from 10 (RAM) and saves up to 20;
     # every 4th snapshot and the last one on close reach the durable tier.
     assert "restored step 10 from the ram tier" in out
-    assert "durable [20]" in out and "local [10, 15, 20]" in out
+    # The crash comes 4 quick steps after the save of step 10, whose local commit may or may not
+    # have landed by then (a loaded machine): either way the newest local steps are 15 and 20.
+    assert "durable [20]" in out and re.search(r"local \[(5|10), 15, 20\]", out), out
 
 
 def test_convert_round_trip_through_the_cli(tmp_path, capsys):

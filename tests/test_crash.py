@@ -154,3 +154,29 @@ def test_sigkill_at_commit_points(job, tmp_path, s3, point, where, hits, expecte
 def test_sigkill_at_every_commit_point_many(job, tmp_path, s3, point, where, hits, expected, codec):
     cfg = _trial(job, tmp_path, s3, point, where, hits, codec=codec)
     _check_after_restart(job, cfg, s3, expected)
+
+
+def test_incomplete_steps_never_count_as_kept_and_never_become_the_latest(job, tmp_path, s3):
+    """What a crashed save leaves (a step directory with data but no manifest, newer than every
+    committed step) is not a step: it is not listed, not restored, not counted by retention,
+    and the next store sweeps it."""
+    local = tmp_path / "local"
+    with CheckpointStore(job, local=str(local), keep_local=2) as store:
+        for step in (1, 2):
+            store.save(step, state(step)).wait("local")
+    torn = local / "step-000000000009"
+    (torn / "data").mkdir(parents=True)
+    (torn / "data" / "rank-00000.bin").write_bytes(b"\0" * 4096)
+    (local / "step-000000000002" / ".manifest.json.ckptstore-tmp-1-deadbeef").write_bytes(b"{")
+    wipe_ram(job)
+    with CheckpointStore(job, local=str(local), keep_local=2) as store:
+        assert not torn.exists()  # swept at start-up
+        assert not (local / "step-000000000002" / ".manifest.json.ckptstore-tmp-1-deadbeef").exists()
+        target = _template()
+        assert store.restore(target) == 2 and _same(target, 2)
+        torn.mkdir()  # a save that dies now, while this store runs: retention must not count it
+        store.save(3, state(3)).wait("local")
+        store._drain()
+        assert store.local.steps_sync() == [2, 3]
+        assert sorted(p.name for p in local.iterdir()) == ["step-000000000002", "step-000000000003",
+                                                           "step-000000000009"]

@@ -34,6 +34,7 @@ import xxhash
 import zstandard
 
 import ckptstore
+from ckptstore.format.checksum import checksum
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "format.md"
 DOC_TEXT = DOC.read_text(encoding="utf-8")
@@ -1313,6 +1314,11 @@ def test_sharded_worked_example_is_true(tmp_path: pathlib.Path) -> None:
         return doc
 
     doc, actual = documented("sharded-example-manifest"), _json(root / "manifest.json")
+    raw = (root / "manifest.json").read_bytes()
+    # The manifest's own checksum (10.3) covers meta's times, so it differs between runs too.
+    assert raw.endswith(b',"checksum":"' + actual["checksum"].encode() + b'"}')
+    assert checksum(raw[: raw.rindex(b',"checksum":')] + b"}") == actual.pop("checksum")
+    assert re.fullmatch(r"xxh3_64:[0-9a-f]{16}", doc.pop("checksum"))
     assert set(actual.pop("meta")) == set(doc.pop("meta"))
     assert actual.pop("writer").startswith("ckptstore ") and doc.pop("writer").startswith("ckptstore ")
     mask(actual["tensors"])

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.manifest import Manifest, parse_manifest
 from ..planning.sharding import intersect
 from ..storage.targets import Source, Target, open_source
@@ -45,6 +45,18 @@ class Inventory:
     def __init__(self) -> None:
         self.files: dict[str, list[tuple[str, Callable[[], Source]]]] = {}  # name -> [(where, opener)]
         self.manifest: bytes | None = None
+
+    def offer_manifest(self, body: bytes, where: str) -> None:
+        """Keep the first copy of the step's manifest that validates (its own checksum included):
+        a damaged copy is named and passed over, and the next copy (another tier) is used."""
+        if self.manifest is not None:
+            return
+        try:
+            parse_manifest(body, where=where)
+        except CheckpointError as exc:
+            log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
+            return
+        self.manifest = body
 
     def add(self, name: str, where: str, opener: Callable[[], Source]) -> None:
         self.files.setdefault(name, []).append((where, opener))
@@ -70,9 +82,8 @@ def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) ->
             continue
         src = int(m.group("src") or m.group("rank"))
         inv.add(f"data/rank-{src:05d}.bin", seg, _opener(seg))
-        if inv.manifest is None:
-            manifest = doc.get("extra", doc)["manifest"]
-            inv.manifest = manifest.encode() if isinstance(manifest, str) else manifest
+        manifest = doc.get("extra", doc)["manifest"]
+        inv.offer_manifest(manifest.encode() if isinstance(manifest, str) else manifest, path)
     for step_dir in ([os.path.join(local_root, f"step-{step:012d}"), os.path.join(local_root, "peer", f"step-{step:012d}")]
                      if local_root is not None else []):
         if os.path.exists(os.path.join(step_dir, MANIFEST)):
@@ -83,7 +94,7 @@ def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) ->
                     inv.add(f"data/{name}", path, _opener(path))
             if inv.manifest is None:
                 with open(os.path.join(step_dir, MANIFEST), "rb") as fh:
-                    inv.manifest = fh.read()
+                    inv.offer_manifest(fh.read(), os.path.join(step_dir, MANIFEST))
     return inv
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
-from .checksum import validate_checksum_string
+from .checksum import checksum, validate_checksum_string
 from .codecs import CODECS
 from .dtypes import dtype_from_name, element_size
 
@@ -112,10 +112,17 @@ class Manifest:
         }
         # allow_nan=False: non-finite floats are tagged by the tree encoder; a bare NaN here is a bug.
         try:
-            return json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+            body = json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             # Lone surrogates (str from undecodable file names) have no UTF-8 form; JSON's \u escapes do.
-            return json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+            body = json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        if self.kind != "sharded":
+            return body  # a single file's footer holds the manifest's checksum
+        # A sharded manifest is a file of its own, kept in several copies (RAM, local, peers,
+        # durable): its last member is the checksum of the bytes before it, so a damaged copy is
+        # told from a sound one before anything is read through it (see _verify_own_checksum).
+        return body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}'
+
 
     @property
     def total_bytes(self) -> int:
@@ -141,6 +148,27 @@ def _check_version(doc: dict[str, Any], where: str) -> None:
         raise CorruptCheckpointError(f"{where}: format_version {version!r} is not a released version", location=where)
 
 
+_OWN_CHECKSUM = re.compile(rb',"checksum":"(xxh3_64:[0-9a-f]{16})"\}\s*\Z')
+_CHECKSUM_LIKE_END = re.compile(rb'"xxh3_64:[0-9a-f]{16}"\}\s*\Z')
+
+
+def _verify_own_checksum(data: bytes, doc: dict[str, Any], where: str) -> None:
+    """Sharded manifests end with the checksum of the bytes before that member (an optional
+    member: manifests of earlier writers have none and are read unverified, as before). Every
+    single damaged byte of one that has it is caught: in the body or the value, a mismatch; in
+    the member's name, a checksum-like end that is not the member; in the syntax, invalid JSON."""
+    has_member = "checksum" in doc
+    if not has_member and not _CHECKSUM_LIKE_END.search(data):
+        return
+    m = _OWN_CHECKSUM.search(data)
+    if m is None or checksum(data[: m.start()] + b"}") != m.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: the manifest does not match its own checksum: this copy is damaged; "
+            "load another copy (another tier) or an earlier step",
+            location=where,
+        )
+
+
 def parse_manifest(data: bytes, *, where: str) -> Manifest:
     """Parse and validate manifest bytes; every failure is a CorruptCheckpointError naming ``where``."""
     try:
@@ -150,6 +178,7 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: manifest is not a ckptstore manifest", location=where)
     _check_version(doc, where)
+    _verify_own_checksum(data, doc, where)
     if doc.get("byte_order", "little") != "little":
         raise CorruptCheckpointError(f"{where}: byte_order {doc.get('byte_order')!r} is not supported", location=where)
     kind = doc.get("kind")

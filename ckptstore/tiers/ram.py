@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import mmap
 import os
 import re
@@ -367,13 +368,20 @@ class RamTier(Tier):
                     doc = json.loads(fh.read())
             except FileNotFoundError:
                 continue
-            except (OSError, ValueError):
-                continue  # unreadable: not a usable copy; restore falls back to another tier
-            seg = path[:-5] + ".bin"
-            if (doc.get("format") != RAM_FORMAT or doc.get("job") != self.job or doc.get("rank") != rank
-                    or doc.get("slot") != int(name[len(prefix) : -5]) or "manifest" not in doc.get("extra", {})):
+            except (OSError, ValueError) as exc:
+                # Unreadable: not a usable copy; restore falls back to another tier.
+                _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its manifest is unreadable ({exc})")
                 continue
-            if not os.path.exists(seg) or os.path.getsize(seg) != doc.get("size"):
+            seg = path[:-5] + ".bin"
+            if (not isinstance(doc, dict) or doc.get("format") != RAM_FORMAT or doc.get("job") != self.job
+                    or doc.get("rank") != rank or doc.get("slot") != int(name[len(prefix) : -5])
+                    or "manifest" not in doc.get("extra", {})):
+                _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its manifest is not one of this job's")
+                continue
+            size, expected = (os.path.getsize(seg) if os.path.exists(seg) else None), doc.get("size")
+            if size != expected:
+                why = "it is missing" if size is None else f"it holds {size} bytes, its manifest says {expected}"
+                _warn_once(path, f"ckptstore: ignoring the RAM copy of step {doc.get('step')} in {seg}: {why}")
                 continue
             docs.append(doc)
         return docs
@@ -463,6 +471,16 @@ class RamTier(Tier):
                 _unlink(self._name(index, "bin"))
                 _unlink(self._name(index, "json"))
         self._slots.clear()
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(path: str, message: str) -> None:
+    """Inventories list the segments at every save and restore: each damaged copy is named once."""
+    if (path, message) not in _warned:
+        _warned.add((path, message))
+        logging.getLogger("ckptstore").warning("%s", message)
 
 
 def _pin(buffer: torch.Tensor) -> bool:
