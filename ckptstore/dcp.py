@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ._adapters import next_step
 from .engine.sharded import GlobalBox
 from .engine.store import CheckpointStore, SaveHandle
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsupportedObjectError
@@ -118,9 +119,7 @@ class Writer(StorageWriter):
         store = self.store
         step = self._step
         if step is None:
-            if store._last_step is None:
-                store.restore({})  # learns the newest step the tiers hold, so the next one follows it
-            step = 0 if store._last_step is None else store._last_step + 1
+            step = next_step(store)
         error: str | None = None
         mine: dict[str, Any] = {}
         results: list[WriteResult] = []
