@@ -38,13 +38,19 @@ from ._adapters import MissingDependencyError, next_step, require
 from .engine.store import CheckpointStore, SaveHandle
 from .errors import CheckpointError, InvalidArgumentError
 
-try:
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _Base
-except ImportError:
-    try:  # the standalone pytorch_lightning distribution
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _Base
-    except ImportError:
-        _Base = require("lightning", "lightning", "ckptstore.lightning")  # raises MissingDependencyError
+
+def _base() -> Any:
+    try:
+        return require("lightning.fabric.plugins.io.checkpoint_io", "lightning", "ckptstore.lightning").CheckpointIO
+    except MissingDependencyError as missing:
+        try:  # the standalone pytorch_lightning distribution
+            import lightning_fabric.plugins.io.checkpoint_io as standalone
+        except ImportError:
+            raise missing from None
+        return standalone.CheckpointIO
+
+
+_Base: Any = _base()
 
 __all__ = ["TieredCheckpointIO", "MissingDependencyError"]
 
