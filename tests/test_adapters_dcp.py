@@ -212,3 +212,16 @@ def test_odd_sized_bytes_beside_a_0_dim_tensor_load(tmp_path):
     assert_tensor_identical(out["s"], state["s"], "s")
     assert_tensor_identical(out["b"], state["b"], "b")
     shutil.rmtree(tmp_path / "x")
+
+
+def test_adapters_load_lazily_from_the_package():
+    import subprocess
+    import sys
+
+    code = ("import sys, ckptstore; assert 'ckptstore.dcp' not in sys.modules and 'lightning' not in sys.modules; "
+            "from ckptstore.dcp import Writer; assert ckptstore.dcp.Writer is Writer; "
+            "assert ckptstore.hf.export_safetensors; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        ckptstore.nope  # noqa: B018
