@@ -82,7 +82,7 @@ def export_safetensors(state_dict: Mapping[str, torch.Tensor], directory: str | 
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"export_safetensors needs a mapping of names to tensors, not {type(state_dict).__name__}")
     tensors: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, Any]] = set()
+    seen: set[int] = set()
     for name, t in state_dict.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise UnsupportedObjectError(
@@ -90,9 +90,10 @@ def export_safetensors(state_dict: Mapping[str, torch.Tensor], directory: str | 
                 "(model.state_dict()); other values have no place in safetensors weights"
             )
         t = t.detach().to("cpu")
-        key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
-        # safetensors refuses tensors that share memory; a tied weight is written as a copy.
-        tensors[name] = t.clone() if key in seen or not t.is_contiguous() else t
+        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        # safetensors refuses tensors that share memory (tied weights, views of one fused tensor)
+        # or are not contiguous: every one after the first on a storage is written as a copy.
+        tensors[name] = t.clone(memory_format=torch.contiguous_format) if key in seen or not t.is_contiguous() else t
         seen.add(key)
     os.makedirs(directory, exist_ok=True)
     old = [n for n in os.listdir(directory) if n in (WEIGHTS, INDEX) or _SHARD.match(n)]

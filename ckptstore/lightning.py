@@ -22,7 +22,10 @@ included).
 
 The checkpoint dict is stored like any ``store.save`` state: tensors, nested containers and plain
 values; an object ckptstore cannot store without pickle (say, an argparse Namespace among the
-hyper-parameters) raises :class:`ckptstore.UnsupportedObjectError`. Lightning writes checkpoints
+hyper-parameters) raises :class:`ckptstore.UnsupportedObjectError`. ``LightningModule.load_from_checkpoint``
+reads the file at a path with ``torch.load`` itself, bypassing any CheckpointIO; load a pointer with
+``TieredCheckpointIO.load_checkpoint(path)`` and ``module.load_state_dict(ckpt["state_dict"])`` instead.
+Pointers are written to local paths. Lightning writes checkpoints
 from global rank 0 only, so under DDP give the plugin a factory: it builds the store in the
 process that saves, over that process alone.
 """

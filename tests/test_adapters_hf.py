@@ -118,3 +118,12 @@ def test_trainer_checkpoints_through_the_store_and_resumes_exactly(tmp_path, job
         assert_tensor_identical(v, straight.state_dict()[k], k)
     with pytest.raises(ckptstore.InvalidArgumentError, match="every must be a positive int"):
         hf.CheckpointCallback(store, every=0)
+
+
+def test_views_of_one_storage_export_as_separate_tensors(tmp_path):
+    fused = torch.arange(12.0).reshape(6, 2)
+    sd = {"q": fused[:2], "k": fused[2:4], "v": fused[4:], "t": fused.t()}
+    hf.export_safetensors(sd, tmp_path)
+    back = hf.import_safetensors(tmp_path)
+    for k, v in sd.items():
+        assert_tensor_identical(back[k], v.contiguous(), k)
