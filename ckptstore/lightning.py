@@ -16,7 +16,10 @@ the background, so no ``AsyncCheckpointIO`` wrapper is needed. At the path Light
 writes a small JSON pointer (job and step), so ``ModelCheckpoint``'s bookkeeping (top-k, ``last``,
 removal, ``ckpt_path``) works unchanged; ``load_checkpoint`` follows the pointer and restores
 exactly that step from the newest sound copy in RAM, local or durable. Removing a pointer leaves
-the step to the store's retention (``keep_local``, ``keep_durable``). A path that holds a regular
+the step to the store's retention (``keep_local``, ``keep_durable``), and retention does not know
+which pointers ``ModelCheckpoint`` still keeps: a pointer whose step every tier has retired raises
+``CheckpointNotFoundError`` on load, so keep a tier whose retention covers the checkpoints you
+keep (``keep_durable=None``, the default, keeps every promoted step). A path that holds a regular
 checkpoint file instead of a pointer loads through :func:`ckptstore.load` (``torch.save`` files
 included).
 
