@@ -27,6 +27,12 @@ Public API (everything else is private and may change)::
     ckptstore.ResumableLoader(dataset, sampler, **dataloader_kwargs)  # exact position, any world size
 
 plus the exception tree rooted at :class:`CheckpointError` (see ``ckptstore.errors``).
+
+Adapters, imported on first use (``ckptstore.dcp`` works after ``import ckptstore``)::
+
+    ckptstore.dcp.Writer(store) / Reader(store)      # torch.distributed.checkpoint storage on the tiers
+    ckptstore.lightning.TieredCheckpointIO(store)    # Lightning CheckpointIO (pip install ckptstore[lightning])
+    ckptstore.hf.export_safetensors / import_safetensors / CheckpointCallback   # Hugging Face
 """
 
 from ._version import __version__
@@ -71,3 +77,15 @@ __all__ = [
     "UnsupportedFormatVersionError",
     "UnsupportedObjectError",
 ]
+
+
+_ADAPTERS = ("dcp", "lightning", "hf")
+
+
+def __getattr__(name: str) -> object:
+    # The adapters import their frameworks, so they load on first use, not with ckptstore.
+    if name in _ADAPTERS:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")

@@ -79,6 +79,21 @@ class PerRank:
         return f"PerRank({self.value!r})"
 
 
+@dataclass
+class GlobalBox:
+    """A box of a global tensor as a state-dict leaf, for callers whose framework already decided
+    who holds which piece (``ckptstore.dcp`` hands torch.distributed.checkpoint's write items over
+    this way). Saving: this rank writes ``tensor`` (None: it writes nothing of this tensor) at
+    ``offsets`` of a tensor of global ``shape`` and ``dtype``; the pieces of all ranks must tile it.
+    Loading: ``tensor`` is filled with the box at ``offsets`` (its shape is the box's sizes), from
+    whatever chunks the checkpoint holds."""
+
+    tensor: torch.Tensor | None
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 class Group:
     """The ranks taking part: a torch.distributed process group, or this process alone."""
 
@@ -291,6 +306,8 @@ def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> 
         return key
 
     def leaf(obj: Any, path: list[Any]) -> Any:
+        if isinstance(obj, GlobalBox):
+            return _collect_box(local, obj, unique(path), format_path(path))
         if isinstance(obj, PerRank):
             key = unique(path)
             blob = torch.frombuffer(bytearray(encode_per_rank(obj.value)), dtype=torch.uint8)
@@ -318,6 +335,23 @@ def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> 
 
     local.tree = Encoder(leaf, None).encode(state)
     return local
+
+
+def _collect_box(local: _Local, box: GlobalBox, key: str, where: str) -> dict[str, str]:
+    name = dtype_name(box.dtype)
+    if name is None:
+        raise UnsupportedObjectError(f"{where}: {box.dtype} tensors cannot be stored")
+    local.tensors[key] = (name, tuple(box.shape))
+    if box.tensor is not None:
+        if box.tensor.dtype != box.dtype or len(box.offsets) != len(box.shape) or box.tensor.dim() != len(box.shape):
+            raise InvalidArgumentError(
+                f"{where}: a {box.tensor.dtype} box of {box.tensor.dim()} dims at offsets {list(box.offsets)} does not fit "
+                f"a {box.dtype} tensor of shape {list(box.shape)}"
+            )
+        sizes = tuple(box.tensor.shape)
+        local.items[(key, tuple(box.offsets), sizes)] = box.tensor
+        local.holders[(key, tuple(box.offsets), sizes)] = ("own",)
+    return {"$tensor": key}
 
 
 def save(
@@ -632,6 +666,15 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
         entry = ctx.manifest.tensors.get(saved.key)
         if entry is None:
             raise CorruptCheckpointError(f"tree refers to tensor {saved.key!r}, which the manifest lacks", key=saved.key)
+        if isinstance(caller, GlobalBox):
+            if dtype_name(caller.dtype) != entry.dtype or tuple(caller.shape) != entry.shape:
+                raise CheckpointError(
+                    f"{where}: the checkpoint holds {entry.dtype} {list(entry.shape)} but the state dict asks for "
+                    f"{dtype_name(caller.dtype)} {list(caller.shape)}"
+                )
+            if caller.tensor is not None:
+                ctx.targets.append(ReadTarget(saved.key, path, caller.tensor, (tuple(caller.offsets), tuple(caller.tensor.shape))))
+            return caller
         if not isinstance(caller, torch.Tensor):
             # Nothing to load into: allocate the whole tensor (single-process loads into an empty slot),
             # once per entry, so slots that name the same entry (the same tensor saved twice) share it.
@@ -777,7 +820,9 @@ def read_targets(
     # Staging memory is one arena of at most buffer_bytes, cut into equal slots that jobs take
     # turns on: freed and re-allocated buffers would stay resident in the allocator's per-thread
     # arenas (measured: 234-586 MiB of extra RSS for budgets of 16-64 MiB), an arena does not.
-    slot = max((job.length for job in jobs), default=0)
+    # Slots start at multiples of 64 bytes: a slot is viewed as the chunk's dtype (0-dim tensors), which
+    # needs an offset divisible by the element size even when another job has an odd length.
+    slot = -(-max((job.length for job in jobs), default=0) // 64) * 64
     nslots = max(1, min(len(jobs), buffer_bytes // max(1, slot)))
     # Device targets are filled from host memory: a page-locked arena makes those copies DMA.
     pinned = torch.cuda.is_available() and any(t.local.device.type == "cuda" for t in targets)

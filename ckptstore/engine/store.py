@@ -613,6 +613,29 @@ class CheckpointStore:
             raise CorruptCheckpointError("no sound copy of any checkpoint of this job: " + "; ".join(tried))
         return None
 
+    def _restore_exact(self, state: Any, step: int) -> None:
+        """Load exactly ``step`` into ``state`` (collective), never another one: for the adapters
+        (``ckptstore.dcp``, ``ckptstore.lightning``) that read a step's metadata first and its data
+        later, which must come from the same step. Raises CheckpointNotFoundError when no tier of
+        any rank holds the step, CorruptCheckpointError when no sound copy of it is left."""
+        if self._closed:
+            raise CheckpointError("this CheckpointStore is closed")
+        self._drain()
+        local_root = self.local.root if self.local is not None else None
+        held = step in node_steps(self.job, self.ram.ram_dir, local_root)
+        in_durable = False
+        if self.durable is not None:
+            try:
+                in_durable = step in self.durable.steps_sync()
+            except (CheckpointError, OSError) as exc:
+                log.warning("ckptstore: cannot list the durable tier: %s", exc)
+        if not any(self._fg.all_gather(held or in_durable)):
+            raise CheckpointNotFoundError(f"no tier holds step {step} of job {self.job}")
+        ok, detail = self._restore_step(state, step, in_durable, "error")
+        if not ok:
+            raise CorruptCheckpointError(f"no sound copy of step {step} of job {self.job}: {detail}")
+        self._last_step = max(self._last_step if self._last_step is not None else step, step)
+
     def _restore_step(self, state: Any, step: int, in_durable: bool, per_rank: str) -> tuple[bool, str]:
         """One collective attempt (retried with bad copies excluded) to load ``step`` on every rank."""
         local_root = self.local.root if self.local is not None else None
