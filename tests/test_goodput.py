@@ -265,7 +265,7 @@ def test_replicas_are_compared_and_every_rank_plans_alike(tmp_path, capsys):
     assert clean["sdc"] == {"policy": "warn", "mismatches": []}
     corrupt_step = outs[0]["corrupt_step"]
     meta = json.loads((warn / f"step-{corrupt_step:012d}" / "manifest.json").read_text())["meta"]
-    assert sorted(m["key"] for m in meta["sdc"]["mismatches"]) == ["d", "w"]
+    assert sorted(m["key"] for m in meta["sdc"]["mismatches"]) == ["d", "v", "w"]
     for step in decisions:  # the other steps' replicas agreed
         if step != corrupt_step:
             meta = json.loads((warn / f"step-{step:012d}" / "manifest.json").read_text())["meta"]
@@ -273,8 +273,8 @@ def test_replicas_are_compared_and_every_rank_plans_alike(tmp_path, capsys):
     sdc_events = [r for r in ev.read_events(str(warn / "events.jsonl")) if r["event"] == "sdc"]
     assert [r["step"] for r in sdc_events] == [corrupt_step]
     found = {m["key"]: m for m in sdc_events[0]["mismatches"]}
-    assert sorted(found) == ["d", "w"]
-    assert found["w"]["suspects"] == [2] and found["d"]["suspects"] == [1]
+    assert sorted(found) == ["d", "v", "w"]
+    assert found["w"]["suspects"] == [2] and found["d"]["suspects"] == [1] and found["v"]["suspects"] == [1]
     assert found["w"]["copies"][0]["ranks"] == [0, 1] and found["w"]["suspect_hosts"] == [os.uname().nodename]
     assert found["w"]["offsets"] == [0, 0] and found["w"]["sizes"] == [64, 32]
 
@@ -284,12 +284,15 @@ def test_replicas_are_compared_and_every_rank_plans_alike(tmp_path, capsys):
         assert "tensor 'w'" in out["raised"] and "suspect rank(s) 2" in out["raised"]
         assert out["restored"] == 1 and out["restored_step_value"] == 1
     raised = json.loads((tmp_path / "raise" / "step-000000000002" / "manifest.json").read_text())["meta"]
-    assert raised["sdc"]["policy"] == "raise" and len(raised["sdc"]["mismatches"]) == 2
+    assert raised["sdc"]["policy"] == "raise" and len(raised["sdc"]["mismatches"]) == 3
+    assert all(out["peer_restored"] == 100 and out["peer_equal"] for out in outs)
 
     # Per-rank stage timings in every manifest, and inspect --timings on the tier's root (newest step).
     ranks = clean["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2]
     assert all({"stage_s", "hash_s", "local_s"} <= set(r["timings"]) for r in ranks)
+    durable = json.loads((tmp_path / "durable" / "step-000000000100" / "manifest.json").read_text())["meta"]
+    assert all({"stage_s", "hash_s", "local_s", "replicate_s", "promote_s"} <= set(r["timings"]) for r in durable["ranks"])
     assert main(["inspect", "--timings", str(warn)]) == 0
     out = capsys.readouterr().out
     assert "step 100, 3 ranks" in out and "local" in out and "hash" in out

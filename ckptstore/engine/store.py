@@ -125,6 +125,7 @@ class _Job:
     shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
     peer: concurrent.futures.Future | None = None  # this step's replication, when it replicates
     check: set[str] = field(default_factory=set)  # keys staged only to compare replicas (sdc), never written
+    live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)
     replicated: dict[str, tuple] = field(default_factory=dict)  # key -> (offsets, sizes, kind) of replicated boxes
     sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)
 
@@ -351,6 +352,7 @@ class CheckpointStore:
             job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
             if self.world == 1:
                 raise
+        self._sdc_hash_live(job)
         if job.staged is not None and frozen_count:
             e = job.staged.layout.entries[frozen_count - 1]
             job.frozen_end = align_up(e.offset + e.nbytes)
@@ -900,8 +902,9 @@ class CheckpointStore:
         return part
 
     def _sdc_items(self, local: Any, mine: list[Any], job: _Job) -> list[tuple[str, Any]]:
-        """With sdc on, the replicated boxes this rank holds but another rank writes are staged too
-        (after everything written, and never written), so every replica's bytes get a checksum."""
+        """With sdc on, every replica's bytes get a checksum: the replicated boxes this rank holds but
+        another rank writes are hashed in place while save blocks when they sit contiguous in host memory
+        (reading costs less than copying), and staged after everything written (never written) otherwise."""
         if self.sdc == "off" or self.world == 1:
             return []
         writes = {(m.key, m.offsets, m.sizes) for m in mine}
@@ -911,17 +914,31 @@ class CheckpointStore:
             if holders[0] == "own" or (holders[0] == "replicas" and holders[1] < 2) or tensor.numel() == 0:
                 continue
             job.replicated[box[0]] = (box[1], box[2], holders[0])
-            if box not in writes:
+            if box in writes:
+                continue
+            if tensor.device.type == "cpu" and tensor.is_contiguous():
+                job.live[box[0]] = tensor
+            else:
                 extra.append((box[0], tensor))
         job.check = {k for k, _ in extra}
         return extra
+
+    def _sdc_hash_live(self, job: _Job) -> None:
+        """Hash the host-memory replicas this rank does not write, at the snapshot's moment (save has
+        not returned, so training has not touched them)."""
+        if not job.live:
+            return
+        from ..format.checksum import checksum
+        from ..planning.flatten import contiguous_bytes
+
+        job.live = {k: {"checksum": checksum(contiguous_bytes(t).numpy().data)} for k, t in job.live.items()}
 
     def _sdc_digest(self, job: _Job) -> dict[str, str] | None:
         from ..goodput import sdc
 
         if self.sdc == "off" or self.world == 1 or job.staged is None:
             return None
-        return sdc.digest(sdc.boxes(job.replicated, job.staged.sums or {}))
+        return sdc.digest(sdc.boxes(job.replicated, {**(job.staged.sums or {}), **job.live}))
 
     async def _sdc_compare(self, job: _Job, parts: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
         """Round one compares the digests in the parts; only a disagreement costs round two."""
@@ -932,8 +949,8 @@ class CheckpointStore:
             return None
         if not sdc.suspicious(digests):
             return []
-        sums = job.staged.sums if job.staged is not None else None
-        held = await self._agree(f"comparing the replicas of step {job.step}", lambda: sdc.boxes(job.replicated, sums or {}))
+        sums = {**((job.staged.sums or {}) if job.staged is not None else {}), **job.live}
+        held = await self._agree(f"comparing the replicas of step {job.step}", lambda: sdc.boxes(job.replicated, sums))
         return sdc.mismatches(held, [str(p.get("host", "?")) for p in parts])
 
     def _sdc_verdict(self, job: _Job) -> None:
@@ -944,6 +961,7 @@ class CheckpointStore:
         message = sdc.describe(job.step, job.sdc)
         self._event("sdc", step=job.step, mismatches=job.sdc)
         if self.sdc == "raise":
+            self._promoted.add(job.step)  # close() must not promote it to durable either
             raise CheckpointError(message + " (the step is kept in RAM and local for inspection; restore skips it)")
         if self.rank == 0:
             log.warning("ckptstore: %s", message)
