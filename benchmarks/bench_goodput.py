@@ -5,9 +5,11 @@ The planner and the simulator are pure arithmetic (numpy, vectorised over trials
 in seconds on any machine and are deterministic (seeded). ``--sdc-mib N`` also measures what the
 replica check costs a real save: two ranks (gloo over loopback) save N MiB of replicated tensors
 with sdc="off" and sdc="warn", and the blocking time and the background time to the RAM commit are
-compared. Writes goodput.json and three PNGs under --out.
+compared. ``--events-demo`` runs a small job for real (a training loop of sleeps with
+``interval="auto"``, killed twice with os._exit and resumed) and draws ``ckptstore goodput``'s plot of
+its event log (events.png). Writes goodput.json and the PNGs under --out.
 
-    python benchmarks/bench_goodput.py [--trials 2000] [--sdc-mib 256] [--out docs/goodput]
+    python benchmarks/bench_goodput.py [--trials 2000] [--sdc-mib 256] [--events-demo] [--out docs/goodput]
 """
 
 from __future__ import annotations
@@ -127,6 +129,48 @@ def sdc_cost(mib: int, repeats: int = 5) -> dict:
             "to_ram_ratio": med["warn"]["to_ram_commit_s"] / med["off"]["to_ram_commit_s"]}
 
 
+_DEMO_RUN = """
+import os, sys, time, torch, ckptstore
+local, job, crash_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+state = {"w": torch.zeros(4 << 20), "step": 0}
+with ckptstore.CheckpointStore(job, local=local, events=True, interval="auto", mtbf=40.0) as store:
+    first = store.restore(state)
+    step = 0 if first is None else first + 1
+    while step < 400:
+        time.sleep(0.05)  # a training step
+        state["w"] += 1
+        state["step"] = step
+        if store.should_save(step):
+            store.save(step, state)
+        if step == crash_at:
+            time.sleep(0.3)
+            os._exit(9)  # a failure: no close()
+        step += 1
+"""
+
+
+def event_log_demo(out_dir: str) -> dict:
+    import subprocess
+    import sys
+    import tempfile
+
+    from ckptstore.goodput.events import account, plot, read_events
+
+    job = f"bench-events-{os.getpid()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, "local")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        for crash_at in (150, 260, -1):
+            subprocess.run([sys.executable, "-c", _DEMO_RUN, local, job, str(crash_at)], env=env, check=crash_at < 0)
+            time.sleep(2.0)  # detection and rescheduling
+        acc = account(read_events(os.path.join(local, "events.jsonl")))
+        plot(acc, os.path.join(out_dir, "events.png"), title="a 400-step job killed twice")
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(f"ckptstore-{job}-"):
+                os.unlink(os.path.join("/dev/shm", name))
+    return acc.to_json()
+
+
 def plots(doc: dict, out_dir: str) -> None:
     plt = pyplot()
     if plt is None:
@@ -200,6 +244,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=2000)
     parser.add_argument("--sdc-mib", type=int, default=0, help="also measure the replica check on N MiB (0: skip)")
+    parser.add_argument("--events-demo", action="store_true", help="also run a real job with two crashes")
     parser.add_argument("--out", default="docs/goodput")
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -208,6 +253,9 @@ def main() -> None:
     doc["seconds"] = time.perf_counter() - t0
     if args.sdc_mib:
         doc["sdc"] = sdc_cost(args.sdc_mib)
+    os.makedirs(args.out, exist_ok=True)
+    if args.events_demo:
+        doc["events_demo"] = event_log_demo(args.out)
     doc["machine"] = machine()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "goodput.json"), "w") as fh:
@@ -231,6 +279,10 @@ def main() -> None:
             print(f"  sdc={policy}: {sdc['mib']} MiB replicated on 2 ranks: save blocks {m['blocking_s']:.3f} s, "
                   f"RAM commit after {m['to_ram_commit_s']:.3f} s")
         print(f"  replica check: blocking x{sdc['blocking_ratio']:.2f}, to the RAM commit x{sdc['to_ram_ratio']:.2f}")
+    if "events_demo" in doc:
+        e = doc["events_demo"]
+        print(f"  event log demo: {e['runs']} runs, {e['failures']} failures, goodput {e['goodput'] * 100:.1f}% "
+              + ", ".join(f"{k} {v * 100:.1f}%" for k, v in e["fractions"].items()))
 
 
 if __name__ == "__main__":

@@ -812,8 +812,9 @@ class CheckpointStore:
         The answer compares ``step`` with the next save step that every rank computed at the last
         ``save`` from the same numbers (rank 0's measured step time, blocking cost and MTBF estimate,
         carried by the per-save vote), so all ranks get the same answer without a collective per step.
-        The first call says yes: that checkpoint measures the cost, and the next one follows a step
-        later to measure it warm; from then on the plan holds, recomputed at every save."""
+        The first call says yes: that checkpoint measures the cost cold, and the next two follow a step
+        apart to measure it warm (a process's first save also pays one-time costs); from then on the
+        plan holds, recomputed at every save."""
         if self._interval is None:
             raise InvalidArgumentError("should_save needs CheckpointStore(..., interval=SECONDS or '20m', or "
                                        "interval='auto' with mtbf=...)")
@@ -824,7 +825,9 @@ class CheckpointStore:
             per_step = max(0.0, now - self._last_call[1] - self._blocked) / (step - self._last_call[0])
             self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step
         self._last_call, self._blocked = (step, now), 0.0
-        if self._events is not None and now - self._tick >= 60.0:
+        # Ticks date a crash for the goodput report: once a minute, or ten times per planned interval.
+        period = min(60.0, max(1.0, ((self.plan or {}).get("interval_s") or 600.0) / 10.0))
+        if self._events is not None and now - self._tick >= period:
             self._tick = now
             self._event("tick", step=step)
         return self._next_save is None or step >= self._next_save
@@ -839,9 +842,10 @@ class CheckpointStore:
 
         if self._interval is None:
             return None
-        # The first save also faults the staging slots in: it is left out once there are others.
-        costs = self._costs[1:] if len(self._costs) > 1 else self._costs
-        cost = sorted(costs[-5:])[len(costs[-5:]) // 2] if costs else None
+        # The first save of a process also faults the staging slots in and pays one-time imports (often
+        # ten times a warm save): it is never planned from, so auto plans start at the third save.
+        costs = self._costs[1:][-5:]
+        cost = sorted(costs)[len(costs) // 2] if costs else None
         mtbf = None
         if self._mtbf is not None:
             failures, ran = self._history

@@ -201,7 +201,8 @@ def plot(acc: Account, path: str, title: str = "goodput") -> None:
     unit = "h" if scale == 3600.0 else "min"
     for i, run in enumerate(acc.runs):
         resumed = run.resumed_at if run.resumed_at is not None else run.start
-        top.broken_barh([((run.start - t0) / scale, (resumed - run.start) / scale)], (i - 0.35, 0.7), color="#d62728")
+        down = acc.runs[i - 1].last if i and acc.runs[i - 1].failed else run.start  # a failure's downtime too
+        top.broken_barh([((down - t0) / scale, (resumed - down) / scale)], (i - 0.35, 0.7), color="#d62728")
         top.broken_barh([((resumed - t0) / scale, (run.last - resumed) / scale)], (i - 0.35, 0.7), color="#2ca02c")
         for s in run.saves:
             top.plot([(s["t"] - t0) / scale] * 2, [i - 0.35, i + 0.35], color="#1f77b4", lw=1)

@@ -68,7 +68,8 @@ def describe(step: int, found: list[dict[str, Any]]) -> str:
     lines = []
     for m in found:
         copies = "; ".join(f"rank{'s' if len(c['ranks']) > 1 else ''} {', '.join(map(str, c['ranks']))} "
-                           f"({', '.join(c['hosts'])}) hold {c['checksum']}" for c in m["copies"])
+                           f"({', '.join(c['hosts'])}) hold{'' if len(c['ranks']) > 1 else 's'} {c['checksum']}"
+                           for c in m["copies"])
         lines.append(f"tensor {m['key']!r} box offsets={m['offsets']} sizes={m['sizes']}: {copies}; suspect rank(s) "
                      f"{', '.join(map(str, m['suspects']))} on {', '.join(m['suspect_hosts'])}")
     return (f"silent data corruption suspected at step {step}: replicas that must be identical differ: "
