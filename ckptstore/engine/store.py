@@ -935,7 +935,11 @@ class CheckpointStore:
         from ..format.checksum import checksum
         from ..planning.flatten import contiguous_bytes
 
-        job.live = {k: {"checksum": checksum(contiguous_bytes(t).numpy().data)} for k, t in job.live.items()}
+        try:
+            job.live = {k: {"checksum": checksum(contiguous_bytes(t).numpy().data)} for k, t in job.live.items()}
+        except Exception as exc:  # noqa: BLE001 - the pipeline reports it, so every rank learns of it
+            job.live = {}
+            job.error = job.error or exc
 
     def _sdc_digest(self, job: _Job) -> dict[str, str] | None:
         from ..goodput import sdc
