@@ -277,7 +277,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .goodput.planner import human, parse_duration, waste
-    from .goodput.simulate import Config, config_from_json, seed_example, simulate, tier_from_spec
+    from .goodput.simulate import Config, config_from_json, mix_from_spec, seed_example, simulate, tier_from_spec
 
     mtbf = _mtbf_args(args, required=False)
     configs: list[Config] = []
@@ -303,12 +303,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                               parse_duration(args.restart, "--restart"), tiers))
     if mtbf is None:
         raise CheckpointError("give the MTBF: --mtbf 3h, or --observed COUNT DURATION GPUS [--gpus N]")
-    mix = None
-    if args.mix:
-        mix = {}
-        for item in args.mix.split(","):
-            k, _, v = item.partition("=")
-            mix[k] = float(v)
+    mix = mix_from_spec(args.mix) if args.mix else None
     work = parse_duration(args.work, "--work")
     results = [simulate(c, mtbf=mtbf, work=work, trials=args.trials, seed=args.seed, weibull=args.weibull, mix=mix)
                for c in configs]

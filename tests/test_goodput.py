@@ -115,6 +115,10 @@ def test_simulate_cli_compares_the_seed_example(tmp_path, capsys):
     assert main(["simulate", "--config", cfg, "--mtbf", "3h", "--trials", "200", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["results"][0]["name"] == "mine" and [t["name"] for t in doc["results"][0]["tiers"]] == ["ram", "durable"]
+    for bad, message in ((["--mix", "crash"], "is not CLASS=WEIGHT"), (["--tier", "ram:every=0"], "positive integer"),
+                         (["--cost", "30m"], "must exceed the checkpoint cost")):
+        assert main(["simulate", "--interval", "20m", "--cost", "20s", "--mtbf", "3h", *bad]) == 2
+        assert message in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- event log and accounting

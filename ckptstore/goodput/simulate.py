@@ -174,6 +174,8 @@ def tier_from_spec(spec: str) -> TierSpec:
         if not sep:
             raise InvalidArgumentError(f"tier {spec!r}: {item!r} is not key=value")
         if k == "every":
+            if not v.isdigit() or int(v) < 1:
+                raise InvalidArgumentError(f"tier {spec!r}: every must be a positive integer, not {v!r}")
             fields["every"] = int(v)
         elif k in ("latency", "read"):
             fields[k] = parse_duration(v, f"tier {name} {k}")
@@ -182,6 +184,20 @@ def tier_from_spec(spec: str) -> TierSpec:
         else:
             raise InvalidArgumentError(f"tier {spec!r}: unknown option {k!r} (every, latency, read, survives)")
     return TierSpec(name, **fields)
+
+
+def mix_from_spec(spec: str) -> dict[str, float]:
+    """``crash=0.22,node=0.78``: failure classes and their weights."""
+    mix = {}
+    for item in filter(None, spec.split(",")):
+        k, sep, v = item.partition("=")
+        try:
+            mix[k] = float(v) if sep and k else float("nan")
+        except ValueError:
+            mix[k] = float("nan")
+        if not mix[k] >= 0:
+            raise InvalidArgumentError(f"failure mix {spec!r}: {item!r} is not CLASS=WEIGHT with a weight >= 0")
+    return mix
 
 
 def config_from_json(doc: dict[str, Any]) -> Config:
