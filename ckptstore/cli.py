@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,8 @@ def _progress(total: int, desc: str):
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .engine.inspect import summary
 
+    if getattr(args, "timings", False):
+        return cmd_timings(args)
     opened = _open(args.url, args.storage_options)
     try:
         info = summary(opened)
@@ -150,6 +153,251 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ goodput commands
+
+
+def _newest_step(url: str, storage_options: dict[str, Any] | None) -> str:
+    """``url`` when it is a checkpoint; the newest committed step under it when it is a tier's root."""
+    from .engine.inspect import is_sharded
+    from .engine.sharded import MANIFEST, Directory
+
+    if not is_sharded(url, storage_options):
+        return url
+    directory = Directory(url, storage_options)
+    if directory.exists(MANIFEST):
+        return url
+    from .tiers.directory import DirectoryTier
+
+    steps = DirectoryTier("inspect", url, storage_options=storage_options).steps_sync()
+    if not steps:
+        raise CheckpointError(f"{url}: neither a checkpoint nor a directory of committed steps")
+    return f"{url.rstrip('/')}/step-{steps[-1]:012d}"
+
+
+def cmd_timings(args: argparse.Namespace) -> int:
+    from .goodput.timings import STAGES, stage_table, stragglers
+
+    url = _newest_step(args.url, args.storage_options)
+    opened = _open(url, args.storage_options)
+    try:
+        manifest = opened.manifest
+    finally:
+        opened.close()
+    ranks = manifest.meta.get("ranks", [])
+    if manifest.kind != "sharded" or not ranks:
+        raise CheckpointError(f"{url}: a single-file checkpoint records no per-rank timings")
+    slow = stragglers(ranks, factor=args.factor)
+    sdc = manifest.meta.get("sdc")
+    if args.json:
+        json.dump({"location": url, "ranks": ranks, "stragglers": slow, "sdc": sdc}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    stages, rows = stage_table(ranks)
+    print(f"{url}: per-rank stage timings (seconds) of step {manifest.meta.get('step', '?')}, {len(rows)} ranks")
+    width = max([len(str(r["host"])) for r in rows] + [4])
+    print(f"  {'rank':>5s}  {'host':{width}s}  " + "  ".join(f"{s[:-2]:>10s}" for s in stages))
+    flagged = {(x["rank"], x["stage"]) for x in slow}
+    for r in rows:
+        cells = []
+        for s in stages:
+            v = r[s]
+            cell = "-" if v is None else f"{v:.3f}" + ("*" if (r["rank"], s) in flagged else "")
+            cells.append(f"{cell:>10s}")
+        print(f"  {r['rank']:5d}  {str(r['host']):{width}s}  " + "  ".join(cells))
+    print("  stages: " + "; ".join(f"{s[:-2]} = {STAGES.get(s, s)}" for s in stages))
+    if slow:
+        print(f"  stragglers (over {args.factor:g}x the median of a stage, marked *), by host:")
+        for host in sorted({str(x["host"]) for x in slow}):
+            items = [x for x in slow if str(x["host"]) == host]
+            print(f"    {host}: " + "; ".join(f"rank {x['rank']} {x['stage'][:-2]} {x['seconds']:.3f} s "
+                                             f"({x['ratio']:.1f}x median {x['median_s']:.3f} s)" for x in items))
+    else:
+        print(f"  no straggler: no rank over {args.factor:g}x the median of any stage")
+    if sdc and sdc.get("mismatches"):
+        from .goodput.sdc import describe
+
+        print("  " + describe(int(manifest.meta.get("step", -1)), sdc["mismatches"]))
+    return 0
+
+
+def _mtbf_args(args: argparse.Namespace, required: bool = True) -> float | None:
+    from .goodput.planner import mtbf_from_rate, parse_duration
+
+    if args.mtbf is not None:
+        return parse_duration(args.mtbf, "--mtbf")
+    if args.observed is not None:
+        count, over, on = args.observed
+        gpus = args.gpus if args.gpus is not None else float(on)
+        return mtbf_from_rate(float(count), parse_duration(over, "--observed duration"), float(on), float(gpus))
+    if args.failure_rate is not None:
+        if args.gpus is None:
+            raise CheckpointError("--failure-rate is per GPU per day: pass --gpus too")
+        return 86400.0 / (args.failure_rate * args.gpus)
+    if required:
+        raise CheckpointError("give the MTBF: --mtbf 3h, or --observed COUNT DURATION GPUS [--gpus N] "
+                              "(e.g. --observed 419 54d 16384), or --failure-rate PER_GPU_DAY --gpus N")
+    return None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .goodput.planner import daly, first_order_waste, human, optimum, parse_duration, table, waste, young
+
+    cost = parse_duration(args.ckpt_cost, "--ckpt-cost")
+    restart = parse_duration(args.restart, "--restart")
+    mtbf = _mtbf_args(args)
+    assert mtbf is not None
+    if cost <= 0:
+        raise CheckpointError("--ckpt-cost must be positive")
+    y, d, o = young(cost, mtbf), daly(cost, mtbf), optimum(cost, mtbf, restart)
+    best = waste(d, cost, mtbf, restart)
+    rows = table(cost, mtbf, restart, around=d)
+    if args.json:
+        json.dump({"cost_s": cost, "mtbf_s": mtbf, "restart_s": restart, "young_s": y, "daly_s": d, "optimum_s": o,
+                   "waste_at_daly": best.__dict__ | {"total": best.total},
+                   "first_order_waste_at_young": first_order_waste(y, cost, mtbf, restart),
+                   "table": [r.__dict__ | {"total": r.total} for r in rows]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"checkpoint cost {human(cost)}, MTBF {human(mtbf)} ({mtbf / 60:.4g} min), restart {human(restart)}")
+    print(f"  Young  sqrt(2 * cost * MTBF):  checkpoint every {human(y)} of training "
+          f"(first-order waste {first_order_waste(y, cost, mtbf, restart) * 100:.1f}%)")
+    print(f"  Daly   higher-order:           checkpoint every {human(d)} of training")
+    print(f"  exact optimum of the model:    every {human(o)}")
+    print(f"  expected waste at Daly's interval: {best.total * 100:.1f}% = checkpoint overhead {best.checkpoint * 100:.1f}%"
+          f" + lost work {best.lost * 100:.1f}% + restart {best.restart * 100:.1f}%  (goodput {best.useful * 100:.1f}%)")
+    print(f"  {'interval':>10s} {'overhead':>9s} {'lost':>7s} {'restart':>8s} {'waste':>7s} {'goodput':>8s}")
+    for r in rows:
+        mark = "  <- Daly" if r.tau == d else ""
+        print(f"  {human(r.tau):>10s} {r.checkpoint * 100:8.1f}% {r.lost * 100:6.1f}% {r.restart * 100:7.1f}% "
+              f"{r.total * 100:6.1f}% {r.useful * 100:7.1f}%{mark}")
+    print("  (interval = training time between checkpoints; waste from Daly's model: exponential failures, a failure "
+          "loses the work since the last checkpoint, each costs a restart)")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .goodput.planner import human, parse_duration, waste
+    from .goodput.simulate import Config, config_from_json, mix_from_spec, seed_example, simulate, tier_from_spec
+
+    mtbf = _mtbf_args(args, required=False)
+    configs: list[Config] = []
+    if args.example == "seed":
+        configs += seed_example()
+        if mtbf is None:
+            from .goodput.planner import mtbf_from_rate
+
+            mtbf = mtbf_from_rate(419, 54 * 86400, 16384, 4096)
+    for spec in args.config or []:
+        text = _read_text(spec) if os.path.isfile(spec) else spec
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise CheckpointError(f"--config {spec!r} is neither a JSON file nor inline JSON: {exc}") from None
+        configs += [config_from_json(d) for d in (doc if isinstance(doc, list) else [doc])]
+    if args.interval is not None or not configs:
+        if args.interval is None or args.cost is None:
+            raise CheckpointError("give a configuration: --interval and --cost (plus --restart, --tier), --config "
+                                  "JSON, or --example seed")
+        tiers = tuple(tier_from_spec(t) for t in (args.tier or ["durable"]))
+        configs.append(Config(args.name, parse_duration(args.interval, "--interval"), parse_duration(args.cost, "--cost"),
+                              parse_duration(args.restart, "--restart"), tiers))
+    if mtbf is None:
+        raise CheckpointError("give the MTBF: --mtbf 3h, or --observed COUNT DURATION GPUS [--gpus N]")
+    mix = mix_from_spec(args.mix) if args.mix else None
+    work = parse_duration(args.work, "--work")
+    results = [simulate(c, mtbf=mtbf, work=work, trials=args.trials, seed=args.seed, weibull=args.weibull, mix=mix)
+               for c in configs]
+    if args.json:
+        json.dump({"mtbf_s": mtbf, "work_s": work, "trials": args.trials, "seed": args.seed, "weibull": args.weibull,
+                   "results": [r.to_json() for r in results]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        law = f"Weibull shape {args.weibull:g}" if args.weibull else "exponential"
+        print(f"{args.trials} trials of a job needing {human(work)} of training, MTBF {human(mtbf)} ({law}), seed {args.seed}")
+        width = max(len(c.name) for c in configs)
+        print(f"  {'configuration':{width}s}  {'goodput':>8s}  {'95% CI':>15s}  {'ckpt':>6s} {'lost':>6s} "
+              f"{'restart':>7s}  failures  wall")
+        for r in results:
+            f = r.fractions
+            print(f"  {r.config.name:{width}s}  {r.goodput * 100:7.2f}%  [{r.ci95[0] * 100:5.2f}, {r.ci95[1] * 100:5.2f}]%  "
+                  f"{f['checkpoint'] * 100:5.1f}% {f['lost'] * 100:5.1f}% {f['restart'] * 100:6.1f}%  {r.failures:8.1f}"
+                  f"  {r.wall_days:.1f} d")
+        for r in results:
+            c = r.config
+            simple = len(c.tiers) == 1 and c.tiers[0].latency == 0 and c.tiers[0].read == 0 and c.tiers[0].every == 1
+            if simple and not args.weibull and "*" in c.tiers[0].survives:
+                exact = waste(c.interval - c.cost, c.cost, mtbf, c.restart).useful
+                print(f"  {c.name}: Daly's model gives {exact * 100:.2f}% (the simulation's 95% CI "
+                      f"{'contains' if r.ci95[0] <= exact <= r.ci95[1] else 'misses'} it)")
+    if args.plot:
+        _plot_simulation(results, args.plot, mtbf)
+        print(f"  plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _read_text(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def _plot_simulation(results: list[Any], path: str, mtbf: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.7 * len(results)))
+    colors = {"useful": "#2ca02c", "checkpoint": "#1f77b4", "lost": "#ff7f0e", "restart": "#d62728"}
+    for i, r in enumerate(results):
+        left = 0.0
+        for name, share in r.fractions.items():
+            ax.barh(i, share * 100, left=left, color=colors[name], label=name if i == 0 else None)
+            left += share * 100
+        ax.text(101, i, f"{r.goodput * 100:.1f}% (±{1.96 * r.stderr * 100:.2f})", va="center", fontsize=8)
+    ax.set_yticks(range(len(results)), [r.config.name for r in results], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 115)
+    ax.set_xlabel(f"% of wall-clock time (MTBF {mtbf / 3600:.3g} h)")
+    ax.legend(ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    from .goodput.events import account, events_path, plot, read_events
+    from .goodput.planner import human
+
+    path = events_path(args.root)
+    try:
+        events = read_events(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"no event log at {path}: create the CheckpointStore with events=True (or events=PATH)") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the event log {path}: {exc}") from None
+    if not events:
+        raise CheckpointError(f"{path} holds no events yet")
+    acc = account(events)
+    if args.json:
+        json.dump(acc.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        fr = acc.fractions()
+        print(f"{path}: {len(acc.runs)} run(s), {acc.failures} failure(s), {acc.saves} save(s) over {human(acc.wall)}"
+              + (f" (+ {human(acc.idle)} idle between clean runs)" if acc.idle else ""))
+        for name, seconds in (("productive", acc.productive), ("checkpoint", acc.checkpoint), ("lost", acc.lost),
+                              ("restart", acc.restart)):
+            print(f"  {name:11s} {human(seconds):>10s}  {fr[name] * 100:5.1f}%")
+        print(f"  goodput {fr['productive'] * 100:.1f}%")
+        if acc.open_run:
+            print("  note: the last run has not closed (still running, or it died and was not restarted); its time "
+                  "counts as productive until it is known to be lost")
+    if args.plot:
+        plot(acc, args.plot, title=os.path.basename(os.path.abspath(args.root)))
+        print(f"  plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptstore", description="Tiered asynchronous checkpoint storage for PyTorch.")
     parser.add_argument("--version", action="version", version=f"ckptstore {__version__}")
@@ -164,6 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show what a checkpoint holds", description="Show keys, dtypes, shapes and sizes.")
     p.add_argument("url", help="checkpoint path or fsspec URL")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--timings", action="store_true",
+                   help="per-rank stage timings of a step (or of a tier's newest step) and the stragglers, by host")
+    p.add_argument("--factor", type=float, default=2.0, help="with --timings: flag ranks over this many times the "
+                   "median of a stage (default 2)")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser(
         "verify",
@@ -211,7 +463,63 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60; the crash comes halfway)")
     p.add_argument("--no-s3", action="store_true", help="skip the local S3 server")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser(
+        "plan",
+        help="the optimal checkpoint interval (Young, Daly) and the expected waste",
+        description="The optimal checkpoint interval by Young's approximation and Daly's higher-order formula, "
+        "the expected waste (checkpoint overhead, lost work, restart time) and a table of waste against interval.",
+    )
+    p.add_argument("--ckpt-cost", required=True, help="what one checkpoint blocks training for (60s, 1m, ...)")
+    p.add_argument("--restart", default="0", help="time from a failure to training again (default 0)")
+    _failure_args(p)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser(
+        "simulate",
+        help="Monte Carlo of a long job under failures: goodput of checkpoint configurations",
+        description="Simulate many runs of a long job with exponential (or Weibull) failures for one or more "
+        "checkpoint configurations (interval, blocking cost, restart time, tiers and which failures each survives) "
+        "and report goodput with a 95%% confidence interval, side by side.",
+    )
+    p.add_argument("--interval", help="wall time from one checkpoint's start to the next (e.g. 20m)")
+    p.add_argument("--cost", help="what each checkpoint blocks training for (e.g. 20s)")
+    p.add_argument("--restart", default="0", help="time from a failure to training again, before reading (default 0)")
+    p.add_argument("--tier", action="append", metavar="SPEC",
+                   help="NAME[:every=K,latency=D,read=D,survives=crash+node|all] (repeatable; default: durable)")
+    p.add_argument("--name", default="configuration", help="label of the --interval/--cost configuration")
+    p.add_argument("--config", action="append", metavar="JSON",
+                   help='a configuration (or a list of them) as inline JSON or a JSON file: {"name", "interval", '
+                   '"cost", "restart", "tiers": ["ram:survives=crash", "durable:every=3,latency=6m"]}')
+    p.add_argument("--example", choices=["seed"], help="the seed's production example, side by side")
+    _failure_args(p)
+    p.add_argument("--work", default="21d", help="training the job needs (default 21d)")
+    p.add_argument("--trials", type=int, default=2000, help="simulated runs per configuration (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--weibull", type=float, default=None, metavar="SHAPE",
+                   help="Weibull inter-failure times of this shape (same MTBF) instead of exponential")
+    p.add_argument("--mix", default=None, help="failure classes and weights (default crash=0.22,node=0.78)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a bar chart of the split (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=cmd_simulate)
+    p = sub.add_parser(
+        "goodput",
+        help="goodput of a job from its event log: productive time, checkpoint overhead, lost work, restarts",
+        description="Read the event log a CheckpointStore(events=True) keeps in its local directory and split the "
+        "wall-clock time into productive time, checkpoint overhead, lost work and restart time.",
+    )
+    p.add_argument("root", help="the store's local directory (or the events.jsonl file)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline and the split (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=cmd_goodput)
     return parser
+
+
+def _failure_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mtbf", default=None, help="mean time between failures of the whole job (3h, 180m, ...)")
+    p.add_argument("--observed", nargs=3, default=None, metavar=("COUNT", "DURATION", "GPUS"),
+                   help="derive the MTBF from COUNT failures seen over DURATION on GPUS GPUs (e.g. 419 54d 16384)")
+    p.add_argument("--failure-rate", type=float, default=None, help="failures per GPU per day (with --gpus)")
+    p.add_argument("--gpus", type=float, default=None, help="GPUs of this job (scales --observed / --failure-rate)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -178,8 +178,13 @@ def test_checkpoint_store_signature():
         ("node", P.KEYWORD_ONLY, None),
         ("peer_timeout_s", P.KEYWORD_ONLY, 60.0),
         ("peer_to_local", P.KEYWORD_ONLY, False),
+        ("interval", P.KEYWORD_ONLY, None),
+        ("mtbf", P.KEYWORD_ONLY, None),
+        ("events", P.KEYWORD_ONLY, False),
+        ("sdc", P.KEYWORD_ONLY, "off"),
     ]
-    assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save"]
+    assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save",
+                                                                                     "should_save"]
     assert _shape(ckptstore.CheckpointStore.restore) == [
         ("self", P.POSITIONAL_OR_KEYWORD, P.empty),
         ("state", P.POSITIONAL_OR_KEYWORD, P.empty),

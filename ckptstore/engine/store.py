@@ -124,6 +124,11 @@ class _Job:
     parts: list[dict[str, Any]] = field(default_factory=list)  # every rank's RAM part, after the gather
     manifest: bytes = b""
     shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
+    peer: concurrent.futures.Future | None = None  # this step's replication, when it replicates
+    check: set[str] = field(default_factory=set)  # keys staged only to compare replicas (sdc), never written
+    live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)
+    replicated: dict[str, tuple] = field(default_factory=dict)  # key -> (offsets, sizes, kind) of replicated boxes
+    sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)
 
 
 class CheckpointStore:
@@ -141,6 +146,13 @@ class CheckpointStore:
     launcher's environment does not. A peer that does not answer within ``peer_timeout_s`` fails
     only that replication, and replication stops for the run. ``timeout_s`` bounds every other
     collective of the store.
+
+    ``interval`` (seconds, a duration such as ``"20m"``, or ``"auto"`` with ``mtbf``) makes
+    :meth:`should_save` answer when to checkpoint; ``"auto"`` plans Daly's optimal interval from the
+    blocking cost the store measures and the MTBF, which the failure history in the event log refines.
+    ``events=True`` keeps an append-only event log (saves, restores, restarts) in ``<local>/events.jsonl``
+    (or ``events=PATH``) for ``ckptstore goodput``. ``sdc="warn"`` or ``"raise"`` compares the checksums of
+    tensors that data-parallel replicas must hold identically, and records any mismatch in the manifest.
     """
 
     def __init__(
@@ -166,6 +178,10 @@ class CheckpointStore:
         node: Any = None,
         peer_timeout_s: float = 60.0,
         peer_to_local: bool = False,
+        interval: str | float | None = None,
+        mtbf: str | float | None = None,
+        events: bool | str | os.PathLike[str] = False,
+        sdc: str = "off",
     ) -> None:
         if policy not in ("block", "skip"):
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
@@ -235,6 +251,7 @@ class CheckpointStore:
         self._slots_set = False
         self.skipped = 0
         self._closed = False
+        self._goodput_init(interval, mtbf, events, sdc)
 
     # ------------------------------------------------------------------------------ saving
 
@@ -261,6 +278,8 @@ class CheckpointStore:
         """
         if self._closed:
             raise CheckpointError("this CheckpointStore is closed")
+        t_enter = time.perf_counter()
+        plan = self._plan_inputs() if self.rank == 0 else None
         pending = self._pending()
         if self.world == 1:
             self._raise_pending(pending)
@@ -279,6 +298,7 @@ class CheckpointStore:
             frozen = [m for m in mine if self.frozen is not None and self.frozen(m.key)]
             rest = [m for m in mine if not (self.frozen is not None and self.frozen(m.key))]
             items = [(m.key, local.items[(m.key, m.offsets, m.sizes)]) for m in frozen + rest]
+            items += self._sdc_items(local, mine, job)
             frozen_count = len(frozen)
             job.tree, job.tensors, job.digest = local.tree, local.tensors, _digest(local)
             job.boxes = {m.key: m.offsets for m in mine}
@@ -291,7 +311,7 @@ class CheckpointStore:
             # One vote per save keeps the ranks together: a background failure that one rank has
             # already seen (the others may learn of it a moment later) is raised on all of them.
             votes = self._fg.all_gather({"step": step, "busy": busy, "error": None if error is None else str(error),
-                                         "peer_off": self._peer_off,
+                                         "peer_off": self._peer_off, "plan": plan,
                                          "pending": None if pending is None else (pending[0], str(pending[1]))})
             reports = sorted({tuple(v["pending"]) for v in votes if v["pending"]})
             if reports:
@@ -307,11 +327,14 @@ class CheckpointStore:
                 )
             busy = any(v["busy"] for v in votes)
             self._peer_off = any(v["peer_off"] for v in votes)
+            plan = votes[0]["plan"]
         if error is not None:
             raise error
+        self._set_plan(step, plan)
         if busy and self.policy == "skip":
             self.skipped += 1
             log.warning("ckptstore: step %d skipped: the previous snapshots are still being persisted", step)
+            self._event("skip", step=step)
             return SaveHandle(step, {}, skipped=True)
         slot = self.ram._next
         t_wait = time.perf_counter()
@@ -332,6 +355,7 @@ class CheckpointStore:
             job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
             if self.world == 1:
                 raise
+        self._sdc_hash_live(job)
         if job.staged is not None and frozen_count:
             e = job.staged.layout.entries[frozen_count - 1]
             job.frozen_end = align_up(e.offset + e.nbytes)
@@ -345,6 +369,7 @@ class CheckpointStore:
             "durable": concurrent.futures.Future() if promote else None,
         }
         self._last_ram = futures["ram"]
+        job.peer = futures["peer"]
         prev, self._fast_tail = self._fast_tail, job.fast_done
         fut = self._loop.submit(self._pipeline(prev, job, futures, promote, replicate))
         self._outstanding = {f for f in self._outstanding if not f.done()} | {fut}
@@ -352,7 +377,9 @@ class CheckpointStore:
             self._busy[job.staged.slot] = fut
         if job.error is not None:
             raise job.error
-        return SaveHandle(step, futures, waited_s=waited, staged_s=job.staged.seconds if job.staged else 0.0)
+        handle = SaveHandle(step, futures, waited_s=waited, staged_s=job.staged.seconds if job.staged else 0.0)
+        self._saved(job, handle, time.perf_counter() - t_enter)
+        return handle
 
     def _size_slots(self, items: list[tuple[str, Any]]) -> None:
         """Fix the number of staging slots at the first save, from ram_budget_bytes."""
@@ -392,6 +419,8 @@ class CheckpointStore:
     def _manifest(self, job: _Job, parts: list[dict[str, Any]]) -> Manifest:
         manifest = _build_manifest(job.shared["tree"], job.shared["tensors"], parts, self.world)
         manifest.meta.update({"step": job.step, "job": self.job})
+        if job.sdc is not None:
+            manifest.meta["sdc"] = {"policy": self.sdc, "mismatches": job.sdc}
         return manifest
 
     async def _pipeline(
@@ -455,6 +484,7 @@ class CheckpointStore:
         data, parts, manifest = job.snap.data, job.parts, job.manifest
 
         def run() -> None:
+            t0 = time.perf_counter()
             works, received = [], []
             for src in self._hold_for:
                 size = int(parts[src]["bytes"])
@@ -470,6 +500,8 @@ class CheckpointStore:
                 self.ram.commit_replica(src, slot, job.step, size, manifest)
                 if self.peer_to_local and self.local is not None:
                     _replica_to_local(self.local.root, job.step, src, buf, manifest, self.keep_local)
+            assert job.snap is not None
+            job.snap.meta.setdefault("timings", {})["replicate_s"] = round(time.perf_counter() - t0, 6)
 
         await self._agree(f"replicating step {job.step} to peers", run, self._bg_peer)
 
@@ -487,9 +519,12 @@ class CheckpointStore:
                 raise job.error
             assert job.staged is not None
             crashpoint("ram.staged", str(job.step))
+            t_hash = time.perf_counter()
             self.ram.checksums(job.staged, BLOCK_SIZE)
             job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
+            self._stage_timings(job, time.perf_counter() - t_hash)
             part = self.ram.put_sync(job.snap)
+            part["sdc"] = self._sdc_digest(job)
             part.update(step=job.step, digest=job.digest)
             if self.rank == 0:
                 part["shared"] = {"tree": job.tree, "tensors": job.tensors}
@@ -504,6 +539,7 @@ class CheckpointStore:
         job.shared = parts[0].pop("shared")
         for p in parts[1:]:
             p.pop("shared", None)
+        job.sdc = await self._sdc_compare(job, parts)
         manifest = self._manifest(job, parts)
         job.parts, job.manifest = parts, manifest.to_json_bytes()
         crashpoint("ram.before_commit", str(job.step))
@@ -515,13 +551,14 @@ class CheckpointStore:
             await self._to_tier(self.local, job, self._bg)
             _resolve(futures["local"], job.step)
             await self._retain(self.local, self.keep_local)
+        self._sdc_verdict(job)
 
     async def _to_tier(self, tier: Tier, job: _Job, group: Group) -> None:
         assert job.snap is not None
         snap = job.snap
         try:
-            parts = await self._agree(f"writing step {job.step} to the {tier.name} tier", lambda: tier.put_sync(snap),
-                                      group)
+            parts = await self._agree(f"writing step {job.step} to the {tier.name} tier",
+                                      lambda: self._put(tier, snap, job), group)
             manifest = self._manifest(job, parts)
             await self._agree(f"committing step {job.step} in the {tier.name} tier",
                               lambda: tier.commit_sync(job.step, manifest), group)
@@ -589,6 +626,7 @@ class CheckpointStore:
         return self._restore(state, per_rank)
 
     def _restore(self, state: Any, per_rank: str) -> int | None:
+        t_restore = time.perf_counter()
         self._drain()
         local_root = self.local.root if self.local is not None else None
         seen = node_steps(self.job, self.ram.ram_dir, local_root)
@@ -606,11 +644,13 @@ class CheckpointStore:
             if ok:
                 log.info("ckptstore: restored step %d from the %s tier", step, detail)
                 self._last_step = max(self._last_step if self._last_step is not None else step, step)
+                self._event("restore", step=step, tier=detail, seconds=round(time.perf_counter() - t_restore, 6))
                 return step
             log.warning("ckptstore: step %d cannot be restored (%s); trying an older step", step, detail)
             tried.append(detail)
         if tried:
             raise CorruptCheckpointError("no sound copy of any checkpoint of this job: " + "; ".join(tried))
+        self._event("restore", step=None, tier=None, seconds=round(time.perf_counter() - t_restore, 6))
         return None
 
     def _restore_exact(self, state: Any, step: int) -> None:
@@ -656,6 +696,7 @@ class CheckpointStore:
                     manifest = durable.manifest_sync(step)
                 if manifest is None:
                     raise CheckpointNotFoundError(f"no copy of the manifest of {display}")
+                self._sdc_refuse(manifest, display)
                 wanted = needed_chunks(state, manifest, display, self.rank, self.world)
             except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
                 wanted, problem = [], f"{exc}"
@@ -746,6 +787,7 @@ class CheckpointStore:
             self._closed = True
             self._loop.close()
             self.ram.close()
+            self._goodput_close()
         self._raise_pending(self._pending())
 
     async def _close_promote(self, job: _Job) -> None:
@@ -754,6 +796,229 @@ class CheckpointStore:
         except BaseException as exc:  # noqa: BLE001 - surfaced by close()
             log.error("ckptstore: promoting step %d on close failed: %s", job.step, exc)
             self._errors.append((job.step, exc))
+
+    # ------------------------------------------------------------------------------ goodput
+
+    def _goodput_init(self, interval: str | float | None, mtbf: str | float | None, events: Any, sdc: str) -> None:
+        from ..goodput.events import EVENTS_FILE, EventLog, history, read_events
+        from ..goodput.planner import parse_duration
+
+        if sdc not in ("off", "warn", "raise"):
+            raise InvalidArgumentError(f"sdc must be 'off', 'warn' or 'raise', not {sdc!r}")
+        self.sdc = sdc
+        self._interval: str | float | None = None
+        if interval == "auto":
+            if mtbf is None:
+                raise InvalidArgumentError("interval='auto' plans from the mean time between failures: pass mtbf= "
+                                           "(seconds or a duration such as '3h')")
+            self._interval = "auto"
+        elif interval is not None:
+            self._interval = parse_duration(interval, "interval")
+            if self._interval <= 0:
+                raise InvalidArgumentError(f"interval must be positive, not {interval!r}")
+        self._mtbf = parse_duration(mtbf, "mtbf") if mtbf is not None else None
+        if self._mtbf is not None and self._mtbf <= 0:
+            raise InvalidArgumentError(f"mtbf must be positive, not {mtbf!r}")
+        self._costs: list[float] = []
+        self._step_s: float | None = None
+        self._last_call: tuple[int, float] | None = None
+        self._blocked = 0.0  # what saves blocked since the last should_save (not part of the step time)
+        self._next_save: int | None = None
+        self._tick = 0.0
+        self._started = time.time()
+        self._history = (0, 0.0)  # failures and seconds run before this start (rank 0, from the event log)
+        self.plan: dict[str, Any] | None = None  # the newest plan, for the curious
+        self._events: Any = None
+        if events is True and self.local is None:
+            raise InvalidArgumentError("events=True keeps the event log in the local directory: pass local= too, "
+                                       "or events=PATH")
+        if events is not False and events is not None and self.rank == 0:
+            path = os.path.join(self.local.root, EVENTS_FILE) if self.local is not None and events is True else os.fspath(events)
+            before: list[dict[str, Any]] = []
+            try:
+                before = read_events(path) if os.path.exists(path) else []
+            except OSError as exc:
+                log.warning("ckptstore: cannot read the event log %s (the failure history starts afresh): %s", path, exc)
+            self._events = EventLog(path)
+            start = {"t": time.time(), "event": "start"}
+            self._history = history(before + [start])
+            self._event("start", job=self.job, world=self.world, host=socket.gethostname())
+            if before and before[-1]["event"] != "close":
+                self._event("failure", last_seen=before[-1]["t"])  # the previous run ended without close()
+
+    def should_save(self, step: int) -> bool:
+        """Whether to checkpoint at ``step``, under ``interval``: call it once per training step.
+
+        The answer compares ``step`` with the next save step that every rank computed at the last
+        ``save`` from the same numbers (rank 0's measured step time, blocking cost and MTBF estimate,
+        carried by the per-save vote), so all ranks get the same answer without a collective per step.
+        The first call says yes: that checkpoint measures the cost cold, and the next two follow a step
+        apart to measure it warm (a process's first save also pays one-time costs); from then on the
+        plan holds, recomputed at every save."""
+        if self._interval is None:
+            raise InvalidArgumentError("should_save needs CheckpointStore(..., interval=SECONDS or '20m', or "
+                                       "interval='auto' with mtbf=...)")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+        now = time.monotonic()
+        if self._last_call is not None and step > self._last_call[0]:
+            per_step = max(0.0, now - self._last_call[1] - self._blocked) / (step - self._last_call[0])
+            self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step
+        self._last_call, self._blocked = (step, now), 0.0
+        # Ticks date a crash for the goodput report: once a minute, or ten times per planned interval.
+        period = min(60.0, max(1.0, ((self.plan or {}).get("interval_s") or 600.0) / 10.0))
+        if self._events is not None and now - self._tick >= period:
+            self._tick = now
+            self._event("tick", step=step)
+        return self._next_save is None or step >= self._next_save
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.write(kind, **fields)
+
+    def _plan_inputs(self) -> dict[str, Any] | None:
+        """Rank 0's measurements, which every rank plans from."""
+        from ..goodput.planner import mtbf_posterior
+
+        if self._interval is None:
+            return None
+        # The first save of a process also faults the staging slots in and pays one-time imports (often
+        # ten times a warm save): it is never planned from, so auto plans start at the third save.
+        costs = self._costs[1:][-5:]
+        cost = sorted(costs)[len(costs) // 2] if costs else None
+        mtbf = None
+        if self._mtbf is not None:
+            failures, ran = self._history
+            mtbf = mtbf_posterior(self._mtbf, failures, ran + time.time() - self._started)
+        return {"cost_s": cost, "mtbf_s": mtbf, "step_s": self._step_s}
+
+    def _set_plan(self, step: int, inputs: dict[str, Any] | None) -> None:
+        from ..goodput.planner import daly
+
+        if inputs is None or self._interval is None:
+            return
+        cost, mtbf, step_s = inputs["cost_s"], inputs["mtbf_s"], inputs["step_s"]
+        if step_s is None or (self._interval == "auto" and not cost):
+            steps, interval = 1, None  # nothing measured yet: the next step measures
+        else:
+            # Daly's interval is compute time between checkpoints; a fixed interval is wall time.
+            interval = daly(cost, mtbf) if self._interval == "auto" else max(float(self._interval) - (cost or 0.0), 0.0)
+            steps = max(1, round(interval / step_s)) if step_s > 0 else 1
+        self._next_save = step + steps
+        self.plan = {"interval_s": interval, "next_step": self._next_save, **inputs}
+        self._event("plan", step=step, **self.plan)
+
+    def _saved(self, job: _Job, handle: SaveHandle, blocking: float) -> None:
+        self._costs = (self._costs + [blocking])[-50:]
+        self._blocked += blocking
+        staged = job.staged
+        self._event("save", step=job.step, blocking_s=round(blocking, 6), waited_s=round(handle.waited_s, 6),
+                    staged_s=round(handle.staged_s, 6), bytes=staged.layout.total if staged else 0,
+                    copied=staged.copied_bytes if staged else 0)
+
+    def _goodput_close(self) -> None:
+        if self._events is not None:
+            self._event("close")
+            self._events.close()
+            self._events = None
+
+    def _stage_timings(self, job: _Job, hash_s: float) -> None:
+        """Note the hashing time, and drop the entries staged only for the replica check from what the
+        tiers receive (they sit after every written entry, so the data is cut where those begin)."""
+        assert job.snap is not None and job.staged is not None
+        job.snap.meta.setdefault("timings", {})["hash_s"] = round(hash_s, 6)
+        if job.check:
+            for key in job.check:
+                job.snap.chunks.pop(key, None)
+            end = max((align_up(e.offset + e.nbytes) for e in job.staged.layout.entries if e.key not in job.check),
+                      default=0)
+            job.snap.data = job.snap.data.narrow(0, 0, max(min(end, job.snap.nbytes), 4096))
+
+    def _put(self, tier: Tier, snap: Snapshot, job: _Job) -> dict[str, Any]:
+        """Write this rank's part to ``tier`` and record the step's stage timings in it. The durable
+        manifest waits (at most peer_timeout_s) for this step's replication, so it records that too."""
+        part = tier.put_sync(snap)
+        timings = snap.meta.setdefault("timings", {})
+        timings["local_s" if tier is self.local else "promote_s"] = part.get("timings", {}).get("write_s", 0.0)
+        if tier is self.durable and job.peer is not None:
+            concurrent.futures.wait([job.peer], timeout=self.peer_timeout_s)
+        part["timings"] = {**part.get("timings", {}), **timings}
+        return part
+
+    def _sdc_items(self, local: Any, mine: list[Any], job: _Job) -> list[tuple[str, Any]]:
+        """With sdc on, every replica's bytes get a checksum: the replicated boxes this rank holds but
+        another rank writes are hashed in place while save blocks when they sit contiguous in host memory
+        (reading costs less than copying), and staged after everything written (never written) otherwise."""
+        if self.sdc == "off" or self.world == 1:
+            return []
+        writes = {(m.key, m.offsets, m.sizes) for m in mine}
+        extra = []
+        for box, tensor in local.items.items():
+            holders = local.holders[box]
+            if holders[0] == "own" or (holders[0] == "replicas" and holders[1] < 2) or tensor.numel() == 0:
+                continue
+            job.replicated[box[0]] = (box[1], box[2], holders[0])
+            if box in writes:
+                continue
+            if tensor.device.type == "cpu" and tensor.is_contiguous():
+                job.live[box[0]] = tensor
+            else:
+                extra.append((box[0], tensor))
+        job.check = {k for k, _ in extra}
+        return extra
+
+    def _sdc_hash_live(self, job: _Job) -> None:
+        """Hash the host-memory replicas this rank does not write, at the snapshot's moment (save has
+        not returned, so training has not touched them)."""
+        if not job.live:
+            return
+        from ..format.checksum import checksum
+        from ..planning.flatten import contiguous_bytes
+
+        try:
+            job.live = {k: {"checksum": checksum(contiguous_bytes(t).numpy().data)} for k, t in job.live.items()}
+        except Exception as exc:  # noqa: BLE001 - the pipeline reports it, so every rank learns of it
+            job.live = {}
+            job.error = job.error or exc
+
+    def _sdc_digest(self, job: _Job) -> dict[str, str] | None:
+        from ..goodput import sdc
+
+        if self.sdc == "off" or self.world == 1 or job.staged is None:
+            return None
+        return sdc.digest(sdc.boxes(job.replicated, {**(job.staged.sums or {}), **job.live}))
+
+    async def _sdc_compare(self, job: _Job, parts: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """Round one compares the digests in the parts; only a disagreement costs round two."""
+        from ..goodput import sdc
+
+        digests = [p.pop("sdc", None) for p in parts]
+        if self.sdc == "off" or self.world == 1 or any(d is None for d in digests):
+            return None
+        if not sdc.suspicious(digests):
+            return []
+        sums = {**((job.staged.sums or {}) if job.staged is not None else {}), **job.live}
+        held = await self._agree(f"comparing the replicas of step {job.step}", lambda: sdc.boxes(job.replicated, sums))
+        return sdc.mismatches(held, [str(p.get("host", "?")) for p in parts])
+
+    def _sdc_verdict(self, job: _Job) -> None:
+        from ..goodput import sdc
+
+        if not job.sdc:
+            return
+        message = sdc.describe(job.step, job.sdc)
+        self._event("sdc", step=job.step, mismatches=job.sdc)
+        if self.sdc == "raise":
+            self._promoted.add(job.step)  # close() must not promote it to durable either
+            raise CheckpointError(message + " (the step is kept in RAM and local for inspection; restore skips it)")
+        if self.rank == 0:
+            log.warning("ckptstore: %s", message)
+
+    def _sdc_refuse(self, manifest: Manifest, display: str) -> None:
+        """Under sdc='raise' a step whose replicas disagreed is never restored."""
+        if self.sdc == "raise" and (manifest.meta.get("sdc") or {}).get("mismatches"):
+            raise CorruptCheckpointError(f"{display}: its data-parallel replicas differed when it was saved "
+                                         "(silent data corruption suspected); trying an older step", location=display)
 
     def __enter__(self) -> CheckpointStore:
         return self

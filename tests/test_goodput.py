@@ -1,0 +1,304 @@
+"""Goodput: the interval planner's formulas, the failure simulator against them, the event log and its
+accounting across a real crash, and the store's replica checks and agreed intervals over real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import goodput_workers
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import wipe_ram
+
+import ckptstore
+from ckptstore.cli import main
+from ckptstore.goodput import events as ev
+from ckptstore.goodput import planner, simulate, timings
+
+# ---------------------------------------------------------------------------- planner
+
+
+def test_young_daly_and_the_seed_example():
+    cost, mtbf = 60.0, 180 * 60.0
+    assert planner.young(cost, mtbf) / 60 == pytest.approx(math.sqrt(360))  # ~19 min
+    # The seed's "5% + 5% ~ 10%" at Young's interval, first order and exactly.
+    assert planner.first_order_waste(planner.young(cost, mtbf), cost, mtbf) == pytest.approx(0.1054, abs=1e-3)
+    assert planner.waste(planner.young(cost, mtbf), cost, mtbf).total == pytest.approx(0.102, abs=2e-3)
+    # Daly's correction is the optimum of the exact model to a fraction of a percent.
+    d, o = planner.daly(cost, mtbf), planner.optimum(cost, mtbf)
+    assert d < planner.young(cost, mtbf) and d == pytest.approx(o, rel=5e-3)
+    w = planner.waste(d, cost, mtbf, restart=600)
+    assert w.useful + w.checkpoint + w.lost + w.restart == pytest.approx(1.0)
+    assert w.restart > 0 and planner.waste(d, cost, mtbf).restart == 0
+    assert planner.daly(10 * mtbf, mtbf) == mtbf  # a checkpoint dearer than 2 MTBF: Daly's cut-off
+
+
+def test_mtbf_from_the_llama3_failure_rate_and_durations():
+    day = 86400.0
+    assert planner.mtbf_from_rate(419, 54 * day, 16384, 16384) / 3600 == pytest.approx(3.09, abs=0.01)
+    assert planner.mtbf_from_rate(419, 54 * day, 16384, 4096) / 3600 == pytest.approx(12.37, abs=0.01)
+    assert [planner.parse_duration(v) for v in (90, "90s", "1.5m", "3h", "2d")] == [90, 90, 90, 10800, 172800]
+    for bad in ("3 parsecs", "-1", "", True):
+        with pytest.raises(ckptstore.InvalidArgumentError, match="duration"):
+            planner.parse_duration(bad)
+    # More failures than the prior's weight pull the estimate to the observed MTBF.
+    assert planner.mtbf_posterior(3600, 0, 0) == 3600
+    assert planner.mtbf_posterior(3600, 100, 100 * 600) == pytest.approx(600, rel=0.1)
+
+
+def test_plan_cli_prints_both_intervals_and_the_waste_split(capsys):
+    assert main(["plan", "--ckpt-cost", "60s", "--mtbf", "3h"]) == 0
+    out = capsys.readouterr().out
+    assert "every 19 min of training" in out and "every 18.3 min" in out
+    assert "expected waste at Daly's interval: 10.2% = checkpoint overhead 4.9% + lost work 5.3% + restart 0.0%" in out
+    assert main(["plan", "--ckpt-cost", "1m", "--observed", "419", "54d", "16384", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["mtbf_s"] / 3600 == pytest.approx(3.09, abs=0.01) and len(doc["table"]) == 7
+    assert main(["plan", "--ckpt-cost", "1m"]) == 2
+    assert "give the MTBF" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- simulator
+
+
+@pytest.mark.parametrize("interval, cost, restart, mtbf", [
+    (20 * 60, 60, 0, 3 * 3600),  # the seed's example
+    (60 * 60, 360, 1500, 4 * 3600),  # synchronous hourly checkpoints, manual restarts
+    (10 * 60, 20, 300, 2 * 3600),
+])
+def test_simulation_agrees_with_dalys_exact_model(interval, cost, restart, mtbf):
+    cfg = simulate.Config("x", interval, cost, restart)
+    r = simulate.simulate(cfg, mtbf=mtbf, work=21 * 86400, trials=2000, seed=7)
+    exact = planner.waste(interval - cost, cost, mtbf, restart).useful
+    # Seeded, so deterministic; the tolerance is the simulation's own 99.99% interval.
+    assert abs(r.goodput - exact) < 3.9 * r.stderr, (r.goodput, exact, r.stderr)
+    assert sum(r.fractions.values()) == pytest.approx(1.0)
+    assert r.fractions["restart"] == pytest.approx(planner.waste(interval - cost, cost, mtbf, restart).restart, rel=0.05)
+    # Weibull of shape 1 is the exponential law.
+    w = simulate.simulate(cfg, mtbf=mtbf, work=21 * 86400, trials=2000, seed=8, weibull=1.0)
+    assert abs(w.goodput - exact) < 3.9 * w.stderr
+
+
+def test_tiers_only_help_against_the_failures_they_survive():
+    ram = simulate.TierSpec("ram", frozenset({"crash"}), 1, 5.0, 10.0)
+    durable = simulate.TierSpec("durable", frozenset("*"), 3, 300.0, 300.0)
+    both = simulate.Config("ram+durable", 1200, 20, 300, (ram, durable))
+    alone = simulate.Config("durable", 1200, 20, 300, (durable,))
+    kw = dict(mtbf=3 * 3600, work=14 * 86400, trials=500, seed=3)
+    # Node losses wipe the RAM copy: exactly the same runs as without it (same draws).
+    assert simulate.simulate(both, mix={"node": 1}, **kw).goodput == simulate.simulate(alone, mix={"node": 1}, **kw).goodput
+    crash = simulate.simulate(both, mix={"crash": 1}, **kw)
+    assert crash.ci95[0] > simulate.simulate(alone, mix={"crash": 1}, **kw).ci95[1]
+    # Weibull with shape < 1 (failures cluster) at the same MTBF keeps more than the exponential law here.
+    assert simulate.simulate(alone, weibull=0.7, **kw).goodput != simulate.simulate(alone, **kw).goodput
+    with pytest.raises(ckptstore.InvalidArgumentError, match="must exceed the checkpoint cost"):
+        simulate.Config("bad", 60, 60, 0)
+
+
+def test_simulate_cli_compares_the_seed_example(tmp_path, capsys):
+    png = tmp_path / "seed.png"
+    assert main(["simulate", "--example", "seed", "--mtbf", "4.5h", "--trials", "300", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "%" in ln and "[" in ln]
+    assert len(lines) == 3
+    sync, asynchronous, tiers = (float(ln.split("%")[0].split()[-1]) for ln in lines)
+    assert 65 < sync < 80 and 85 < asynchronous < 95 and tiers > asynchronous  # the seed: ~70% -> ~92%
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    cfg = json.dumps({"name": "mine", "interval": "30m", "cost": "30s", "restart": "5m",
+                      "tiers": ["ram:survives=crash", "durable:every=2,latency=3m"]})
+    assert main(["simulate", "--config", cfg, "--mtbf", "3h", "--trials", "200", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["results"][0]["name"] == "mine" and [t["name"] for t in doc["results"][0]["tiers"]] == ["ram", "durable"]
+    for bad, message in ((["--mix", "crash"], "is not CLASS=WEIGHT"), (["--tier", "ram:every=0"], "positive integer"),
+                         (["--cost", "30m"], "must exceed the checkpoint cost")):
+        assert main(["simulate", "--interval", "20m", "--cost", "20s", "--mtbf", "3h", *bad]) == 2
+        assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- event log and accounting
+
+
+def test_accounting_splits_a_known_timeline():
+    events = [
+        {"t": 0.0, "event": "start"}, {"t": 10.0, "event": "restore", "step": None},
+        {"t": 100.0, "event": "save", "step": 1, "blocking_s": 2.0},
+        {"t": 200.0, "event": "save", "step": 2, "blocking_s": 2.0},
+        {"t": 250.0, "event": "tick", "step": 3},  # the run dies after this
+        {"t": 300.0, "event": "start"}, {"t": 320.0, "event": "failure", "last_seen": 250.0},
+        {"t": 330.0, "event": "restore", "step": 2, "tier": "local"},
+        {"t": 400.0, "event": "save", "step": 3, "blocking_s": 2.0},
+        {"t": 500.0, "event": "close"},
+        {"t": 1000.0, "event": "start"}, {"t": 1005.0, "event": "restore", "step": 3}, {"t": 1100.0, "event": "close"},
+    ]
+    acc = ev.account(events)
+    assert (acc.failures, acc.saves, len(acc.runs), acc.open_run) == (1, 3, 3, False)
+    assert acc.idle == 500.0 and acc.wall == 600.0
+    assert acc.checkpoint == 6.0
+    assert acc.lost == 50.0  # from the save of step 2 (t=200) to the last record (t=250)
+    assert acc.restart == 10.0 + 80.0 + 5.0  # first start; 250 -> 330 across the failure; the clean restart
+    assert acc.productive == pytest.approx(600.0 - 6.0 - 50.0 - 95.0)
+    assert ev.history(events) == (1, 250.0 + 200.0 + 100.0)
+
+
+def test_event_log_that_cannot_be_written_warns_and_never_raises(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    log = ev.EventLog(str(blocker / "events.jsonl"))  # its directory is a file
+    log.write("save", step=1)
+    log.write("save", step=2)
+    log.close()
+    assert [r.getMessage() for r in caplog.records if "cannot write the event log" in r.getMessage()]
+    assert len([r for r in caplog.records if "cannot write the event log" in r.getMessage()]) == 1
+
+
+_CRASHING_RUN = textwrap.dedent("""
+    import os, sys, time, torch, ckptstore
+    local, job = sys.argv[1], sys.argv[2]
+    store = ckptstore.CheckpointStore(job, local=local, events=True, interval="10m")
+    state = {"w": torch.arange(1000.0)}
+    for step in range(4):
+        if store.should_save(step):
+            store.save(step, state).wait("local")
+    time.sleep(0.5)   # the event log's writer catches up, then the process dies without close()
+    os._exit(9)
+""")
+
+
+def test_a_crash_is_recorded_and_accounted(tmp_path, job, capsys):
+    local = tmp_path / "local"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", _CRASHING_RUN, str(local), job], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    with ckptstore.CheckpointStore(job, local=local, events=True) as store:
+        state = {"w": torch.zeros(1000)}
+        assert store.restore(state) == 1  # step 0 and the calibration save at step 1
+        assert torch.equal(state["w"], torch.arange(1000.0))
+        store.save(2, state).wait("local")
+    records = ev.read_events(str(local / "events.jsonl"))
+    kinds = [r["event"] for r in records]
+    assert kinds.count("start") == 2 and kinds.count("close") == 1 and kinds.count("failure") == 1
+    assert [r["step"] for r in records if r["event"] == "save"] == [0, 1, 2]
+    restore = next(r for r in records if r["event"] == "restore")
+    assert restore["step"] == 1 and restore["tier"] == "ram" and restore["seconds"] > 0
+    png = tmp_path / "goodput.png"
+    assert main(["goodput", str(local), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "2 run(s), 1 failure(s), 3 save(s)" in out and "goodput" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["goodput", str(local), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["failures"] == 1 and doc["restart_s"] > 0 and doc["checkpoint_s"] > 0
+    assert main(["goodput", str(tmp_path)]) == 2
+    assert "events=True" in capsys.readouterr().err
+
+
+def test_store_options_are_checked(tmp_path, job):
+    with pytest.raises(ckptstore.InvalidArgumentError, match="pass mtbf="):
+        ckptstore.CheckpointStore(job, interval="auto")
+    with pytest.raises(ckptstore.InvalidArgumentError, match="sdc must be"):
+        ckptstore.CheckpointStore(job, sdc="maybe")
+    with pytest.raises(ckptstore.InvalidArgumentError, match="pass local= too"):
+        ckptstore.CheckpointStore(job, events=True)
+    with ckptstore.CheckpointStore(job, local=tmp_path / "l") as store:
+        with pytest.raises(ckptstore.InvalidArgumentError, match="should_save needs"):
+            store.should_save(1)
+        store.save(1, {"w": torch.ones(3)}).wait("local")
+    assert sorted(os.listdir(tmp_path / "l")) == ["step-000000000001"]  # no event log unless asked
+
+
+# ---------------------------------------------------------------------------- stragglers
+
+
+def test_stragglers_are_flagged_per_stage_by_host():
+    ranks = [{"rank": r, "host": f"h{r // 2}", "timings": {"stage_s": 0.1, "local_s": 1.0, "hash_s": 0.001}}
+             for r in range(6)]
+    ranks[3]["timings"]["local_s"] = 3.5
+    ranks[4]["timings"]["hash_s"] = 0.009  # 9x the median but under the 10 ms noise floor
+    slow = timings.stragglers(ranks)
+    assert [(s["host"], s["rank"], s["stage"]) for s in slow] == [("h1", 3, "local_s")]
+    assert slow[0]["ratio"] == pytest.approx(3.5)
+    stages, rows = timings.stage_table(ranks)
+    assert stages == ["stage_s", "hash_s", "local_s"] and len(rows) == 6
+
+
+# ---------------------------------------------------------------------------- multi-rank: agreement and SDC
+
+
+def _spawn(world: int, job: str, tmp_path, **args) -> None:
+    store = tmp_path / f"store-{os.urandom(4).hex()}"
+    results = tmp_path / f"results-{os.urandom(4).hex()}"
+    results.mkdir()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=goodput_workers.run, args=(r, world, str(store), job, args, str(results)))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = {f.name: f.read_text() for f in results.iterdir() if f.name.startswith("error-")}
+    assert not hung, f"ranks hung: {hung}"
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+
+
+def test_replicas_are_compared_and_every_rank_plans_alike(tmp_path, capsys):
+    job = f"gp-{os.urandom(5).hex()}"
+    try:
+        _spawn(3, "goodput_job", tmp_path, root=str(tmp_path), ram_dir="/dev/shm", name=job)
+    finally:
+        wipe_ram(job)
+        wipe_ram(job + "r")
+    outs = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(3)]
+    # The same decisions on every rank, though each measured other step times; planned, not every step.
+    assert outs[0]["decisions"] == outs[1]["decisions"] == outs[2]["decisions"]
+    decisions = outs[0]["decisions"]
+    assert decisions[:3] == [0, 1, 2] and len(decisions) < 40, decisions  # cold, then two warm measurements
+    assert outs[0]["plan"] == outs[1]["plan"] == outs[2]["plan"] and outs[0]["plan"]["cost_s"] > 0
+
+    warn = tmp_path / "warn"
+    clean = json.loads((warn / "step-000000000100" / "manifest.json").read_text())["meta"]
+    assert clean["sdc"] == {"policy": "warn", "mismatches": []}
+    corrupt_step = outs[0]["corrupt_step"]
+    meta = json.loads((warn / f"step-{corrupt_step:012d}" / "manifest.json").read_text())["meta"]
+    assert sorted(m["key"] for m in meta["sdc"]["mismatches"]) == ["d", "v", "w"]
+    for step in decisions:  # the other steps' replicas agreed
+        if step != corrupt_step:
+            meta = json.loads((warn / f"step-{step:012d}" / "manifest.json").read_text())["meta"]
+            assert meta["sdc"]["mismatches"] == [], step
+    sdc_events = [r for r in ev.read_events(str(warn / "events.jsonl")) if r["event"] == "sdc"]
+    assert [r["step"] for r in sdc_events] == [corrupt_step]
+    found = {m["key"]: m for m in sdc_events[0]["mismatches"]}
+    assert sorted(found) == ["d", "v", "w"]
+    assert found["w"]["suspects"] == [2] and found["d"]["suspects"] == [1] and found["v"]["suspects"] == [1]
+    assert found["w"]["copies"][0]["ranks"] == [0, 1] and found["w"]["suspect_hosts"] == [os.uname().nodename]
+    assert found["w"]["offsets"] == [0, 0] and found["w"]["sizes"] == [64, 32]
+
+    # sdc="raise": the run stops at the next save on every rank, and a restore skips the step.
+    for out in outs:
+        assert "silent data corruption suspected at step 2" in out["raised"]
+        assert "tensor 'w'" in out["raised"] and "suspect rank(s) 2" in out["raised"]
+        assert out["restored"] == 1 and out["restored_step_value"] == 1
+    raised = json.loads((tmp_path / "raise" / "step-000000000002" / "manifest.json").read_text())["meta"]
+    assert raised["sdc"]["policy"] == "raise" and len(raised["sdc"]["mismatches"]) == 3
+    assert all(out["peer_restored"] == 100 and out["peer_equal"] for out in outs)
+
+    # Per-rank stage timings in every manifest, and inspect --timings on the tier's root (newest step).
+    ranks = clean["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    assert all({"stage_s", "hash_s", "local_s"} <= set(r["timings"]) for r in ranks)
+    durable = json.loads((tmp_path / "durable" / "step-000000000100" / "manifest.json").read_text())["meta"]
+    assert all({"stage_s", "hash_s", "local_s", "replicate_s", "promote_s"} <= set(r["timings"]) for r in durable["ranks"])
+    assert main(["inspect", "--timings", str(warn)]) == 0
+    out = capsys.readouterr().out
+    assert "step 100, 3 ranks" in out and "local" in out and "hash" in out
+    assert main(["inspect", "--timings", str(tmp_path / "raise" / "step-000000000002")]) == 0
+    assert "silent data corruption suspected" in capsys.readouterr().out
