@@ -15,7 +15,7 @@ Public API (everything else is private and may change)::
                                       storage_options=None, process_group=None, policy="block",
                                       durable_compression=None, frozen=None, refresh_every=10, timeout_s=600,
                                       peer_replicas=0, peer_every=1, node=None, peer_timeout_s=60,
-                                      peer_to_local=False)
+                                      peer_to_local=False, durable_timeout_s=None)
     handle = store.save(step, state)      # a SaveHandle: handle.wait("ram" | "local" | "peer" | "durable")
     step = store.restore(state)           # newest sound step, in place; None when there is none
     store.close()

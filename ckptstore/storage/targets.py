@@ -60,6 +60,10 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
                 raise InvalidArgumentError("storage_options only apply to fsspec URLs, not to local paths")
             return Target(display=s, path=os.path.abspath(s))
         protocol = s.split("://", 1)[0]
+        if protocol in ("s3", "s3a"):
+            from . import s3
+
+            storage_options = s3.with_retry_defaults(storage_options)
         try:
             fs, fspath = fsspec.core.url_to_fs(s, **(storage_options or {}))
         except ImportError as exc:
@@ -72,6 +76,9 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
             raise
         if isinstance(fs, LocalFileSystem):
             return Target(display=s, path=os.path.abspath(fspath))
+        from . import s3
+
+        s3.single_retry_layer(fs)
         return Target(display=s, fs=fs, fspath=fspath)
     if hasattr(f, "write") or hasattr(f, "read"):
         if storage_options:
@@ -83,8 +90,51 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
     )
 
 
-def storage_error(exc: OSError, action: str, where: str, *, previous_kept: bool = False) -> StorageError:
-    code = exc.errno
+_TRANSPORT: tuple[type[BaseException], ...] | None = None
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """What a failed request to a remote filesystem raises: OSError, and the HTTP stack's own errors
+    that fsspec implementations let through (botocore's connection errors, aiohttp's)."""
+    global _TRANSPORT
+    if _TRANSPORT is None:
+        found: list[type[BaseException]] = [OSError]
+        with contextlib.suppress(ImportError):
+            from botocore.exceptions import BotoCoreError
+
+            found.append(BotoCoreError)
+        with contextlib.suppress(ImportError):
+            from aiohttp import ClientError
+
+            found.append(ClientError)
+        _TRANSPORT = tuple(found)
+    return _TRANSPORT
+
+
+_CUT: tuple[type[BaseException], ...] | None = None
+# A response whose body is cut off after it began (a reset mid-transfer) is invisible to botocore's
+# retries, which end when the response headers arrive: the reader asks again, this many times in all.
+READ_ATTEMPTS = 3
+
+
+def body_cut_errors() -> tuple[type[BaseException], ...]:
+    global _CUT
+    if _CUT is None:
+        found: list[type[BaseException]] = []
+        with contextlib.suppress(ImportError):
+            from aiohttp import ClientPayloadError
+
+            found.append(ClientPayloadError)
+        with contextlib.suppress(ImportError):
+            from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+
+            found += [IncompleteReadError, ResponseStreamingError]
+        _CUT = tuple(found)
+    return _CUT
+
+
+def storage_error(exc: BaseException, action: str, where: str, *, previous_kept: bool = False) -> StorageError:
+    code = getattr(exc, "errno", None)
     tail = " The previous file at that path is untouched." if previous_kept else ""
     if code == errno.ENOSPC or code == errno.EDQUOT:
         hint = "no space left on the device; free space or choose another destination."
@@ -95,7 +145,7 @@ def storage_error(exc: OSError, action: str, where: str, *, previous_kept: bool 
     elif code == errno.EISDIR:
         hint = "that path is a directory; give a file name."
     else:
-        hint = f"{exc.strerror or exc}."
+        hint = f"{getattr(exc, 'strerror', None) or exc}."
     return StorageError(f"cannot {action} {where}: {hint}{tail}", errno=code)
 
 
@@ -278,14 +328,14 @@ class FsspecSink(Sink):
                 self.f = fs.open(path, "wb", autocommit=False)
             else:
                 self.f = fs.open(self.tmp, "wb")
-        except OSError as exc:
+        except transport_errors() as exc:
             raise storage_error(exc, "write", display) from None
         self.pos = 0
 
     def write(self, data: bytes | memoryview) -> None:
         try:
             self.f.write(data)
-        except OSError as exc:
+        except transport_errors() as exc:
             raise storage_error(exc, "write", self.display, previous_kept=True) from None
         self.pos += len(memoryview(data).cast("B"))
 
@@ -304,7 +354,7 @@ class FsspecSink(Sink):
             else:
                 self.f.close()
                 self.fs.mv(self.tmp, self.path)
-        except OSError as exc:
+        except transport_errors() as exc:
             self.abort()
             raise storage_error(exc, "write", self.display, previous_kept=True) from None
 
@@ -543,7 +593,7 @@ class FsspecSource(Source):
             info = fs.info(path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {display}: the object does not exist") from None
-        except OSError as exc:
+        except transport_errors() as exc:
             raise storage_error(exc, "read", display) from None
         if info.get("type") == "directory":
             raise CheckpointNotFoundError(
@@ -561,10 +611,15 @@ class FsspecSource(Source):
             return b""
         if offset + length > self.size:
             raise _ShortRead(offset, length, max(0, self.size - offset))
-        try:
-            data = self.fs.cat_file(self.path, start=offset, end=offset + length)
-        except OSError as exc:
-            raise storage_error(exc, "read", self.display) from None
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                data = self.fs.cat_file(self.path, start=offset, end=offset + length)
+                break
+            except body_cut_errors() as exc:
+                if attempt == READ_ATTEMPTS - 1:
+                    raise storage_error(exc, "read", self.display) from None
+            except transport_errors() as exc:
+                raise storage_error(exc, "read", self.display) from None
         if len(data) != length:
             raise _ShortRead(offset, length, len(data))
         return bytes(data)
@@ -578,11 +633,13 @@ class FsspecSource(Source):
         try:
             # One batched call: s3fs issues the ranged GETs concurrently on its own event loop.
             out = self.fs.cat_ranges([self.path] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges])
-        except OSError as exc:
+        except transport_errors() as exc:
             raise storage_error(exc, "read", self.display) from None
-        for (o, n), data in zip(ranges, out):
+        for i, ((o, n), data) in enumerate(zip(ranges, out)):
+            if isinstance(data, body_cut_errors()):
+                out[i] = data = self.read(o, n)  # asked again, a bounded number of times
             if isinstance(data, Exception):
-                raise storage_error(OSError(str(data)), "read", self.display)
+                raise storage_error(data, "read", self.display)
             if len(data) != n:
                 raise _ShortRead(o, n, len(data))
         return [bytes(d) for d in out]
