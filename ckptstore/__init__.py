@@ -36,6 +36,7 @@ from .data import ResumableLoader, ResumableSampler
 from .engine.store import CheckpointStore, SaveHandle
 from .errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -61,6 +62,7 @@ __all__ = [
     "ResumableSampler",
     "ResumableLoader",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "InvalidArgumentError",

@@ -21,6 +21,7 @@ EXPECTED_ALL = [
     "ResumableSampler",
     "ResumableLoader",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "InvalidArgumentError",
@@ -41,6 +42,7 @@ BUILTIN_BASES = {
     "UnsupportedObjectError": TypeError,
     "UnknownProtocolError": ValueError,
     "StorageError": OSError,
+    "CheckpointExistsError": FileExistsError,
     "InvalidArgumentError": ValueError,
 }
 

@@ -201,8 +201,12 @@ class S3Sink(Sink):
     multipart upload, so no parts are left billed and unreferenced.
     """
 
-    def __init__(self, fs: Any, path: str, display: str, upload: S3Upload | None = None) -> None:
+    def __init__(self, fs: Any, path: str, display: str, upload: S3Upload | None = None, *,
+                 exclusive: bool = False) -> None:
         self.fs, self.path, self.display = fs, path, display
+        # exclusive: the final PUT or completion carries If-None-Match: *, so it never replaces an object.
+        self.exclusive = exclusive
+        self.retried_create = False
         self.upload = upload or S3Upload()
         self.bucket, self.key, _ = fs.split_path(path)
         self.buf = bytearray(self.upload.part_size)
@@ -240,6 +244,8 @@ class S3Sink(Sink):
             except StorageError:
                 raise
             except transport_errors() as exc:
+                if isinstance(exc, FileExistsError) or _error_code(exc) == "PreconditionFailed":
+                    raise FileExistsError(self.display) from None  # an exclusive write lost
                 raise storage_error(exc, "write", self.display, previous_kept=True) from None
 
     def _send(self) -> None:
@@ -247,6 +253,8 @@ class S3Sink(Sink):
         if self.upload_id is None:
             mpu = self._call("create_multipart_upload")
             self.upload_id = mpu["UploadId"]
+            # A create retried after its response was lost leaves an upload we never heard of.
+            self.retried_create = bool(mpu.get("ResponseMetadata", {}).get("RetryAttempts"))
             # With a checksum algorithm on the upload (s3_additional_kwargs), S3 wants each part's
             # checksum again in the completion request.
             self.checksum_algorithm = mpu.get("ChecksumAlgorithm")
@@ -279,20 +287,47 @@ class S3Sink(Sink):
     def commit(self, header: bytes) -> None:
         # As with FsspecSink, the header cannot be patched into an object: its length field stays
         # 0, meaning "the container ends where the object ends".
+        condition = {"IfNoneMatch": "*"} if self.exclusive else {}
         try:
+            if self.exclusive:
+                # For stores that ignore the header: at least an existing object is not replaced.
+                self.fs.invalidate_cache(self.path)
+                if self.fs.exists(self.path):
+                    raise FileExistsError(self.path)
             if self.upload_id is None:
-                self._call("put_object", Body=bytes(memoryview(self.buf)[: self.fill]))
+                self._call("put_object", Body=bytes(memoryview(self.buf)[: self.fill]), **condition)
             else:
                 if self.fill:
                     self._send()
                 while self.in_flight:
                     self._finish_oldest()
-                self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": self.parts})
+                self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": self.parts},
+                           **condition)
                 self.upload_id = None
-        except BaseException:
+        except BaseException as exc:
             self.abort()
+            if isinstance(exc, FileExistsError) or _error_code(exc) == "PreconditionFailed":
+                from .targets import already_exists
+
+                raise already_exists(self.display) from None
             raise
+        finally:
+            self._abort_orphans()
         self.fs.invalidate_cache(self.path)
+
+    def _abort_orphans(self) -> None:
+        """Abort the uploads of this key that a retried create left behind (its first response was
+        lost, so S3 holds an upload whose id we never learned). Only after a retried create: the
+        one case where an upload of ours can exist without our knowing its id."""
+        if not self.retried_create:
+            return
+        self.retried_create = False
+        with contextlib.suppress(Exception):  # cleanup must not mask the outcome
+            listed = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
+            for upload in listed.get("Uploads", []):
+                if upload.get("Key") == self.key and upload.get("UploadId") != self.upload_id:
+                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                    UploadId=upload["UploadId"])
 
     def abort(self) -> None:
         # Wait for the parts still uploading rather than cancel them: a part that reaches the

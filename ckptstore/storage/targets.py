@@ -21,7 +21,13 @@ from typing import IO, Any, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnknownProtocolError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    StorageError,
+    UnknownProtocolError,
+)
 from . import direct
 
 FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
@@ -179,8 +185,10 @@ class Sink:
 
 
 class LocalSink(Sink):
-    def __init__(self, path: str, display: str) -> None:
+    def __init__(self, path: str, display: str, exclusive: bool = False) -> None:
         self.path, self.display = path, display
+        # exclusive: commit by link(), which never replaces: CheckpointExistsError if the name is taken.
+        self.exclusive = exclusive
         directory, base = os.path.split(path)
         self.tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
         if os.path.isdir(path):
@@ -241,7 +249,13 @@ class LocalSink(Sink):
             os.close(self.fd)
             self.fd = -1
             self._close_direct()
-            os.replace(self.tmp, self.path)
+            if self.exclusive:
+                _link_or_replace_absent(self.tmp, self.path)
+            else:
+                os.replace(self.tmp, self.path)
+        except FileExistsError:
+            self.abort()
+            raise already_exists(self.display) from None
         except OSError as exc:
             self.abort()
             raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
@@ -265,6 +279,21 @@ class LocalSink(Sink):
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
+
+
+def _link_or_replace_absent(tmp: str, path: str) -> None:
+    """Move ``tmp`` to ``path`` unless ``path`` exists (FileExistsError): atomically by link(), or
+    where there are no hard links (FAT, some FUSE and SMB mounts) by a check before the rename."""
+    try:
+        os.link(tmp, path)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        if os.path.exists(path):
+            raise FileExistsError(errno.EEXIST, "exists", path) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
 def fsync_dir(directory: str) -> None:
@@ -317,8 +346,8 @@ class FileObjectSink(Sink):
 
 
 class FsspecSink(Sink):
-    def __init__(self, fs: Any, path: str, display: str) -> None:
-        self.fs, self.path, self.display = fs, path, display
+    def __init__(self, fs: Any, path: str, display: str, exclusive: bool = False) -> None:
+        self.fs, self.path, self.display, self.exclusive = fs, path, display, exclusive
         # Async filesystems (s3fs, gcsfs, adlfs) write through buffered files that upload on commit
         # and can be discarded; others get a temporary key moved into place afterwards.
         self.transactional = bool(getattr(fs, "async_impl", False))
@@ -346,6 +375,10 @@ class FsspecSink(Sink):
         # Object stores cannot patch the header in place: its length field stays 0, meaning
         # "the container ends where the object ends".
         try:
+            if self.exclusive:
+                self.fs.invalidate_cache(self.path)
+                if self.fs.exists(self.path):  # check-then-write: these stores have no conditional create
+                    raise FileExistsError(self.path)
             if self.transactional:
                 # close() uploads the last part without completing the upload (autocommit=False);
                 # commit() completes it: only then does the object appear, whole.
@@ -354,6 +387,9 @@ class FsspecSink(Sink):
             else:
                 self.f.close()
                 self.fs.mv(self.tmp, self.path)
+        except FileExistsError:
+            self.abort()
+            raise already_exists(self.display) from None
         except transport_errors() as exc:
             self.abort()
             raise storage_error(exc, "write", self.display, previous_kept=True) from None
@@ -370,9 +406,9 @@ class FsspecSink(Sink):
             pass
 
 
-def write_bytes(target: Target, data: bytes) -> None:
+def write_bytes(target: Target, data: bytes, *, exclusive: bool = False) -> None:
     """Write a small object (a manifest, a part file) atomically, like any other sink."""
-    sink = open_sink(target)
+    sink = open_sink(target, exclusive=exclusive)
     try:
         sink.write(data)
         sink.commit(b"")
@@ -381,11 +417,15 @@ def write_bytes(target: Target, data: bytes) -> None:
         raise
 
 
-def _already_exists(display: str) -> CheckpointError:
-    return CheckpointError(
+def already_exists(display: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
         f"{display} already exists: another writer committed this step first; the existing file is untouched. "
-        "Load that checkpoint, or write this one under a new step."
+        "Load that checkpoint, or write this one under a new step.",
+        location=display,
     )
+
+
+_already_exists = already_exists
 
 
 def write_small_exclusive(target: Target, data: bytes) -> None:
@@ -464,10 +504,15 @@ def _create_in_place(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def open_sink(target: Target) -> Sink:
+def open_sink(target: Target, *, exclusive: bool = False) -> Sink:
+    """``exclusive``: the commit fails with CheckpointExistsError, and replaces nothing, if something
+    is at the destination already: atomically on local disks (link) and S3 (If-None-Match), by a
+    check just before committing on other fsspec stores."""
     if target.path is not None:
-        return LocalSink(target.path, target.display)
+        return LocalSink(target.path, target.display, exclusive)
     if target.fileobj is not None:
+        if exclusive:
+            raise InvalidArgumentError(f"{target.display}: an exclusive create needs a path or URL, not a file object")
         return FileObjectSink(target.fileobj, target.display)
     assert target.fspath is not None
     from . import s3
@@ -475,8 +520,8 @@ def open_sink(target: Target) -> Sink:
     if s3.is_s3(target.fs):
         upload = s3.upload_settings()
         if upload is not None:
-            return s3.S3Sink(target.fs, target.fspath, target.display, upload)
-    return FsspecSink(target.fs, target.fspath, target.display)
+            return s3.S3Sink(target.fs, target.fspath, target.display, upload, exclusive=exclusive)
+    return FsspecSink(target.fs, target.fspath, target.display, exclusive)
 
 
 class Source:
