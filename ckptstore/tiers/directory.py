@@ -81,8 +81,9 @@ class DirectoryTier(Tier):
         d = self._dir(snap.step)
         if d.exists(MANIFEST):
             raise CheckpointExistsError(
-                f"{d.display} already holds a committed checkpoint of step {snap.step}; steps are never rewritten. "
-                "Another writer saved this step: give each writer its own directory, or save under a new step.",
+                f"step {snap.step} in {d.display} was committed by another writer first ({MANIFEST} already exists; "
+                "steps are never rewritten): its checkpoint is untouched and this writer's copy is not written. "
+                "Give each writer its own directory, or save under a new step.",
                 location=f"{d.display}/{MANIFEST}",
             )
         try:
