@@ -13,8 +13,9 @@ requests by their S3 operation (``UploadPart``, ``CompleteMultipartUpload``, ``P
 - ``outage``: reset the connection as soon as the request line and headers are read.
 
 A rule applies to the next ``count`` matching requests, or to a ``fraction`` of them (seeded), or
-to all of them. Every request is counted by operation in :attr:`FaultProxy.counts`, whatever
-happened to it, so a test can prove how many times a client tried.
+to all of them; ``where`` narrows it to paths containing a string. Every request is counted by
+operation in :attr:`FaultProxy.counts`, whatever happened to it, so a test can prove how many
+times a client tried.
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ class Rule:
     count: int | None = None  # apply to this many matching requests, then stop
     fraction: float = 1.0
     seconds: float = 0.0  # for delay
+    where: str | None = None  # only requests whose path contains this
     hits: int = 0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
-    def matches(self, kind: str) -> bool:
+    def matches(self, kind: str, target: str) -> bool:
         if self.kinds is not None and kind not in self.kinds:
+            return False
+        if self.where is not None and self.where not in target:
             return False
         if self.count is not None and self.hits >= self.count:
             return False
@@ -115,12 +119,13 @@ class FaultProxy:
     # ------------------------------------------------------------------ control
 
     def add(self, action: str, kinds: str | tuple[str, ...] | None = None, *, count: int | None = None,
-            fraction: float = 1.0, seconds: float = 0.0, seed: int = 0) -> Rule:
+            fraction: float = 1.0, seconds: float = 0.0, seed: int = 0, where: str | None = None) -> Rule:
         if action not in ACTIONS:
             raise ValueError(f"unknown fault {action!r}; one of {ACTIONS}")
         if isinstance(kinds, str):
             kinds = (kinds,)
-        rule = Rule(action, frozenset(kinds) if kinds else None, count, fraction, seconds, rng=random.Random(seed))
+        rule = Rule(action, frozenset(kinds) if kinds else None, count, fraction, seconds, where,
+                    rng=random.Random(seed))
         with self.lock:
             self.rules.append(rule)
         if action == "hold":
@@ -177,11 +182,11 @@ class FaultProxy:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def _rule(self, kind: str) -> Rule | None:
+    def _rule(self, kind: str, target: str) -> Rule | None:
         with self.lock:
             self.counts[kind] += 1
             for rule in self.rules:
-                if rule.matches(kind):
+                if rule.matches(kind, target):
                     self.faults[rule.action] += 1
                     return rule
         return None
@@ -203,7 +208,7 @@ class FaultProxy:
                     headers.append((name.strip(), value.strip()))
                 lower = {k.lower(): v for k, v in headers}
                 kind = operation(method, target, lower)
-                rule = self._rule(kind)
+                rule = self._rule(kind, target)
                 action = rule.action if rule else None
                 self.log.append((kind, target, action or "forwarded"))
                 with self.lock:

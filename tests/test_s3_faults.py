@@ -96,6 +96,10 @@ FAULTS = {
     "reset-mid-response": dict(action="reset_response", kinds=("UploadPart", "HeadObject", "ListObjects"), count=2),
     "slow-responses": dict(action="delay", kinds=("UploadPart", "CompleteMultipartUpload"), seconds=0.2),
     "slowdown-complete": dict(action="slowdown", kinds="CompleteMultipartUpload", count=1),
+    # The answers to the conditional PUTs (part file, manifest) are lost after the server stored
+    # them: the retry is refused (412) because of its own first attempt, which must count as success.
+    "lost-answer-part-file-put": dict(action="reset_response", kinds="PutObject", count=1, where="/parts/"),
+    "lost-answer-manifest-put": dict(action="reset_response", kinds="PutObject", count=1, where="manifest.json"),
 }
 # Random mixes over every kind of request, behind -m slow: (seed, fraction of requests hit).
 MIXES = [(seed, 0.15) for seed in range(8)]

@@ -161,6 +161,17 @@ def _error_code(exc: BaseException) -> str | None:
     return None
 
 
+def _holds(fs: Any, path: str, data: bytes) -> bool:
+    """Whether the object at ``path`` holds exactly ``data``. A conditional PUT whose first answer
+    was lost is retried by botocore and then refused (412) because of its own first attempt; the
+    write did succeed, and the same bytes from another writer would be just as good."""
+    try:
+        fs.invalidate_cache(path)
+        return bool(fs.cat_file(path) == data)
+    except Exception:  # noqa: BLE001 - unreadable: not known to be ours
+        return False
+
+
 def put_if_absent(fs: Any, path: str, data: bytes, display: str = "") -> None:
     """Create the object with ``data`` unless one exists; FileExistsError if one does.
 
@@ -183,6 +194,8 @@ def put_if_absent(fs: Any, path: str, data: bytes, display: str = "") -> None:
         except OSError as exc:
             code = _error_code(exc)
             if isinstance(exc, FileExistsError) or code == "PreconditionFailed":
+                if _holds(fs, path, data):
+                    break
                 raise FileExistsError(path) from None
             # AWS answers 409 while another conditional write to the key is in progress; retrying
             # gets the final answer (412 if that writer won, success if it failed).
@@ -295,7 +308,12 @@ class S3Sink(Sink):
                 if self.fs.exists(self.path):
                     raise FileExistsError(self.path)
             if self.upload_id is None:
-                self._call("put_object", Body=bytes(memoryview(self.buf)[: self.fill]), **condition)
+                body = bytes(memoryview(self.buf)[: self.fill])
+                try:
+                    self._call("put_object", Body=body, **condition)
+                except FileExistsError:
+                    if not _holds(self.fs, self.path, body):
+                        raise
             else:
                 if self.fill:
                     self._send()
