@@ -257,3 +257,20 @@ def test_outage_fails_promotion_keeps_local_and_recovers(s3, proxy, job, tmp_pat
     with CheckpointStore(job, durable=url, storage_options=s3["storage_options"]) as store:
         assert store.restore(target) == 4
     assert_same(target, _state(4))
+
+
+def test_restore_during_an_outage_uses_the_local_copy(s3, proxy, job, tmp_path):
+    """The durable tier down at restore time: listing it fails with a warning, not a raw HTTP
+    error, and the step comes from the local tier, bitwise."""
+    url = _durable(s3, job)
+    local = tmp_path / "local"
+    with CheckpointStore(job, local=local, durable=url, durable_every=1,
+                         storage_options=s3["storage_options"]) as store:
+        store.save(1, _state(1)).wait("durable")
+    wipe_ram(job)
+    proxy.add("outage")
+    target = {"w": torch.zeros(3 << 20), "b": torch.zeros(7, dtype=torch.int64)}
+    with CheckpointStore(job, local=local, durable=url, storage_options=_through(s3, proxy, **QUICK)) as store:
+        assert store.restore(target) == 1
+    assert proxy.faults["outage"] > 0
+    assert_same(target, _state(1))

@@ -36,7 +36,14 @@ from ..engine.single_file import write_raw
 from ..errors import CheckpointExistsError, InvalidArgumentError
 from ..format import codecs
 from ..format.manifest import Manifest, parse_manifest
-from ..storage.targets import Source, open_sink, write_bytes, write_small_exclusive
+from ..storage.targets import (
+    Source,
+    open_sink,
+    storage_error,
+    transport_errors,
+    write_bytes,
+    write_small_exclusive,
+)
 from .base import Snapshot, Tier
 
 log = logging.getLogger("ckptstore")
@@ -215,9 +222,14 @@ class DirectoryTier(Tier):
 
     def steps_sync(self) -> list[int]:
         steps = []
-        for name in self._names():
-            if name.startswith("step-") and name[5:].isdigit() and self._base.exists(f"{name}/{MANIFEST}"):
-                steps.append(int(name[5:]))
+        try:
+            for name in self._names():
+                if name.startswith("step-") and name[5:].isdigit() and self._base.exists(f"{name}/{MANIFEST}"):
+                    steps.append(int(name[5:]))
+        except FileNotFoundError:
+            return []
+        except transport_errors() as exc:  # botocore's and aiohttp's own errors too, as StorageError
+            raise storage_error(exc, "list", self._base.display) from None
         return sorted(steps)
 
     def manifest_sync(self, step: int) -> Manifest:
