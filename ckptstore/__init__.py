@@ -15,7 +15,8 @@ Public API (everything else is private and may change)::
                                       storage_options=None, process_group=None, policy="block",
                                       durable_compression=None, frozen=None, refresh_every=10, timeout_s=600,
                                       peer_replicas=0, peer_every=1, node=None, peer_timeout_s=60,
-                                      peer_to_local=False, interval=None, mtbf=None, events=False, sdc="off")
+                                      peer_to_local=False, interval=None, mtbf=None, events=False, sdc="off",
+                                      durable_timeout_s=None)
     handle = store.save(step, state)      # a SaveHandle: handle.wait("ram" | "local" | "peer" | "durable")
     store.should_save(step)               # under interval= (seconds, or "auto" with mtbf=): checkpoint now?
     step = store.restore(state)           # newest sound step, in place; None when there is none
@@ -43,6 +44,7 @@ from .data import ResumableLoader, ResumableSampler
 from .engine.store import CheckpointStore, SaveHandle
 from .errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -68,6 +70,7 @@ __all__ = [
     "ResumableSampler",
     "ResumableLoader",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "InvalidArgumentError",

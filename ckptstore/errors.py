@@ -15,6 +15,7 @@ working when ckptstore replaces ``torch.save``/``torch.load``::
     ├── PickleNotAllowedError                                  load refused pickled content under weights_only=True
     ├── UnknownProtocolError         (also ValueError)         fsspec protocol unknown or not installed
     ├── StorageError                 (also OSError)            the destination failed: full, read-only, denied
+    ├── CheckpointExistsError        (also FileExistsError)    another writer committed that step first
     └── InvalidArgumentError         (also ValueError)         an argument that cannot work (mmap on a stream, ...)
 
 Each message says what was wrong, where, and what to do about it.
@@ -34,6 +35,7 @@ __all__ = [
     "PickleNotAllowedError",
     "UnknownProtocolError",
     "StorageError",
+    "CheckpointExistsError",
     "InvalidArgumentError",
 ]
 
@@ -96,6 +98,22 @@ class StorageError(CheckpointError, OSError):
     def __init__(self, message: str, *, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno  # type: ignore[assignment]
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """Something is already committed where this writer meant to create it: of two writers committing
+    the same step, the one that came second gets this, and the first one's files are untouched.
+
+    ``location`` names the file or object that exists.
+    """
+
+    def __init__(self, message: str, *, location: str | None = None) -> None:
+        super().__init__(message)  # one argument: OSError's constructor keeps it as the message
+        self.errno = _errno.EEXIST
+        self.location = location
 
     def __str__(self) -> str:
         return str(self.args[0])

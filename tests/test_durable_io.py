@@ -17,7 +17,7 @@ import torch
 from conftest import assert_same, s3_keys, s3_object_bytes, s3_pending_uploads
 
 import ckptstore
-from ckptstore import CheckpointError, InvalidArgumentError, StorageError
+from ckptstore import CheckpointError, CheckpointExistsError, InvalidArgumentError, StorageError
 from ckptstore.storage import s3 as s3mod
 from ckptstore.storage.targets import FsspecSink, open_sink, resolve, write_small_exclusive
 
@@ -54,7 +54,7 @@ def _race(target_for, writers: int = 8) -> tuple[list[int], list[BaseException]]
 def _assert_lost(errors: list[BaseException], display: str, count: int) -> None:
     assert len(errors) == count, errors
     for exc in errors:
-        assert type(exc) is CheckpointError, repr(exc)
+        assert type(exc) is CheckpointExistsError, repr(exc)
         assert str(exc).startswith(f"{display} {TAKEN}"), str(exc)
 
 

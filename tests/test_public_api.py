@@ -21,6 +21,7 @@ EXPECTED_ALL = [
     "ResumableSampler",
     "ResumableLoader",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "InvalidArgumentError",
@@ -41,6 +42,7 @@ BUILTIN_BASES = {
     "UnsupportedObjectError": TypeError,
     "UnknownProtocolError": ValueError,
     "StorageError": OSError,
+    "CheckpointExistsError": FileExistsError,
     "InvalidArgumentError": ValueError,
 }
 
@@ -182,6 +184,7 @@ def test_checkpoint_store_signature():
         ("mtbf", P.KEYWORD_ONLY, None),
         ("events", P.KEYWORD_ONLY, False),
         ("sdc", P.KEYWORD_ONLY, "off"),
+        ("durable_timeout_s", P.KEYWORD_ONLY, None),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save",
                                                                                      "should_save"]

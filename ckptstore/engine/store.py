@@ -43,6 +43,7 @@ from ..errors import (
 from ..format.container import align_up
 from ..format.manifest import Manifest
 from ..planning.placement import node_of_ranks, replica_holders, replicas_held
+from ..storage import s3
 from ..tiers.base import Snapshot, Tier, _in_thread
 from ..tiers.directory import DirectoryTier
 from ..tiers.ram import Layout, RamTier, Staged
@@ -153,6 +154,10 @@ class CheckpointStore:
     ``events=True`` keeps an append-only event log (saves, restores, restarts) in ``<local>/events.jsonl``
     (or ``events=PATH``) for ``ckptstore goodput``. ``sdc="warn"`` or ``"raise"`` compares the checksums of
     tensors that data-parallel replicas must hold identically, and records any mismatch in the manifest.
+    ``durable_timeout_s`` bounds each promotion to the durable tier, retries included (default
+    0.9 x ``timeout_s``; in a process group it must be below ``timeout_s``): past it the step fails
+    in the durable tier only, with a StorageError (ETIMEDOUT) raised once to the trainer, its RAM
+    and local copies stay, and the next promotion starts afresh.
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class CheckpointStore:
         mtbf: str | float | None = None,
         events: bool | str | os.PathLike[str] = False,
         sdc: str = "off",
+        durable_timeout_s: float | None = None,
     ) -> None:
         if policy not in ("block", "skip"):
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
@@ -193,6 +199,11 @@ class CheckpointStore:
             raise InvalidArgumentError(f"ram_budget_bytes must be a positive int or None, not {ram_budget_bytes!r}")
         if durable_compression not in (None, "zstd"):
             raise InvalidArgumentError(f"durable_compression must be None or 'zstd', not {durable_compression!r}")
+        if durable_timeout_s is None:
+            durable_timeout_s = 0.9 * timeout_s
+        if isinstance(durable_timeout_s, bool) or not isinstance(durable_timeout_s, (int, float)) or durable_timeout_s <= 0:
+            raise InvalidArgumentError(f"durable_timeout_s must be a positive number of seconds, not {durable_timeout_s!r}")
+        self.durable_timeout_s = float(durable_timeout_s)
         local = os.fspath(local) if local is not None else None
         self.job, self.durable_every, self.keep_local, self.keep_durable = job, durable_every, keep_local, keep_durable
         self.policy, self.ram_budget_bytes = policy, ram_budget_bytes
@@ -201,6 +212,12 @@ class CheckpointStore:
             raise InvalidArgumentError(f"peer_replicas must be a non-negative int, not {peer_replicas!r}")
         self._fg, self._bg, self._bg_durable, self._bg_peer, self._p2p = _groups(process_group, timeout_s, peer_timeout_s)
         self.rank, self.world = self._fg.rank, self._fg.world
+        if self.world > 1 and self.durable_timeout_s >= timeout_s:
+            # Past timeout_s the other ranks' collective waiting on this promotion fails and breaks
+            # the group; the promotion must give up first, so that every rank learns why.
+            raise InvalidArgumentError(
+                f"durable_timeout_s={durable_timeout_s} must be below timeout_s={timeout_s} in a process group"
+            )
         # Which node each rank runs on decides where replicas go: never on the source's node.
         self.nodes = node_of_ranks(self._fg.all_gather(_node_identity(node, self.rank)))
         holders = replica_holders(self.nodes, peer_replicas)
@@ -553,15 +570,16 @@ class CheckpointStore:
             await self._retain(self.local, self.keep_local)
         self._sdc_verdict(job)
 
-    async def _to_tier(self, tier: Tier, job: _Job, group: Group) -> None:
+    async def _to_tier(self, tier: Tier, job: _Job, group: Group, deadline: float | None = None) -> None:
         assert job.snap is not None
         snap = job.snap
+        what = f"durable_timeout_s={self.durable_timeout_s:g}"
         try:
             parts = await self._agree(f"writing step {job.step} to the {tier.name} tier",
-                                      lambda: self._put(tier, snap, job), group)
+                                      lambda: s3.run_with_deadline(deadline, what, self._put, tier, snap, job), group)
             manifest = self._manifest(job, parts)
             await self._agree(f"committing step {job.step} in the {tier.name} tier",
-                              lambda: tier.commit_sync(job.step, manifest), group)
+                              lambda: s3.run_with_deadline(deadline, what, tier.commit_sync, job.step, manifest), group)
         except BaseException:
             # Every rank is past its writes (the agreement said so): the failed step's files go,
             # so a full disk is not kept full by the attempt that found it full.
@@ -575,7 +593,18 @@ class CheckpointStore:
 
     async def _promote(self, job: _Job) -> None:
         assert self.durable is not None
-        await self._to_tier(self.durable, job, self._bg_durable)
+        # The deadline bounds the whole promotion, retries included (one retry layer, botocore's,
+        # bounded per request: storage/s3.py); past it the step fails in the durable tier only.
+        deadline = time.monotonic() + self.durable_timeout_s
+        try:
+            await self._to_tier(self.durable, job, self._bg_durable, deadline)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the HTTP stack's own errors, named for the caller
+            raise StorageError(
+                f"promoting step {job.step} to {self.durable.display(job.step)} failed: {type(exc).__name__}: {exc}; "
+                "the step stays in the RAM and local tiers and later steps are promoted as usual"
+            ) from exc
         self._promoted.add(job.step)
         await self._retain(self.durable, self.keep_durable)
 

@@ -12,14 +12,19 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import os
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .._faults import crashpoint
-from ..errors import InvalidArgumentError
-from .targets import Sink, storage_error
+from ..errors import InvalidArgumentError, StorageError
+from .targets import Sink, storage_error, transport_errors
+
+T = TypeVar("T")
 
 # S3 refuses parts below 5 MiB (except the last one); 8 MiB parts keep the request count low
 # without holding much memory: max_in_flight parts uploading plus the one being filled.
@@ -63,6 +68,84 @@ def upload_settings() -> S3Upload | None:
     return S3Upload(part_size=part_size, max_in_flight=in_flight) if in_flight > 0 else None
 
 
+# One retry layer for S3 requests: botocore's "standard" mode (throttling such as 503 SlowDown,
+# 5xx, connection errors; exponential backoff with jitter, at most 20 s per wait), with this many
+# attempts per request. s3fs would wrap its own loop of 5 attempts around botocore's (25 requests
+# and ~40 s for one PUT under a steady SlowDown), so its loop is set to a single attempt.
+RETRY_ATTEMPTS = 5
+
+
+def with_retry_defaults(storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` for s3fs with botocore's standard retry mode and RETRY_ATTEMPTS attempts,
+    unless the caller configured botocore's retries already (``config_kwargs={"retries": ...}``)."""
+    options = dict(storage_options or {})
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"mode": "standard", "total_max_attempts": RETRY_ATTEMPTS})
+    options["config_kwargs"] = config
+    return options
+
+
+def single_retry_layer(fs: Any) -> None:
+    """Leave retrying to botocore: s3fs's own loop makes one attempt (a class attribute in s3fs,
+    not a constructor option)."""
+    if is_s3(fs) and getattr(fs, "retries", 1) != 1:
+        fs.retries = 1
+
+
+# The deadline of the work running in this thread (a durable promotion): monotonic time and what
+# for. S3 requests are cut when it passes, so a promotion cannot outlive it by more than the one
+# metadata request (HEAD, LIST) in flight, itself bounded by the retry attempts and timeouts.
+_deadline = threading.local()
+
+
+@contextlib.contextmanager
+def deadline(at: float | None, what: str) -> Iterator[None]:
+    previous = getattr(_deadline, "value", None)
+    _deadline.value = None if at is None else (at, what)
+    try:
+        yield
+    finally:
+        _deadline.value = previous
+
+
+def run_with_deadline(at: float | None, what: str, fn: Callable[..., T], *args: Any) -> T:
+    with deadline(at, what):
+        return fn(*args)
+
+
+def current_deadline() -> tuple[float, str] | None:
+    return getattr(_deadline, "value", None)
+
+
+def _past_deadline(limit: tuple[float, str], display: str) -> StorageError:
+    return StorageError(
+        f"cannot write {display}: {limit[1]} passed before the object store answered (it is slow or "
+        "unreachable); nothing was committed there and the previous objects are untouched",
+        errno=errno.ETIMEDOUT,
+    )
+
+
+def _result(future: concurrent.futures.Future[T], limit: tuple[float, str] | None, display: str) -> T:
+    """The future's result, or StorageError(ETIMEDOUT) once ``limit`` passes (the request is cancelled)."""
+    if limit is None:
+        return future.result()
+    try:
+        return future.result(timeout=max(0.0, limit[0] - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise _past_deadline(limit, display) from None
+
+
+def call(fs: Any, display: str, method: str, **kwargs: Any) -> Any:
+    """``fs.call_s3`` that honours this thread's deadline."""
+    limit = current_deadline()
+    if limit is None:
+        return fs.call_s3(method, **kwargs)
+    if time.monotonic() >= limit[0]:
+        raise _past_deadline(limit, display)
+    return _result(asyncio.run_coroutine_threadsafe(fs._call_s3(method, **kwargs), fs.loop), limit, display)
+
+
 def is_s3(fs: Any) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "s3" in protocols and hasattr(fs, "_call_s3")
@@ -79,7 +162,18 @@ def _error_code(exc: BaseException) -> str | None:
     return None
 
 
-def put_if_absent(fs: Any, path: str, data: bytes) -> None:
+def _holds(fs: Any, path: str, data: bytes) -> bool:
+    """Whether the object at ``path`` holds exactly ``data``. A conditional PUT whose first answer
+    was lost is retried by botocore and then refused (412) because of its own first attempt; the
+    write did succeed, and the same bytes from another writer would be just as good."""
+    try:
+        fs.invalidate_cache(path)
+        return bool(fs.cat_file(path) == data)
+    except Exception:  # noqa: BLE001 - unreadable: not known to be ours
+        return False
+
+
+def put_if_absent(fs: Any, path: str, data: bytes, display: str = "") -> None:
     """Create the object with ``data`` unless one exists; FileExistsError if one does.
 
     The PUT carries ``If-None-Match: *``, which AWS S3 (since 2024-08) evaluates atomically: of
@@ -94,11 +188,15 @@ def put_if_absent(fs: Any, path: str, data: bytes) -> None:
     bucket, key, _ = fs.split_path(path)
     for attempt in range(4):
         try:
-            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            call(fs, display or path, "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
             break
+        except StorageError:
+            raise
         except OSError as exc:
             code = _error_code(exc)
             if isinstance(exc, FileExistsError) or code == "PreconditionFailed":
+                if _holds(fs, path, data):
+                    break
                 raise FileExistsError(path) from None
             # AWS answers 409 while another conditional write to the key is in progress; retrying
             # gets the final answer (412 if that writer won, success if it failed).
@@ -129,8 +227,12 @@ class S3Sink(Sink):
     multipart upload, so no parts are left billed and unreferenced.
     """
 
-    def __init__(self, fs: Any, path: str, display: str, upload: S3Upload | None = None) -> None:
+    def __init__(self, fs: Any, path: str, display: str, upload: S3Upload | None = None, *,
+                 exclusive: bool = False) -> None:
         self.fs, self.path, self.display = fs, path, display
+        # exclusive: the final PUT or completion carries If-None-Match: *, so it never replaces an object.
+        self.exclusive = exclusive
+        self.retried_create = False
         self.upload = upload or S3Upload()
         self.bucket, self.key, _ = fs.split_path(path)
         self.buf = bytearray(self.upload.part_size)
@@ -140,6 +242,7 @@ class S3Sink(Sink):
         self.checksum_algorithm: str | None = None
         self.in_flight: collections.deque[tuple[int, concurrent.futures.Future[Any]]] = collections.deque()
         self.parts: list[dict[str, Any]] = []
+        self.deadline = current_deadline()  # taken here: all calls below run in this thread
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -161,16 +264,23 @@ class S3Sink(Sink):
         return self.pos
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        try:
-            return self.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
-        except OSError as exc:
-            raise storage_error(exc, "write", self.display, previous_kept=True) from None
+        with deadline(*self.deadline) if self.deadline else contextlib.nullcontext():
+            try:
+                return call(self.fs, self.display, method, Bucket=self.bucket, Key=self.key, **kwargs)
+            except StorageError:
+                raise
+            except transport_errors() as exc:
+                if isinstance(exc, FileExistsError) or _error_code(exc) == "PreconditionFailed":
+                    raise FileExistsError(self.display) from None  # an exclusive write lost
+                raise storage_error(exc, "write", self.display, previous_kept=True) from None
 
     def _send(self) -> None:
         """Start uploading the filled part of ``buf`` as the next part (after creating the upload)."""
         if self.upload_id is None:
             mpu = self._call("create_multipart_upload")
             self.upload_id = mpu["UploadId"]
+            # A create retried after its response was lost leaves an upload we never heard of.
+            self.retried_create = bool(mpu.get("ResponseMetadata", {}).get("RetryAttempts"))
             # With a checksum algorithm on the upload (s3_additional_kwargs), S3 wants each part's
             # checksum again in the completion request.
             self.checksum_algorithm = mpu.get("ChecksumAlgorithm")
@@ -190,8 +300,10 @@ class S3Sink(Sink):
     def _finish_oldest(self) -> None:
         number, future = self.in_flight.popleft()
         try:
-            out = future.result()
-        except OSError as exc:
+            out = _result(future, self.deadline, self.display)
+        except StorageError:
+            raise
+        except transport_errors() as exc:
             raise storage_error(exc, "write", self.display, previous_kept=True) from None
         part = {"PartNumber": number, "ETag": out["ETag"]}
         if self.checksum_algorithm and f"Checksum{self.checksum_algorithm}" in out:
@@ -202,29 +314,68 @@ class S3Sink(Sink):
     def commit(self, header: bytes) -> None:
         # As with FsspecSink, the header cannot be patched into an object: its length field stays
         # 0, meaning "the container ends where the object ends".
+        condition = {"IfNoneMatch": "*"} if self.exclusive else {}
         try:
+            if self.exclusive:
+                # For stores that ignore the header: at least an existing object is not replaced.
+                self.fs.invalidate_cache(self.path)
+                if self.fs.exists(self.path):
+                    raise FileExistsError(self.path)
             if self.upload_id is None:
-                self._call("put_object", Body=bytes(memoryview(self.buf)[: self.fill]))
+                body = bytes(memoryview(self.buf)[: self.fill])
+                try:
+                    self._call("put_object", Body=body, **condition)
+                except FileExistsError:
+                    if not _holds(self.fs, self.path, body):
+                        raise
             else:
                 if self.fill:
                     self._send()
                 while self.in_flight:
                     self._finish_oldest()
                 crashpoint("s3.before_complete", self.path)
-                self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": self.parts})
+                self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": self.parts},
+                           **condition)
                 self.upload_id = None
-        except BaseException:
+        except BaseException as exc:
             self.abort()
+            if isinstance(exc, FileExistsError) or _error_code(exc) == "PreconditionFailed":
+                from .targets import already_exists
+
+                raise already_exists(self.display) from None
             raise
+        finally:
+            self._abort_orphans()
         self.fs.invalidate_cache(self.path)
+
+    def _abort_orphans(self) -> None:
+        """Abort the uploads of this key that a retried create left behind (its first response was
+        lost, so S3 holds an upload whose id we never learned). Only after a retried create: the
+        one case where an upload of ours can exist without our knowing its id."""
+        if not self.retried_create:
+            return
+        self.retried_create = False
+        with contextlib.suppress(Exception):  # cleanup must not mask the outcome
+            listed = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.key)
+            for upload in listed.get("Uploads", []):
+                if upload.get("Key") == self.key and upload.get("UploadId") != self.upload_id:
+                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                    UploadId=upload["UploadId"])
 
     def abort(self) -> None:
         # Wait for the parts still uploading rather than cancel them: a part that reaches the
-        # server after the abort could otherwise leave the upload (and its storage) behind.
+        # server after the abort could otherwise leave the upload (and its storage) behind. Past
+        # the deadline they are cancelled instead, and the abort is sent twice (S3's advice for
+        # parts that were in flight: the second one catches a part that landed after the first).
         futures = [f for _, f in self.in_flight]
         self.in_flight.clear()
+        late = self.deadline is not None and time.monotonic() >= self.deadline[0]
+        if late:
+            for f in futures:
+                f.cancel()
         concurrent.futures.wait(futures)
         upload_id, self.upload_id = self.upload_id, None
         if upload_id is not None:
-            with contextlib.suppress(Exception):  # cleanup must not mask the original error
-                self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
+            for _ in range(2 if late else 1):
+                with contextlib.suppress(Exception):  # cleanup must not mask the original error
+                    self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)

@@ -22,7 +22,13 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .._faults import crashpoint
-from ..errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnknownProtocolError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    StorageError,
+    UnknownProtocolError,
+)
 from . import direct
 
 FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
@@ -61,6 +67,10 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
                 raise InvalidArgumentError("storage_options only apply to fsspec URLs, not to local paths")
             return Target(display=s, path=os.path.abspath(s))
         protocol = s.split("://", 1)[0]
+        if protocol in ("s3", "s3a"):
+            from . import s3
+
+            storage_options = s3.with_retry_defaults(storage_options)
         try:
             fs, fspath = fsspec.core.url_to_fs(s, **(storage_options or {}))
         except ImportError as exc:
@@ -73,6 +83,9 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
             raise
         if isinstance(fs, LocalFileSystem):
             return Target(display=s, path=os.path.abspath(fspath))
+        from . import s3
+
+        s3.single_retry_layer(fs)
         return Target(display=s, fs=fs, fspath=fspath)
     if hasattr(f, "write") or hasattr(f, "read"):
         if storage_options:
@@ -84,8 +97,51 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
     )
 
 
-def storage_error(exc: OSError, action: str, where: str, *, previous_kept: bool = False) -> StorageError:
-    code = exc.errno
+_TRANSPORT: tuple[type[BaseException], ...] | None = None
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """What a failed request to a remote filesystem raises: OSError, and the HTTP stack's own errors
+    that fsspec implementations let through (botocore's connection errors, aiohttp's)."""
+    global _TRANSPORT
+    if _TRANSPORT is None:
+        found: list[type[BaseException]] = [OSError]
+        with contextlib.suppress(ImportError):
+            from botocore.exceptions import BotoCoreError
+
+            found.append(BotoCoreError)
+        with contextlib.suppress(ImportError):
+            from aiohttp import ClientError
+
+            found.append(ClientError)
+        _TRANSPORT = tuple(found)
+    return _TRANSPORT
+
+
+_CUT: tuple[type[BaseException], ...] | None = None
+# A response whose body is cut off after it began (a reset mid-transfer) is invisible to botocore's
+# retries, which end when the response headers arrive: the reader asks again, this many times in all.
+READ_ATTEMPTS = 3
+
+
+def body_cut_errors() -> tuple[type[BaseException], ...]:
+    global _CUT
+    if _CUT is None:
+        found: list[type[BaseException]] = []
+        with contextlib.suppress(ImportError):
+            from aiohttp import ClientPayloadError
+
+            found.append(ClientPayloadError)
+        with contextlib.suppress(ImportError):
+            from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+
+            found += [IncompleteReadError, ResponseStreamingError]
+        _CUT = tuple(found)
+    return _CUT
+
+
+def storage_error(exc: BaseException, action: str, where: str, *, previous_kept: bool = False) -> StorageError:
+    code = getattr(exc, "errno", None)
     tail = " The previous file at that path is untouched." if previous_kept else ""
     if code == errno.ENOSPC or code == errno.EDQUOT:
         hint = "no space left on the device; free space or choose another destination."
@@ -96,7 +152,7 @@ def storage_error(exc: OSError, action: str, where: str, *, previous_kept: bool 
     elif code == errno.EISDIR:
         hint = "that path is a directory; give a file name."
     else:
-        hint = f"{exc.strerror or exc}."
+        hint = f"{getattr(exc, 'strerror', None) or exc}."
     return StorageError(f"cannot {action} {where}: {hint}{tail}", errno=code)
 
 
@@ -130,8 +186,10 @@ class Sink:
 
 
 class LocalSink(Sink):
-    def __init__(self, path: str, display: str) -> None:
+    def __init__(self, path: str, display: str, exclusive: bool = False) -> None:
         self.path, self.display = path, display
+        # exclusive: commit by link(), which never replaces: CheckpointExistsError if the name is taken.
+        self.exclusive = exclusive
         directory, base = os.path.split(path)
         self.tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
         if os.path.isdir(path):
@@ -194,7 +252,13 @@ class LocalSink(Sink):
             os.close(self.fd)
             self.fd = -1
             self._close_direct()
-            os.replace(self.tmp, self.path)
+            if self.exclusive:
+                _link_or_replace_absent(self.tmp, self.path)
+            else:
+                os.replace(self.tmp, self.path)
+        except FileExistsError:
+            self.abort()
+            raise already_exists(self.display) from None
         except OSError as exc:
             self.abort()
             raise storage_error(exc, "write", self.display, previous_kept=os.path.exists(self.path)) from None
@@ -219,6 +283,21 @@ class LocalSink(Sink):
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
+
+
+def _link_or_replace_absent(tmp: str, path: str) -> None:
+    """Move ``tmp`` to ``path`` unless ``path`` exists (FileExistsError): atomically by link(), or
+    where there are no hard links (FAT, some FUSE and SMB mounts) by a check before the rename."""
+    try:
+        os.link(tmp, path)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        if os.path.exists(path):
+            raise FileExistsError(errno.EEXIST, "exists", path) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
 def fsync_dir(directory: str) -> None:
@@ -271,8 +350,8 @@ class FileObjectSink(Sink):
 
 
 class FsspecSink(Sink):
-    def __init__(self, fs: Any, path: str, display: str) -> None:
-        self.fs, self.path, self.display = fs, path, display
+    def __init__(self, fs: Any, path: str, display: str, exclusive: bool = False) -> None:
+        self.fs, self.path, self.display, self.exclusive = fs, path, display, exclusive
         # Async filesystems (s3fs, gcsfs, adlfs) write through buffered files that upload on commit
         # and can be discarded; others get a temporary key moved into place afterwards.
         self.transactional = bool(getattr(fs, "async_impl", False))
@@ -282,14 +361,14 @@ class FsspecSink(Sink):
                 self.f = fs.open(path, "wb", autocommit=False)
             else:
                 self.f = fs.open(self.tmp, "wb")
-        except OSError as exc:
+        except transport_errors() as exc:
             raise storage_error(exc, "write", display) from None
         self.pos = 0
 
     def write(self, data: bytes | memoryview) -> None:
         try:
             self.f.write(data)
-        except OSError as exc:
+        except transport_errors() as exc:
             raise storage_error(exc, "write", self.display, previous_kept=True) from None
         self.pos += len(memoryview(data).cast("B"))
 
@@ -300,6 +379,10 @@ class FsspecSink(Sink):
         # Object stores cannot patch the header in place: its length field stays 0, meaning
         # "the container ends where the object ends".
         try:
+            if self.exclusive:
+                self.fs.invalidate_cache(self.path)
+                if self.fs.exists(self.path):  # check-then-write: these stores have no conditional create
+                    raise FileExistsError(self.path)
             if self.transactional:
                 # close() uploads the last part without completing the upload (autocommit=False);
                 # commit() completes it: only then does the object appear, whole.
@@ -308,7 +391,10 @@ class FsspecSink(Sink):
             else:
                 self.f.close()
                 self.fs.mv(self.tmp, self.path)
-        except OSError as exc:
+        except FileExistsError:
+            self.abort()
+            raise already_exists(self.display) from None
+        except transport_errors() as exc:
             self.abort()
             raise storage_error(exc, "write", self.display, previous_kept=True) from None
 
@@ -324,9 +410,9 @@ class FsspecSink(Sink):
             pass
 
 
-def write_bytes(target: Target, data: bytes) -> None:
+def write_bytes(target: Target, data: bytes, *, exclusive: bool = False) -> None:
     """Write a small object (a manifest, a part file) atomically, like any other sink."""
-    sink = open_sink(target)
+    sink = open_sink(target, exclusive=exclusive)
     try:
         sink.write(data)
         sink.commit(b"")
@@ -335,11 +421,15 @@ def write_bytes(target: Target, data: bytes) -> None:
         raise
 
 
-def _already_exists(display: str) -> CheckpointError:
-    return CheckpointError(
+def already_exists(display: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
         f"{display} already exists: another writer committed this step first; the existing file is untouched. "
-        "Load that checkpoint, or write this one under a new step."
+        "Load that checkpoint, or write this one under a new step.",
+        location=display,
     )
+
+
+_already_exists = already_exists
 
 
 def write_small_exclusive(target: Target, data: bytes) -> None:
@@ -419,10 +509,15 @@ def _create_in_place(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def open_sink(target: Target) -> Sink:
+def open_sink(target: Target, *, exclusive: bool = False) -> Sink:
+    """``exclusive``: the commit fails with CheckpointExistsError, and replaces nothing, if something
+    is at the destination already: atomically on local disks (link) and S3 (If-None-Match), by a
+    check just before committing on other fsspec stores."""
     if target.path is not None:
-        return LocalSink(target.path, target.display)
+        return LocalSink(target.path, target.display, exclusive)
     if target.fileobj is not None:
+        if exclusive:
+            raise InvalidArgumentError(f"{target.display}: an exclusive create needs a path or URL, not a file object")
         return FileObjectSink(target.fileobj, target.display)
     assert target.fspath is not None
     from . import s3
@@ -430,8 +525,8 @@ def open_sink(target: Target) -> Sink:
     if s3.is_s3(target.fs):
         upload = s3.upload_settings()
         if upload is not None:
-            return s3.S3Sink(target.fs, target.fspath, target.display, upload)
-    return FsspecSink(target.fs, target.fspath, target.display)
+            return s3.S3Sink(target.fs, target.fspath, target.display, upload, exclusive=exclusive)
+    return FsspecSink(target.fs, target.fspath, target.display, exclusive)
 
 
 class Source:
@@ -548,7 +643,7 @@ class FsspecSource(Source):
             info = fs.info(path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {display}: the object does not exist") from None
-        except OSError as exc:
+        except transport_errors() as exc:
             raise storage_error(exc, "read", display) from None
         if info.get("type") == "directory":
             raise CheckpointNotFoundError(
@@ -566,10 +661,15 @@ class FsspecSource(Source):
             return b""
         if offset + length > self.size:
             raise _ShortRead(offset, length, max(0, self.size - offset))
-        try:
-            data = self.fs.cat_file(self.path, start=offset, end=offset + length)
-        except OSError as exc:
-            raise storage_error(exc, "read", self.display) from None
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                data = self.fs.cat_file(self.path, start=offset, end=offset + length)
+                break
+            except body_cut_errors() as exc:
+                if attempt == READ_ATTEMPTS - 1:
+                    raise storage_error(exc, "read", self.display) from None
+            except transport_errors() as exc:
+                raise storage_error(exc, "read", self.display) from None
         if len(data) != length:
             raise _ShortRead(offset, length, len(data))
         return bytes(data)
@@ -583,11 +683,13 @@ class FsspecSource(Source):
         try:
             # One batched call: s3fs issues the ranged GETs concurrently on its own event loop.
             out = self.fs.cat_ranges([self.path] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges])
-        except OSError as exc:
+        except transport_errors() as exc:
             raise storage_error(exc, "read", self.display) from None
-        for (o, n), data in zip(ranges, out):
+        for i, ((o, n), data) in enumerate(zip(ranges, out)):
+            if isinstance(data, body_cut_errors()):
+                out[i] = data = self.read(o, n)  # asked again, a bounded number of times
             if isinstance(data, Exception):
-                raise storage_error(OSError(str(data)), "read", self.display)
+                raise storage_error(data, "read", self.display)
             if len(data) != n:
                 raise _ShortRead(o, n, len(data))
         return [bytes(d) for d in out]

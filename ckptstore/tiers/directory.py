@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -33,10 +34,17 @@ import torch
 from .._faults import crashpoint
 from ..engine.sharded import BLOCK_SIZE, MANIFEST, Directory, data_file, part_file, read_manifest
 from ..engine.single_file import write_raw
-from ..errors import CheckpointError, InvalidArgumentError
+from ..errors import CheckpointExistsError, InvalidArgumentError
 from ..format import codecs
 from ..format.manifest import Manifest, parse_manifest
-from ..storage.targets import Source, open_sink, write_small_exclusive
+from ..storage.targets import (
+    Source,
+    open_sink,
+    storage_error,
+    transport_errors,
+    write_bytes,
+    write_small_exclusive,
+)
 from .base import Snapshot, Tier
 
 log = logging.getLogger("ckptstore")
@@ -66,6 +74,7 @@ class DirectoryTier(Tier):
         self._base = Directory(self.root, self.storage_options)
         # frozen file name -> (a step that holds it, its chunk table): what a later step may link.
         self._frozen: dict[str, tuple[int, dict[str, list[dict[str, Any]]]]] = {}
+        self._token = secrets.token_hex(4)  # names this writer's files where the usual name is taken
 
     def _dir(self, step: int) -> Directory:
         return Directory(f"{self.root}/{step_name(step)}", self.storage_options)
@@ -79,7 +88,23 @@ class DirectoryTier(Tier):
         t0 = time.perf_counter()
         d = self._dir(snap.step)
         if d.exists(MANIFEST):
-            raise CheckpointError(f"{d.display} already holds a committed checkpoint; steps are never rewritten")
+            raise CheckpointExistsError(
+                f"step {snap.step} in {d.display} was committed by another writer first ({MANIFEST} already exists; "
+                "steps are never rewritten): its checkpoint is untouched and this writer's copy is not written. "
+                "Give each writer its own directory, or save under a new step.",
+                location=f"{d.display}/{MANIFEST}",
+            )
+        try:
+            return self._put(d, snap, t0)
+        except CheckpointExistsError as exc:
+            raise CheckpointExistsError(
+                f"step {snap.step} in {d.display} is being written by another writer at the same time "
+                f"({exc.location} appeared first): this writer's copy of the step is abandoned and the other "
+                "writer's files are untouched. Give each writer its own directory, or save under a new step.",
+                location=exc.location,
+            ) from None
+
+    def _put(self, d: Directory, snap: Snapshot, t0: float) -> dict[str, Any]:
         d.makedirs()
         frozen_keys = [k for k, cs in snap.chunks.items() if cs and cs[0]["offset"] < snap.frozen_end]
         rest_keys = [k for k in snap.chunks if k not in set(frozen_keys)]
@@ -98,8 +123,16 @@ class DirectoryTier(Tier):
                 linked += _extent(table)
             self._frozen = {rel: (snap.step, table)}  # only the newest frozen file is ever reused
             chunks.update(table)
+        data, part_rel = data_file(snap.rank), part_file(snap.rank)
+        if d.exists(data) or d.exists(part_rel):
+            # Left by a save of this step that crashed (the durable tier is never swept), or being
+            # written right now by another writer of the same step, whose manifest may come to name
+            # it: never replace it, write ours beside it.
+            data, part_rel = data[:-4] + f".w{self._token}.bin", part_rel[:-5] + f".w{self._token}.json"
         if rest_keys:
-            table = self._write(d, data_file(snap.rank), snap, rest_keys, snap.frozen_end)
+            # Exclusive, so that of two writers racing for the same name neither replaces the other's
+            # bytes (a manifest over someone else's data would be a torn checkpoint).
+            table = self._write(d, data, snap, rest_keys, snap.frozen_end, exclusive=True)
             written += _extent(table)
             chunks.update(table)
         crashpoint("tier.data_written", d.display)
@@ -113,15 +146,15 @@ class DirectoryTier(Tier):
             "chunks": chunks,
             "timings": {"write_s": round(time.perf_counter() - t0, 6), **snap.meta.get("timings", {})},
         }
-        d.write_small(part_file(snap.rank), json.dumps(part, separators=(",", ":")).encode())
+        write_bytes(d.target(part_rel), json.dumps(part, separators=(",", ":")).encode(), exclusive=True)
         crashpoint("tier.part_written", d.display)
         return part
 
     def _write(
-        self, d: Directory, rel: str, snap: Snapshot, keys: list[str], start: int
+        self, d: Directory, rel: str, snap: Snapshot, keys: list[str], start: int, exclusive: bool = False
     ) -> dict[str, list[dict[str, Any]]]:
         """Write the chunks of ``keys`` (which sit in the slot from ``start`` on) to ``rel``."""
-        sink = open_sink(d.target(rel))
+        sink = open_sink(d.target(rel), exclusive=exclusive)
         try:
             if self.codec is None:
                 end = max((c["offset"] + c["length"] for k in keys for c in snap.chunks[k]), default=start)
@@ -166,7 +199,15 @@ class DirectoryTier(Tier):
         crashpoint("tier.before_manifest", d.display)
         # A conditional create (link on local disks, If-None-Match on S3): of two writers
         # committing the same step, exactly one wins and the other gets a clear error.
-        write_small_exclusive(d.target(MANIFEST), body)
+        try:
+            write_small_exclusive(d.target(MANIFEST), body)
+        except CheckpointExistsError as exc:
+            raise CheckpointExistsError(
+                f"step {step} in {d.display} was committed by another writer first ({exc.location} already exists): "
+                "its checkpoint is untouched and this writer's copy is not committed. Give each writer its own "
+                "directory, or save under a new step.",
+                location=exc.location,
+            ) from None
 
     # ------------------------------------------------------------------------------ reading
 
@@ -185,9 +226,14 @@ class DirectoryTier(Tier):
 
     def steps_sync(self) -> list[int]:
         steps = []
-        for name in self._names():
-            if name.startswith("step-") and name[5:].isdigit() and self._base.exists(f"{name}/{MANIFEST}"):
-                steps.append(int(name[5:]))
+        try:
+            for name in self._names():
+                if name.startswith("step-") and name[5:].isdigit() and self._base.exists(f"{name}/{MANIFEST}"):
+                    steps.append(int(name[5:]))
+        except FileNotFoundError:
+            return []
+        except transport_errors() as exc:  # botocore's and aiohttp's own errors too, as StorageError
+            raise storage_error(exc, "list", self._base.display) from None
         return sorted(steps)
 
     def manifest_sync(self, step: int) -> Manifest:
