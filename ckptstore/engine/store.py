@@ -242,7 +242,11 @@ class CheckpointStore:
         if self.local is not None and local_writer:
             self.local.sweep_sync()
         if self.durable is not None and self.rank == 0:
-            self.durable.sweep_sync()
+            try:
+                self.durable.sweep_sync()
+            except Exception as exc:  # noqa: BLE001 - housekeeping: an unreachable store must not stop a start
+                log.warning("ckptstore: cannot sweep the durable tier %s (what a crashed save left stays until the "
+                            "next start): %s", self.durable.root, exc)
         self._fg.all_gather(None)  # nobody saves into a directory another rank is still sweeping
         # Stage next into a slot other than the one holding the newest committed snapshot, so a
         # crash while staging never destroys the newest RAM copy.
@@ -581,9 +585,10 @@ class CheckpointStore:
             await self._agree(f"committing step {job.step} in the {tier.name} tier",
                               lambda: s3.run_with_deadline(deadline, what, tier.commit_sync, job.step, manifest), group)
         except BaseException:
-            # Every rank is past its writes (the agreement said so): the failed step's files go,
-            # so a full disk is not kept full by the attempt that found it full.
-            if isinstance(tier, DirectoryTier) and tier.manifest_writer:
+            # Every rank is past its writes (the agreement said so): each removes the files it
+            # created for the failed step, so a full disk is not kept full by the attempt that
+            # found it full (and another writer's files of the same step are left alone).
+            if isinstance(tier, DirectoryTier):
                 try:
                     await _in_thread(tier.discard_sync, job.step)
                 except (CheckpointError, OSError) as exc:

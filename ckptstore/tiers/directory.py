@@ -74,6 +74,7 @@ class DirectoryTier(Tier):
         self._base = Directory(self.root, self.storage_options)
         # frozen file name -> (a step that holds it, its chunk table): what a later step may link.
         self._frozen: dict[str, tuple[int, dict[str, list[dict[str, Any]]]]] = {}
+        self._mine: dict[int, list[str]] = {}
         self._token = secrets.token_hex(4)  # names this writer's files where the usual name is taken
 
     def _dir(self, step: int) -> Directory:
@@ -106,6 +107,9 @@ class DirectoryTier(Tier):
 
     def _put(self, d: Directory, snap: Snapshot, t0: float) -> dict[str, Any]:
         d.makedirs()
+        # What this writer creates, so that a failed save removes exactly that (discard_sync).
+        mine = self._mine.setdefault(snap.step, [])
+        self._mine = {s: v for s, v in self._mine.items() if s > snap.step - 8}
         frozen_keys = [k for k, cs in snap.chunks.items() if cs and cs[0]["offset"] < snap.frozen_end]
         rest_keys = [k for k in snap.chunks if k not in set(frozen_keys)]
         chunks: dict[str, list[dict[str, Any]]] = {}
@@ -116,6 +120,7 @@ class DirectoryTier(Tier):
             ).hexdigest()[:16]
             rel = f"data/rank-{snap.rank:05d}-frozen-{self.codec or 'raw'}-{digest}.bin"
             table = self._link(d, rel, snap.step)
+            mine.append(rel)
             if table is None:
                 table = self._write(d, rel, snap, frozen_keys, 0)
                 written += _extent(table)
@@ -133,6 +138,7 @@ class DirectoryTier(Tier):
             # Exclusive, so that of two writers racing for the same name neither replaces the other's
             # bytes (a manifest over someone else's data would be a torn checkpoint).
             table = self._write(d, data, snap, rest_keys, snap.frozen_end, exclusive=True)
+            mine.append(data)
             written += _extent(table)
             chunks.update(table)
         crashpoint("tier.data_written", d.display)
@@ -147,6 +153,7 @@ class DirectoryTier(Tier):
             "timings": {"write_s": round(time.perf_counter() - t0, 6), **snap.meta.get("timings", {})},
         }
         write_bytes(d.target(part_rel), json.dumps(part, separators=(",", ":")).encode(), exclusive=True)
+        mine.append(part_rel)
         crashpoint("tier.part_written", d.display)
         return part
 
@@ -251,11 +258,17 @@ class DirectoryTier(Tier):
         _remove_tree(d)
 
     def discard_sync(self, step: int) -> None:
-        """Remove what a failed save of ``step`` wrote, unless the step is committed (by another
-        writer, say): a failed save leaves no debris behind, and never touches a committed step."""
+        """Remove the files this writer created for a failed save of ``step``, unless the step is
+        committed: a failed save leaves no debris behind, and never touches a committed step or
+        another writer's files (two writers of one step share its directory until one commits)."""
         d = self._dir(step)
-        if not d.exists(MANIFEST):
-            _remove_tree(d)
+        mine = self._mine.pop(step, [])
+        if d.exists(MANIFEST):
+            return
+        # Files only: another writer of the step may be about to write into its directories (the
+        # empty ones left are swept, with the step, when a store next starts).
+        for rel in mine:
+            d.remove(rel)
 
     def sweep_sync(self) -> list[int]:
         """Remove what a crashed save left behind: step directories without a manifest (returns
