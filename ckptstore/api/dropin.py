@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -9,8 +10,10 @@ import torch
 from ..engine.materialize import MapLocation, load_container
 from ..engine.single_file import write_container
 from ..errors import (
+    CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
+    PickleNotAllowedError,
 )
 from ..format import container
 from ..planning.flatten import plan as make_plan
@@ -88,7 +91,34 @@ def load(
 
 
 def _torch_load(source: Source, fileobj: Any, map_location: MapLocation, weights_only: bool, mmap: bool) -> Any:
-    """Files written by torch.save are handed to torch.load unchanged, so migration can be gradual."""
+    """Files written by torch.save are handed to torch.load unchanged, so migration can be gradual.
+    Its refusals and read failures come back as ckptstore errors (still UnpicklingError for refused pickles)."""
+    try:
+        return _torch_load_unchanged(source, fileobj, map_location, weights_only, mmap)
+    except pickle.UnpicklingError as exc:
+        if not weights_only or isinstance(exc, PickleNotAllowedError):
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise PickleNotAllowedError(
+            f"{source.display} is a torch.save file whose pickle torch.load's weights_only=True unpickler refuses "
+            f"({first}); unpickling can run arbitrary code, so load it with weights_only=False only if you trust "
+            "where the file came from"
+        ) from None
+    except EOFError:
+        raise CorruptCheckpointError(
+            f"{source.display} is a torch.save file that ends too early (truncated)", location=source.display
+        ) from None
+    except RuntimeError as exc:
+        if "PytorchStreamReader" not in str(exc):
+            raise  # map_location and device errors are torch's own, as torch.load raises them
+        raise CorruptCheckpointError(
+            f"{source.display} starts like a torch.save file but its zip archive cannot be read: "
+            f"{str(exc).splitlines()[0][:300]}",
+            location=source.display,
+        ) from None
+
+
+def _torch_load_unchanged(source: Source, fileobj: Any, map_location: MapLocation, weights_only: bool, mmap: bool) -> Any:
     if source.local_path is not None:
         return torch.load(source.local_path, map_location=map_location,  # type: ignore[arg-type]
             weights_only=weights_only, mmap=mmap)

@@ -19,7 +19,6 @@ candidate step, as one collective round:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -29,10 +28,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointNotFoundError
-from ..format.manifest import Manifest, parse_manifest
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
 from ..planning.sharding import intersect
 from ..storage.targets import Source, Target, open_source
+from ..tiers.ram import read_doc, usable_doc
 from .sharded import MANIFEST, Decoder, Group, _fill, _LoadCtx, _SavedRef
 
 log = logging.getLogger("ckptstore")
@@ -78,11 +78,16 @@ def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) ->
         if os.path.exists(os.path.join(step_dir, MANIFEST)):
             data = os.path.join(step_dir, "data")
             for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
-                if name.endswith(".bin") and not name.startswith("."):
+                # Never a symbolic link: the writers make none, and one could point anywhere.
+                if name.endswith(".bin") and not name.startswith(".") and not os.path.islink(os.path.join(data, name)):
                     path = os.path.join(data, name)
                     inv.add(f"data/{name}", path, _opener(path))
-            if inv.manifest is None:
-                with open(os.path.join(step_dir, MANIFEST), "rb") as fh:
+            manifest_path = os.path.join(step_dir, MANIFEST)
+            if inv.manifest is None and not os.path.islink(manifest_path):
+                if os.path.getsize(manifest_path) > max_manifest_bytes():
+                    log.warning("ckptstore: %s is over the manifest size cap; not using it", manifest_path)
+                    continue
+                with open(manifest_path, "rb") as fh:
                     inv.manifest = fh.read()
     return inv
 
@@ -100,11 +105,10 @@ def _job_docs(job: str, ram_dir: str) -> list[tuple[re.Match[str], str, dict[str
             continue
         path = os.path.join(ram_dir, name)
         try:
-            with open(path, "rb") as fh:
-                doc = json.loads(fh.read())
-        except (OSError, ValueError):
+            doc = read_doc(path)
+        except (OSError, CorruptCheckpointError):
             continue  # being rewritten, or damaged: not a usable copy
-        if isinstance(doc, dict):
+        if usable_doc(doc):
             out.append((m, path, doc))
     return out
 
@@ -120,7 +124,7 @@ def needed_chunks(state: Any, manifest: Manifest, display: str, rank: int, world
     saved values, as the load that follows does anyway.
     """
     saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
-    ctx = _LoadCtx(manifest)
+    ctx = _LoadCtx(manifest, plan_only=True)
     with torch.no_grad():
         _fill(state, saved, [], ctx, top=True)
     out: set[tuple[str, int, int]] = set()

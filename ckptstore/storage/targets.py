@@ -55,6 +55,8 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
         s = os.fspath(f)
         if not isinstance(s, str):
             raise InvalidArgumentError(f"paths must be str, not {type(s).__name__}")
+        if "\x00" in s:
+            raise InvalidArgumentError(f"path {s!r} contains a NUL byte, which no file name can hold")
         if "://" not in s:
             if storage_options:
                 raise InvalidArgumentError("storage_options only apply to fsspec URLs, not to local paths")
@@ -136,7 +138,8 @@ class LocalSink(Sink):
         if os.path.isdir(path):
             raise storage_error(IsADirectoryError(errno.EISDIR, "is a directory"), "write", display)
         try:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            # Owner-only, like everything ckptstore creates: checkpoints can hold private data.
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise storage_error(exc, "write", display, previous_kept=os.path.exists(path)) from None
         # Bulk data goes through O_DIRECT where the filesystem allows it (see direct.py); small
@@ -215,6 +218,26 @@ class LocalSink(Sink):
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
+
+
+def makedirs_private(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, except that every directory it creates is 0700 (owner
+    only; os.makedirs applies its mode to the last one alone). Existing directories are left as
+    they are: their modes are the user's choice."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
 
 
 def fsync_dir(directory: str) -> None:
@@ -374,7 +397,7 @@ def _create_local_exclusive(path: str, display: str, data: bytes) -> None:
     directory, base = os.path.split(path)
     tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -404,7 +427,7 @@ def _create_local_exclusive(path: str, display: str, data: bytes) -> None:
 
 def _create_in_place(path: str, data: bytes) -> None:
     """O_EXCL create is just as exclusive as link, but a crash mid-write leaves a short file there."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -438,6 +461,9 @@ class Source:
     local_path: str | None = None
 
     def read(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            # Before allocating: a damaged or crafted length must not become a huge buffer.
+            raise _ShortRead(offset, length, max(0, self.size - offset))
         buf = bytearray(length)
         self.readinto(offset, memoryview(buf))
         return bytes(buf)
