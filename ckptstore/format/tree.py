@@ -236,6 +236,8 @@ class Decoder:
     def _tagged(self, tag: str, node: dict) -> Any:
         v = node[tag]
         if tag in RESOLVED_TAGS:
+            if type(v) is not str:  # every resolved tag names an entry (or a dtype) by a string
+                raise self.bad(f"{tag} must name an entry with a string, not a {type(v).__name__}")
             return self._resolve(tag, node)
         if tag == "$int":
             base = node.get("base", 10)
