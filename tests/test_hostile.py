@@ -787,3 +787,93 @@ def test_ram_limit_helper_is_sane():
     # The memory-limited run relies on RLIMIT_AS being settable by an unprivileged process.
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     assert hard == resource.RLIM_INFINITY or hard > (1 << 30)
+
+
+# ------------------------------------------------------------------------------------ credentials
+
+ACCESS_KEY = "AKIACKPTSTORE7Q3ZLEAK"
+SECRET_KEY = "ckptstore-secret-DO-NOT-LEAK-4f9d1c"
+
+
+def test_credentials_never_stored_logged_or_raised(s3, tmp_path, job, caplog, capsys):
+    """Save and restore through S3 with distinctive credentials in storage_options, provoke errors,
+    then look for them in every stored object, every local file, the logs and every error text."""
+    import logging
+    import traceback
+
+    from conftest import s3_keys, s3_object_bytes
+
+    opts = dict(s3["storage_options"], key=ACCESS_KEY, secret=SECRET_KEY)
+    base = f"s3://{s3['bucket']}/{s3['prefix']}"
+    caplog.set_level(logging.INFO)  # every logger at INFO and above ...
+    caplog.set_level(logging.DEBUG, logger="ckptstore")  # ... and everything ckptstore logs
+    texts: list[str] = []
+
+    def refused(call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - every error text is searched
+            texts.append(str(exc) + repr(exc) + "".join(traceback.format_exception(exc)))
+        else:
+            raise AssertionError("the call was expected to fail")
+
+    state = _state()
+    ckptstore.save(state, f"{base}/single.ckpt", storage_options=opts)
+    assert torch.equal(ckptstore.load(f"{base}/single.ckpt", storage_options=opts)["a"], state["a"])
+    ckptstore.save_sharded(state, f"{base}/sharded", storage_options=opts)
+    target = {"a": torch.zeros(1000), "b": torch.zeros(4, 8, dtype=torch.float64)}
+    ckptstore.load_sharded(target, f"{base}/sharded", storage_options=opts, strict=False)
+    assert torch.equal(target["a"], state["a"])
+    local = str(tmp_path / "local")
+    with ckptstore.CheckpointStore(job, local=local, durable=f"{base}/durable", durable_every=1,
+                                   storage_options=opts) as store:
+        for step in (1, 2):
+            store.save(step, state).wait("durable")
+    from conftest import wipe_ram
+
+    wipe_ram(job)
+    shutil_rmtree(local)
+    restored = {"a": torch.zeros(1000), "b": torch.zeros(4, 8, dtype=torch.float64), "step": 0}
+    with ckptstore.CheckpointStore(job, local=local, durable=f"{base}/durable", storage_options=opts) as store:
+        assert store.restore(restored) == 2  # from durable: nothing else is left
+    assert torch.equal(restored["a"], state["a"])
+
+    # Errors, with the credentials in play: missing objects, damaged ones, refused writes.
+    refused(lambda: ckptstore.load(f"{base}/missing.ckpt", storage_options=opts))
+    refused(lambda: ckptstore.load_sharded({}, f"{base}/missing-dir", storage_options=opts))
+    refused(lambda: ckptstore.save_sharded(state, f"{base}/sharded", storage_options=opts))  # already committed
+    s3["client"].put_object(Bucket=s3["bucket"], Key=f"{s3['prefix']}/bad.ckpt",
+                            Body=container.MAGIC + b"\x01\x00" + bytes(5000))
+    refused(lambda: ckptstore.load(f"{base}/bad.ckpt", storage_options=opts))
+    s3["client"].put_object(Bucket=s3["bucket"], Key=f"{s3['prefix']}/sharded/manifest.json", Body=b'{"a":1,"a":2}')
+    refused(lambda: ckptstore.load_sharded({}, f"{base}/sharded", storage_options=opts))
+    wrong = dict(opts, client_kwargs={**opts["client_kwargs"], "endpoint_url": "http://127.0.0.1:9"},
+                 config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1})
+    refused(lambda: ckptstore.load(f"{base}/single.ckpt", storage_options=wrong))  # nothing listens there
+    for argv in (["inspect", f"{base}/missing.ckpt"], ["verify", f"{base}/sharded"]):
+        assert cli_main(["--storage-options", json.dumps(opts), *argv]) == 2
+    out, err = capsys.readouterr()
+    texts.append(out + err)
+
+    stored = [s3_object_bytes(s3, key) for key in s3_keys(s3, s3["prefix"])]
+    assert len(stored) >= 8
+    for dirpath, _dirs, files in os.walk(tmp_path):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                stored.append(fh.read())
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"ckptstore-{job}-"):
+            with open(os.path.join("/dev/shm", name), "rb") as fh:
+                stored.append(fh.read())
+    assert len(texts) == 7
+    for secret in (ACCESS_KEY, SECRET_KEY):
+        assert not any(secret.encode() in blob for blob in stored), f"{secret} in a stored object"
+        assert secret not in caplog.text, f"{secret} in a log line"
+        assert not any(secret in text for text in texts), f"{secret} in an error text"
+    assert caplog.records, "nothing was logged: the log check would be vacuous"
+
+
+def shutil_rmtree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path)
