@@ -599,7 +599,7 @@ def test_manifest_cap_is_configurable(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------ RAM tier documents
 
 
-def _ram_tampered_restore_falls_back(tmp_path, tamper: Callable[[str], None]) -> None:
+def _ram_tampered_restore_falls_back(tmp_path, tamper: Callable[[str], None], caplog, tier: str = "local") -> None:
     """A RAM document that is damaged or hostile is skipped; restore reads the local tier."""
     import uuid
 
@@ -613,8 +613,13 @@ def _ram_tampered_restore_falls_back(tmp_path, tamper: Callable[[str], None]) ->
     for path in docs:
         tamper(path)
     target = {"a": torch.zeros(1000), "b": torch.zeros(4, 8, dtype=torch.float64), "step": 0}
-    with ckptstore.CheckpointStore(job, local=local, ram_dir=ram_dir) as store:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ckptstore"), ckptstore.CheckpointStore(
+        job, local=local, ram_dir=ram_dir
+    ) as store:
         assert store.restore(target) == 1
+    assert f"restored step 1 from the {tier} tier" in caplog.text  # "local": the RAM copy was not used
     assert torch.equal(target["a"], _state()["a"]) and target["step"] == 3
     assert not os.path.exists(tmp_path / "PWNED")
 
@@ -625,8 +630,10 @@ def _write(path: str, data: bytes) -> None:
         fh.write(data)
 
 
-@pytest.mark.parametrize("how", ["pickle", "not-an-object", "wrong-types", "symlink", "oversized", "escaping-slot"])
-def test_hostile_ram_document_is_skipped(tmp_path, how):
+@pytest.mark.parametrize(
+    "how", ["pickle", "not-an-object", "wrong-types", "symlink", "oversized", "escaping-slot", "segment-symlink"]
+)
+def test_hostile_ram_document_is_skipped(tmp_path, how, caplog):
     os.environ[MARKER_ENV] = str(tmp_path / "PWNED")
     outside = tmp_path / "outside.json"
 
@@ -648,8 +655,15 @@ def test_hostile_ram_document_is_skipped(tmp_path, how):
             _sparse(path, 2 << 30, b"}")
         elif how == "escaping-slot":
             _write(path, json.dumps({**doc, "slot": "0/../../../outside"}).encode())
+        elif how == "segment-symlink":
+            segment = path[:-5] + ".bin"
+            moved = str(tmp_path / os.path.basename(segment))
+            os.replace(segment, moved)  # the same bytes, reached through a link
+            os.symlink(moved, segment)
 
-    _ram_tampered_restore_falls_back(tmp_path, tamper)
+    # A slot number that is a path is never used as one: segments are named by the document's own
+    # file name, so that copy stays usable.
+    _ram_tampered_restore_falls_back(tmp_path, tamper, caplog, "ram" if how == "escaping-slot" else "local")
 
 
 def test_planted_symlink_in_ram_dir_is_never_written_through(tmp_path, job):

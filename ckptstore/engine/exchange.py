@@ -66,7 +66,7 @@ def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) ->
         if doc.get("step") != step or "manifest" not in doc.get("extra", doc):
             continue
         seg = path[:-5] + ".bin"
-        if not os.path.exists(seg) or os.path.getsize(seg) != doc.get("size"):
+        if not os.path.exists(seg) or os.path.islink(seg) or os.path.getsize(seg) != doc.get("size"):
             continue
         src = int(m.group("src") or m.group("rank"))
         inv.add(f"data/rank-{src:05d}.bin", seg, _opener(seg))

@@ -386,7 +386,7 @@ class RamTier(Tier):
             if (not usable_doc(doc) or doc.get("job") != self.job or doc.get("rank") != rank
                     or doc.get("slot") != int(name[len(prefix) : -5])):
                 continue
-            if not os.path.exists(seg) or os.path.getsize(seg) != doc.get("size"):
+            if not os.path.exists(seg) or os.path.islink(seg) or os.path.getsize(seg) != doc.get("size"):
                 continue
             docs.append(doc)
         return docs
