@@ -631,7 +631,9 @@ def _write(path: str, data: bytes) -> None:
 
 
 @pytest.mark.parametrize(
-    "how", ["pickle", "not-an-object", "wrong-types", "symlink", "oversized", "escaping-slot", "segment-symlink"]
+    "how",
+    ["pickle", "not-an-object", "wrong-types", "symlink", "oversized", "escaping-slot", "segment-symlink",
+     "unknown-ram-format", "segment-pickle"],
 )
 def test_hostile_ram_document_is_skipped(tmp_path, how, caplog):
     os.environ[MARKER_ENV] = str(tmp_path / "PWNED")
@@ -655,6 +657,11 @@ def test_hostile_ram_document_is_skipped(tmp_path, how, caplog):
             _sparse(path, 2 << 30, b"}")
         elif how == "escaping-slot":
             _write(path, json.dumps({**doc, "slot": "0/../../../outside"}).encode())
+        elif how == "unknown-ram-format":
+            _write(path, json.dumps({**doc, "format": "ckptstore-ram/9"}).encode())
+        elif how == "segment-pickle":
+            with open(path[:-5] + ".bin", "r+b") as fh:  # the shard's bytes, not its document
+                fh.write(_pickle_bytes())
         elif how == "segment-symlink":
             segment = path[:-5] + ".bin"
             moved = str(tmp_path / os.path.basename(segment))
@@ -795,6 +802,24 @@ def test_created_files_and_directories_are_owner_only(tmp_path, job, umask):
     assert not wrong
     segments = [n for n in os.listdir(ram_dir) if n.endswith(".bin")]
     assert segments and all(stat.S_IMODE(os.stat(ram_dir / n).st_mode) == 0o600 for n in segments)
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_peer_replica_segments_are_owner_only(tmp_path, job, umask):
+    from ckptstore.tiers.ram import RamTier
+
+    old = os.umask(umask)
+    try:
+        tier = RamTier(job, rank=0, ram_dir=str(tmp_path))
+        slot, buf = tier.replica_buffer(1, 8192)
+        buf.fill_(7)
+        tier.commit_replica(1, slot, 5, 8192, b"{}")
+    finally:
+        os.umask(old)
+    names = sorted(os.listdir(tmp_path))
+    assert any(n.endswith(".bin") for n in names) and any(n.endswith(".json") for n in names)
+    assert {n: stat.S_IMODE(os.stat(tmp_path / n).st_mode) for n in names} == {n: 0o600 for n in names}
+    tier.close()
 
 
 def test_ram_limit_helper_is_sane():
