@@ -167,6 +167,15 @@ def _sharded_huge_manifest(tmp: str) -> Callable[[], Any]:
     return _load_sharded_fresh(root)
 
 
+def _safetensors_huge_header(tmp: str) -> Callable[[], Any]:
+    from ckptstore.convert import convert
+
+    src = os.path.join(tmp, "model.safetensors")
+    with open(src, "wb") as fh:
+        fh.write(struct.pack("<Q", 1 << 62) + b'{"__metadata__":{}}')
+    return lambda: convert(src, os.path.join(tmp, "out.ckpt"), "ckptstore")
+
+
 def _symlinked_data(tmp: str) -> Callable[[], Any]:
     root = _sharded(tmp)
     data = os.path.join(root, "data", "rank-00000.bin")
@@ -448,6 +457,8 @@ CASES = [
          ("cap", "CKPTSTORE_MAX_MANIFEST_BYTES")),
     Case("sharded-2gib-manifest", "oversized manifest", _sharded_huge_manifest, CorruptCheckpointError,
          ("manifest.json", "cap")),
+    Case("convert-safetensors-header-claims-4eib", "oversized manifest", lambda t: _safetensors_huge_header(t),
+         NotACheckpointError, ("not a checkpoint convert can read",)),
     # --- format versions
     Case("single-major-99", "unknown format version", lambda t: _load_single(_edit_single(
         t, lambda d: d.update(format_version="99.0"))), UnsupportedFormatVersionError, ("99.0", "Upgrade ckptstore")),
