@@ -176,6 +176,15 @@ def _safetensors_huge_header(tmp: str) -> Callable[[], Any]:
     return lambda: convert(src, os.path.join(tmp, "out.ckpt"), "ckptstore")
 
 
+def _fifo_data(tmp: str) -> Callable[[], Any]:
+    # A FIFO where a data file belongs: opening it for reading would block until a writer came.
+    root = _sharded(tmp)
+    data = os.path.join(root, "data", "rank-00000.bin")
+    os.unlink(data)
+    os.mkfifo(data)
+    return _load_sharded_into(root)
+
+
 def _symlinked_data(tmp: str) -> Callable[[], Any]:
     root = _sharded(tmp)
     data = os.path.join(root, "data", "rank-00000.bin")
@@ -408,6 +417,12 @@ CASES = [
          InvalidArgumentError, ("NUL",)),
     Case("restore-local-data-symlink-outside", "escape the root", lambda t: _store_restore(t, _symlink_local_data),
          CorruptCheckpointError, ("rank-00000.bin",)),
+    Case("sharded-data-is-a-fifo", "escape the root", lambda t: _fifo_data(t), NotACheckpointError,
+         ("not a regular file",)),
+    Case("single-path-is-a-fifo", "escape the root", lambda t: (os.mkfifo(os.path.join(t, "m.ckpt")),
+         _load_single(os.path.join(t, "m.ckpt")))[1], NotACheckpointError, ("not a regular file",)),
+    Case("single-path-is-a-device", "escape the root", lambda t: _load_single("/dev/zero"), NotACheckpointError,
+         ("not a regular file",)),
     # --- offsets
     Case("single-negative-offset", "bad offsets", lambda t: _load_single(
         _edit_single(t, lambda d: _chunk(d).update(offset=-4096))), CorruptCheckpointError, ("offset",)),

@@ -21,7 +21,14 @@ from typing import IO, Any, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnknownProtocolError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    NotACheckpointError,
+    StorageError,
+    UnknownProtocolError,
+)
 from . import direct
 
 FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
@@ -494,7 +501,8 @@ class LocalSource(Source):
         self.display = display
         self.local_path = path
         try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: opening a FIFO planted where a checkpoint file belongs must not hang.
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {display}: the file does not exist") from None
         except IsADirectoryError:
@@ -509,6 +517,13 @@ class LocalSource(Source):
             os.close(self.fd)
             self.fd = -1
             raise CheckpointNotFoundError(f"{display} is a directory; ckptstore.load reads a single checkpoint file")
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self.fd)
+            self.fd = -1
+            raise NotACheckpointError(
+                f"{display} is not a regular file (a FIFO, socket or device); checkpoints are read from files"
+            )
+        os.set_blocking(self.fd, True)
         self.size = st.st_size
 
     def readinto(self, offset: int, out: memoryview) -> None:
