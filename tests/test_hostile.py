@@ -942,3 +942,11 @@ def shutil_rmtree(path: str) -> None:
     import shutil
 
     shutil.rmtree(path)
+
+
+def test_missing_data_file_is_corruption_for_fresh_slots_too(tmp_path):
+    root = _sharded(str(tmp_path))
+    os.unlink(os.path.join(root, "data", "rank-00000.bin"))
+    for load in (_load_sharded_fresh(root), _load_sharded_into(root)):
+        with pytest.raises(CorruptCheckpointError, match=r"rank-00000.bin is missing, but the manifest keeps tensor"):
+            load()

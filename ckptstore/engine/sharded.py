@@ -544,8 +544,7 @@ class _LoadCtx:
     per_rank: list[tuple[PerRank, str, list[Any]]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     fresh: dict[str, torch.Tensor] = field(default_factory=dict)  # entry key -> tensor allocated for it
-    # Opens chunk files to check their sizes before a buffer is allocated for what they claim to hold
-    # (None: no check, for planning walks that allocate nothing they keep).
+    # Opens chunk files to check their sizes before a buffer is allocated for what they claim to hold.
     open_file: Callable[[str | None], Source] | None = None
     display: str = ""
     sizes: dict[str, int] = field(default_factory=dict)
@@ -560,7 +559,15 @@ class _LoadCtx:
             if c.file is None or not c.length:
                 continue
             if c.file not in self.sizes:
-                source = self.open_file(c.file)
+                try:
+                    source = self.open_file(c.file)
+                except CheckpointNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{self.display}/{c.file} is missing, but the manifest keeps tensor {key!r} in it; the "
+                        "checkpoint is damaged: load another copy or an earlier step",
+                        location=f"{self.display}/{c.file}",
+                        key=key,
+                    ) from None
                 try:
                     self.sizes[c.file] = source.size
                 finally:
