@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import struct
 from typing import Any
 
 import torch
@@ -108,14 +109,20 @@ def _torch_load(source: Source, fileobj: Any, map_location: MapLocation, weights
         raise CorruptCheckpointError(
             f"{source.display} is a torch.save file that ends too early (truncated)", location=source.display
         ) from None
-    except RuntimeError as exc:
-        if "PytorchStreamReader" not in str(exc):
-            raise  # map_location and device errors are torch's own, as torch.load raises them
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            AssertionError, ZeroDivisionError, struct.error) as exc:
+        # A damaged torch.save file fails inside torch.load with whatever its parsers raise (fuzzing
+        # found IndexError, UnicodeDecodeError, AssertionError, struct and zip errors). Device placement failures
+        # are torch's own and stay as torch.load raises them.
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and any(w in text for w in ("device", "CUDA", "cuda", "map_location")):
+            raise
+        first = text.strip().splitlines()[0][:300] if text.strip() else ""
         raise CorruptCheckpointError(
-            f"{source.display} starts like a torch.save file but its zip archive cannot be read: "
-            f"{str(exc).splitlines()[0][:300]}",
+            f"{source.display} starts like a torch.save file, but torch.load cannot read it "
+            f"({type(exc).__name__}: {first}); the file is damaged or was not written by torch.save",
             location=source.display,
-        ) from None
+        ) from exc
 
 
 def _torch_load_unchanged(source: Source, fileobj: Any, map_location: MapLocation, weights_only: bool, mmap: bool) -> Any:
