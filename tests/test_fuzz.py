@@ -264,6 +264,11 @@ def test_manifest_parser_and_loader_on_mutated_manifests(body):
     _parse_mutated(body)
 
 
+# torch.load warns about the pickle protocol of some damaged legacy files: its warning, not an error.
+TORCH_PROTOCOL_WARNING = "ignore:Detected pickle protocol:UserWarning"
+
+
+@pytest.mark.filterwarnings(TORCH_PROTOCOL_WARNING)
 @FAST
 @given(damaged_containers())
 def test_single_file_container_damaged(pair):
@@ -339,6 +344,7 @@ def test_slow_manifest_parser_and_loader_on_mutated_manifests(body):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings(TORCH_PROTOCOL_WARNING)
 @SLOW
 @given(damaged_containers())
 def test_slow_single_file_container_damaged(pair):
