@@ -27,6 +27,22 @@ def _open(url: str, storage_options: dict[str, Any] | None):
     return open_any(url, storage_options)
 
 
+def _storage_options(text: str) -> dict[str, Any]:
+    # Raised as ArgumentTypeError, argparse prints this message alone: its default message for a
+    # bad value repeats the value, which holds credentials as often as not.
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        msg = getattr(exc, "msg", "invalid JSON")
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({msg}, at character {getattr(exc, 'pos', '?')}); the value is not repeated here "
+            "since it may hold credentials"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of fsspec options, not a JSON {type(value).__name__}")
+    return value
+
+
 def _progress(total: int, desc: str):
     from tqdm import tqdm
 
@@ -403,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ckptstore {__version__}")
     parser.add_argument(
         "--storage-options",
-        type=json.loads,
+        type=_storage_options,
         default=None,
         metavar="JSON",
         help='fsspec storage options for URLs, as JSON (e.g. \'{"anon": true}\')',

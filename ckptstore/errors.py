@@ -12,7 +12,7 @@ working when ckptstore replaces ``torch.save``/``torch.load``::
     ├── CorruptCheckpointError                                 checksum mismatch, truncation, bad footer/manifest
     ├── UnsupportedFormatVersionError                          written by a newer major format version
     ├── UnsupportedObjectError       (also TypeError)          save refused an object under allow_pickle=False
-    ├── PickleNotAllowedError                                  load refused pickled content under weights_only=True
+    ├── PickleNotAllowedError        (also pickle.UnpicklingError) load refused pickled content under weights_only=True
     ├── UnknownProtocolError         (also ValueError)         fsspec protocol unknown or not installed
     ├── StorageError                 (also OSError)            the destination failed: full, read-only, denied
     ├── CheckpointExistsError        (also FileExistsError)    another writer committed that step first
@@ -24,6 +24,7 @@ Each message says what was wrong, where, and what to do about it.
 from __future__ import annotations
 
 import errno as _errno
+import pickle as _pickle
 
 __all__ = [
     "CheckpointError",
@@ -81,8 +82,10 @@ class UnsupportedObjectError(CheckpointError, TypeError):
     """``save`` met an object it cannot store without pickle, and pickle was not allowed."""
 
 
-class PickleNotAllowedError(CheckpointError):
-    """The checkpoint holds pickled objects and the caller did not opt in to unpickling."""
+class PickleNotAllowedError(CheckpointError, _pickle.UnpicklingError):
+    """The checkpoint holds pickled objects and the caller did not opt in to unpickling.
+
+    Also an ``UnpicklingError``: what ``torch.load(weights_only=True)`` raises for the same refusal."""
 
 
 class UnknownProtocolError(CheckpointError, ValueError):

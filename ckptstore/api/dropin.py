@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+import struct
 from typing import Any
 
 import torch
@@ -9,8 +11,10 @@ import torch
 from ..engine.materialize import MapLocation, load_container
 from ..engine.single_file import write_container
 from ..errors import (
+    CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
+    PickleNotAllowedError,
 )
 from ..format import container
 from ..planning.flatten import plan as make_plan
@@ -88,7 +92,40 @@ def load(
 
 
 def _torch_load(source: Source, fileobj: Any, map_location: MapLocation, weights_only: bool, mmap: bool) -> Any:
-    """Files written by torch.save are handed to torch.load unchanged, so migration can be gradual."""
+    """Files written by torch.save are handed to torch.load unchanged, so migration can be gradual.
+    Its refusals and read failures come back as ckptstore errors (still UnpicklingError for refused pickles)."""
+    try:
+        return _torch_load_unchanged(source, fileobj, map_location, weights_only, mmap)
+    except pickle.UnpicklingError as exc:
+        if not weights_only or isinstance(exc, PickleNotAllowedError):
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise PickleNotAllowedError(
+            f"{source.display} is a torch.save file whose pickle torch.load's weights_only=True unpickler refuses "
+            f"({first}); unpickling can run arbitrary code, so load it with weights_only=False only if you trust "
+            "where the file came from"
+        ) from None
+    except EOFError:
+        raise CorruptCheckpointError(
+            f"{source.display} is a torch.save file that ends too early (truncated)", location=source.display
+        ) from None
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            AssertionError, ZeroDivisionError, struct.error) as exc:
+        # A damaged torch.save file fails inside torch.load with whatever its parsers raise (fuzzing
+        # found IndexError, UnicodeDecodeError, AssertionError, struct and zip errors). Device placement failures
+        # are torch's own and stay as torch.load raises them.
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and any(w in text for w in ("device", "CUDA", "cuda", "map_location")):
+            raise
+        first = text.strip().splitlines()[0][:300] if text.strip() else ""
+        raise CorruptCheckpointError(
+            f"{source.display} starts like a torch.save file, but torch.load cannot read it "
+            f"({type(exc).__name__}: {first}); the file is damaged or was not written by torch.save",
+            location=source.display,
+        ) from exc
+
+
+def _torch_load_unchanged(source: Source, fileobj: Any, map_location: MapLocation, weights_only: bool, mmap: bool) -> Any:
     if source.local_path is not None:
         return torch.load(source.local_path, map_location=map_location,  # type: ignore[arg-type]
             weights_only=weights_only, mmap=mmap)

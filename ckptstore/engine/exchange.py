@@ -19,7 +19,6 @@ candidate step, as one collective round:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -29,10 +28,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, CheckpointNotFoundError
-from ..format.manifest import Manifest, parse_manifest
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
 from ..planning.sharding import intersect
 from ..storage.targets import Source, Target, open_source
+from ..tiers.ram import read_doc, usable_doc
 from .sharded import MANIFEST, Decoder, Group, _fill, _LoadCtx, _SavedRef
 
 log = logging.getLogger("ckptstore")
@@ -78,7 +78,7 @@ def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) ->
         if doc.get("step") != step or "manifest" not in doc.get("extra", doc):
             continue
         seg = path[:-5] + ".bin"
-        if not os.path.exists(seg) or os.path.getsize(seg) != doc.get("size"):
+        if not os.path.exists(seg) or os.path.islink(seg) or os.path.getsize(seg) != doc.get("size"):
             continue
         src = int(m.group("src") or m.group("rank"))
         inv.add(f"data/rank-{src:05d}.bin", seg, _opener(seg))
@@ -89,12 +89,17 @@ def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) ->
         if os.path.exists(os.path.join(step_dir, MANIFEST)):
             data = os.path.join(step_dir, "data")
             for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
-                if name.endswith(".bin") and not name.startswith("."):
+                # Never a symbolic link: the writers make none, and one could point anywhere.
+                if name.endswith(".bin") and not name.startswith(".") and not os.path.islink(os.path.join(data, name)):
                     path = os.path.join(data, name)
                     inv.add(f"data/{name}", path, _opener(path))
-            if inv.manifest is None:
-                with open(os.path.join(step_dir, MANIFEST), "rb") as fh:
-                    inv.offer_manifest(fh.read(), os.path.join(step_dir, MANIFEST))
+            manifest_path = os.path.join(step_dir, MANIFEST)
+            if inv.manifest is None and not os.path.islink(manifest_path):
+                if os.path.getsize(manifest_path) > max_manifest_bytes():
+                    log.warning("ckptstore: %s is over the manifest size cap; not using it", manifest_path)
+                    continue
+                with open(manifest_path, "rb") as fh:
+                    inv.offer_manifest(fh.read(), manifest_path)
     return inv
 
 
@@ -111,11 +116,10 @@ def _job_docs(job: str, ram_dir: str) -> list[tuple[re.Match[str], str, dict[str
             continue
         path = os.path.join(ram_dir, name)
         try:
-            with open(path, "rb") as fh:
-                doc = json.loads(fh.read())
-        except (OSError, ValueError):
+            doc = read_doc(path)
+        except (OSError, CorruptCheckpointError):
             continue  # being rewritten, or damaged: not a usable copy
-        if isinstance(doc, dict):
+        if usable_doc(doc):
             out.append((m, path, doc))
     return out
 
@@ -131,7 +135,7 @@ def needed_chunks(state: Any, manifest: Manifest, display: str, rank: int, world
     saved values, as the load that follows does anyway.
     """
     saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
-    ctx = _LoadCtx(manifest)
+    ctx = _LoadCtx(manifest, plan_only=True)
     with torch.no_grad():
         _fill(state, saved, [], ctx, top=True)
     out: set[tuple[str, int, int]] = set()

@@ -11,11 +11,11 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.checksum import ALGORITHM
 from ..format.manifest import Manifest
 from ..storage.targets import ShortRead, Source, open_source, resolve
-from .sharded import Directory, read_manifest
+from .sharded import Directory, check_extent, read_manifest
 from .single_file import open_container
 
 SCAN_PIECE = 64 << 20
@@ -36,7 +36,7 @@ class Opened:
             assert self._source is not None
             return self._source
         assert self._directory is not None
-        return open_source(self._directory.target(rel))
+        return self._directory.open(rel)
 
     def close(self) -> None:
         if self._source is not None:
@@ -63,6 +63,30 @@ def open_any(url: str, storage_options: dict[str, Any] | None) -> Opened:
         source.close()
         raise
     return Opened(source.display, c.manifest, c.end, _source=source)
+
+
+def check_files(opened: Opened) -> None:
+    """Every chunk's bytes lie inside its file (symbolic links out of the directory refused): what
+    a command that writes checks first, so that a damaged source is refused before any write."""
+    if opened._directory is None:
+        return  # a single file's chunk ranges were checked against its data region when it was opened
+    sizes: dict[str, int] = {}
+    for key, entry in opened.manifest.tensors.items():
+        for c in entry.chunks:
+            if c.file is None or not c.length:
+                continue
+            if c.file not in sizes:
+                try:
+                    source = opened.source(c.file)
+                except CheckpointNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{opened.display}/{c.file} is missing, but the manifest keeps tensor {key!r} in it",
+                        location=f"{opened.display}/{c.file}",
+                        key=key,
+                    ) from None
+                sizes[c.file] = source.size
+                source.close()
+            check_extent(opened.display, key, c, sizes[c.file])
 
 
 def _split_dims(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:

@@ -20,7 +20,7 @@ from .._buffers import byte_view
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
-from ..format.tree import Decoder
+from ..format.tree import Decoder, parse_device
 from ..planning.flatten import plan as make_plan
 from ..storage.targets import FileObjectSink, FileObjectSource, Source
 from .single_file import open_container, read_entries, write_container
@@ -65,9 +65,10 @@ class _Materializer:
         self.map_location = map_location
         self.objects: dict[int, torch.Tensor] = {}
         self.bases: dict[str, torch.Tensor] = {}
+        self._decoder = Decoder(self.resolve, where)
 
     def build(self) -> Any:
-        return Decoder(self.resolve, self.where).decode(self.manifest.tree)
+        return self._decoder.decode(self.manifest.tree)
 
     def bad(self, msg: str, key: str | None = None) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.where}: {msg}", location=self.where, key=key)
@@ -105,6 +106,8 @@ class _Materializer:
         if obj_id in self.objects:
             return self.objects[obj_id]
         tensor = self.tensor(node) if tag == "$tensor" else self.view(node)
+        if (node.get("param") or node.get("requires_grad")) and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise self.bad(f"{node[tag]!r} is a {tensor.dtype} tensor marked as requiring gradients", node[tag])
         if node.get("param"):
             tensor = torch.nn.Parameter(tensor, requires_grad=bool(node.get("requires_grad")))
         elif node.get("requires_grad"):
@@ -115,6 +118,7 @@ class _Materializer:
 
     def placed(self, key: str, location: str) -> torch.Tensor:
         """The entry's flat byte buffer on the device ``map_location`` chooses (once per entry)."""
+        parse_device(location, self._decoder)  # a saved device name that torch cannot parse is damage
         if key not in self.bases:
             self.bases[key] = _relocate(self.entry_buffer(key), location, self.map_location)
         return self.bases[key]

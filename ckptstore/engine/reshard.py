@@ -25,7 +25,7 @@ from ..format.tree import Decoder, Encoder
 from ..planning.flatten import Plan, WriteItem, _Planner
 from ..planning.sharding import Box, shard_box
 from ..storage.targets import open_sink, resolve
-from .inspect import Opened, open_any
+from .inspect import Opened, check_files, open_any
 from .memory import alloc_bytes
 from .sharded import (
     BLOCK_SIZE,
@@ -101,6 +101,8 @@ def reshard(
                 f"{opened.display} is a single-file checkpoint; reshard reads sharded checkpoints. Load it and "
                 "save it with ckptstore.save_sharded to lay it out for several ranks"
             )
+        check_files(opened)  # a damaged source is refused before anything is written
+        Decoder(lambda tag, node: None, opened.display).decode(opened.manifest.tree)
         if ranks == 1:
             return _consolidate(opened, dst, storage_options, buffer_bytes, progress, decode_per_rank)
         return _to_sharded(opened, dst, ranks, storage_options, buffer_bytes, max_chunk_bytes, progress)

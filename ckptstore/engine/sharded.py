@@ -41,11 +41,20 @@ from ..errors import (
 from ..format import codecs
 from ..format.checksum import verify
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
-from ..format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
+from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
 from ..planning.flatten import contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, read_plan, replica_writer, row_span, shard_box, spread
-from ..storage.targets import ShortRead, Source, Target, open_sink, open_source, resolve, write_bytes
+from ..storage.targets import (
+    ShortRead,
+    Source,
+    Target,
+    makedirs_private,
+    open_sink,
+    open_source,
+    resolve,
+    write_bytes,
+)
 from .memory import alloc_bytes
 from .single_file import io_pool, write_raw
 
@@ -153,7 +162,7 @@ class Directory:
         try:
             if self.base.path is not None:
                 for sub in ("data", "parts"):
-                    os.makedirs(os.path.join(self.base.path, sub), exist_ok=True)
+                    makedirs_private(os.path.join(self.base.path, sub))
             else:
                 self.base.fs.makedirs(self.base.fspath, exist_ok=True)
         except OSError as exc:
@@ -176,11 +185,28 @@ class Directory:
     def open(self, rel: str | None) -> Source:
         if rel is None:
             raise CorruptCheckpointError(f"{self.display}: a chunk of a sharded checkpoint names no file", location=self.display)
-        return open_source(self.target(rel))
+        target = self.target(rel)
+        self._confine(target)
+        return open_source(target)
+
+    def _confine(self, target: Target) -> None:
+        """A local file must resolve inside the checkpoint directory: manifest paths cannot climb
+        out (the path grammar), and neither may a symbolic link planted in the directory."""
+        if target.path is None or self.base.path is None:
+            return
+        root = os.path.realpath(self.base.path)
+        real = os.path.realpath(target.path)
+        if not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise CorruptCheckpointError(
+                f"{target.display} resolves to {real}, outside the checkpoint directory {root} (a symbolic "
+                "link); refusing to read it. Replace the link by a copy of the file if you trust it",
+                location=target.display,
+            )
 
     def read_small(self, rel: str) -> bytes:
-        source = open_source(self.target(rel))
+        source = self.open(rel)
         try:
+            check_manifest_size(source.size, where=source.display)  # before reading it into memory
             return source.read(0, source.size)
         finally:
             source.close()
@@ -552,6 +578,47 @@ class _LoadCtx:
     per_rank: list[tuple[PerRank, str, list[Any]]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     fresh: dict[str, torch.Tensor] = field(default_factory=dict)  # entry key -> tensor allocated for it
+    # Opens chunk files to check their sizes before a buffer is allocated for what they claim to hold.
+    open_file: Callable[[str | None], Source] | None = None
+    display: str = ""
+    sizes: dict[str, int] = field(default_factory=dict)
+    # A planning walk (which chunks will a load read?) allocates nothing: an empty slot stays empty
+    # and the load that follows allocates it, after checking what its files hold.
+    plan_only: bool = False
+
+    def check_extents(self, key: str, entry: TensorEntry) -> None:
+        if self.open_file is None:
+            return
+        for c in entry.chunks:
+            if c.file is None or not c.length:
+                continue
+            if c.file not in self.sizes:
+                try:
+                    source = self.open_file(c.file)
+                except CheckpointNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{self.display}/{c.file} is missing, but the manifest keeps tensor {key!r} in it; the "
+                        "checkpoint is damaged: load another copy or an earlier step",
+                        location=f"{self.display}/{c.file}",
+                        key=key,
+                    ) from None
+                try:
+                    self.sizes[c.file] = source.size
+                finally:
+                    source.close()
+            check_extent(self.display, key, c, self.sizes[c.file])
+
+
+def check_extent(where: str, key: str, c: Chunk, size: int) -> None:
+    if c.offset + c.length > size:
+        location = f"{where}/{c.file}"
+        raise CorruptCheckpointError(
+            f"{location} is truncated (it has {size} bytes, but the manifest keeps bytes [{c.offset}, "
+            f"{c.offset + c.length}) of tensor {key!r} in it, or the manifest is damaged); load another copy or "
+            "an earlier step",
+            location=location,
+            key=key,
+        )
 
 
 def read_manifest(directory: Directory) -> Manifest:
@@ -625,7 +692,7 @@ def load_manifest(
     """Fill ``state`` in place from a sharded manifest whose chunk files ``open_file`` opens
     (a checkpoint directory, or the RAM tier's slots)."""
     saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
-    ctx = _LoadCtx(manifest)
+    ctx = _LoadCtx(manifest, open_file=open_file, display=display)
     with torch.no_grad():
         _fill(state, saved, [], ctx, top=True)
         if ctx.missing and strict:
@@ -648,6 +715,7 @@ def load_manifest(
                 entry = manifest.tensors.get(entry_key)
                 if entry is None:
                     raise CorruptCheckpointError(f"{display}: per-rank entry {entry_key!r} is missing", key=entry_key)
+                ctx.check_extents(entry_key, entry)
                 buf = alloc_bytes(entry.nbytes)
                 one = [ReadTarget(entry_key, [], buf, ((0,), (entry.numel,)))]
                 read_targets(display, open_file, manifest, one, buffer_bytes)
@@ -678,8 +746,14 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
         if not isinstance(caller, torch.Tensor):
             # Nothing to load into: allocate the whole tensor (single-process loads into an empty slot),
             # once per entry, so slots that name the same entry (the same tensor saved twice) share it.
+            if ctx.plan_only:
+                if saved.key not in ctx.fresh:
+                    ctx.fresh[saved.key] = torch.empty(0)
+                    ctx.targets.append(ReadTarget(saved.key, path, ctx.fresh[saved.key], ((0,) * len(entry.shape), entry.shape)))
+                return caller
             if saved.key in ctx.fresh:
                 return ctx.fresh[saved.key]
+            ctx.check_extents(saved.key, entry)
             dtype = dtype_from_name(entry.dtype, where=where)
             fresh = alloc_bytes(entry.nbytes).view(dtype).view(entry.shape) if entry.nbytes else torch.empty(
                 entry.shape, dtype=dtype
@@ -817,28 +891,36 @@ def read_targets(
                     ) from None
             return sources[rel]
 
-    # Staging memory is one arena of at most buffer_bytes, cut into equal slots that jobs take
-    # turns on: freed and re-allocated buffers would stay resident in the allocator's per-thread
-    # arenas (measured: 234-586 MiB of extra RSS for budgets of 16-64 MiB), an arena does not.
-    # Slots start at multiples of 64 bytes: a slot is viewed as the chunk's dtype (0-dim tensors), which
-    # needs an offset divisible by the element size even when another job has an odd length.
-    slot = -(-max((job.length for job in jobs), default=0) // 64) * 64
-    nslots = max(1, min(len(jobs), buffer_bytes // max(1, slot)))
-    # Device targets are filled from host memory: a page-locked arena makes those copies DMA.
-    pinned = torch.cuda.is_available() and any(t.local.device.type == "cuda" for t in targets)
-    arena = torch.empty(nslots * slot, dtype=torch.uint8, pin_memory=True) if pinned else alloc_bytes(nslots * slot)
-    free: queue.Queue[torch.Tensor] = queue.Queue()
-    for i in range(nslots):
-        free.put(arena[i * slot : (i + 1) * slot])
-
-    def run(job: _ReadJob) -> None:
-        buf = free.get()
-        try:
-            _execute(job, source_for(job.chunk.file, job.target.key), manifest, where, buf[: job.length])
-        finally:
-            free.put(buf)
-
     try:
+        # Every file a job reads is opened now (they all would be anyway), so that a byte range past
+        # the end of its file is refused before the staging arena is sized from it.
+        for job in jobs:
+            if job.length:
+                source = source_for(job.chunk.file, job.target.key)
+                if job.chunk.file is not None:
+                    check_extent(where, job.target.key, job.chunk, source.size)
+        # Staging memory is one arena of at most buffer_bytes, cut into equal slots that jobs take
+        # turns on: freed and re-allocated buffers would stay resident in the allocator's per-thread
+        # arenas (measured: 234-586 MiB of extra RSS for budgets of 16-64 MiB), an arena does not.
+        # Slots start at multiples of 64 bytes: a slot is viewed as the chunk's dtype (0-dim tensors),
+        # which needs an offset divisible by the element size even when another job has an odd length.
+        slot = -(-max((job.length for job in jobs), default=0) // 64) * 64
+        nslots = max(1, min(len(jobs), buffer_bytes // max(1, slot)))
+        # Device targets are filled from host memory: a page-locked arena makes those copies DMA.
+        pinned = torch.cuda.is_available() and any(t.local.device.type == "cuda" for t in targets)
+        arena = (torch.empty(nslots * slot, dtype=torch.uint8, pin_memory=True) if pinned
+                 else alloc_bytes(nslots * slot))
+        free: queue.Queue[torch.Tensor] = queue.Queue()
+        for i in range(nslots):
+            free.put(arena[i * slot : (i + 1) * slot])
+
+        def run(job: _ReadJob) -> None:
+            buf = free.get()
+            try:
+                _execute(job, source_for(job.chunk.file, job.target.key), manifest, where, buf[: job.length])
+            finally:
+                free.put(buf)
+
         for _ in io_pool().map(run, jobs) if len(jobs) > 1 else map(run, jobs):
             pass
     finally:

@@ -20,7 +20,7 @@ from ..errors import CorruptCheckpointError, NotACheckpointError
 from ..format import codecs, container
 from ..format.checksum import checksum, verify
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
-from ..format.manifest import Chunk, Manifest, TensorEntry, parse_manifest
+from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..planning.flatten import Plan
 from ..storage.targets import READ_PIECE, ShortRead, Sink, Source
 from .memory import alloc_bytes
@@ -220,6 +220,7 @@ def open_container(source: Source) -> OpenContainer:
                 f"{where}: file is truncated: {expected}, the file has {source.size}", location=where
             )
         footer = container.unpack_footer(source.read(length - container.FOOTER.size, container.FOOTER.size), length, where=where)
+        check_manifest_size(footer.manifest_length, where=where)  # before reading it into memory
         body = source.read(footer.manifest_offset, footer.manifest_length)
     except ShortRead as exc:
         raise CorruptCheckpointError(f"{where}: file is truncated ({exc})", location=where) from None

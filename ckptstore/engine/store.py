@@ -1100,12 +1100,12 @@ def _node_identity(node: Any, rank: int) -> Any:
 def _replica_to_local(root: str, step: int, src: int, buf: Any, manifest: bytes, keep: int | None) -> None:
     """Keep a received replica on this node's disk too: ``<local>/peer/step-<012d>/`` holds the
     replicas this node's ranks received, with the step's manifest, so they survive a reboot."""
-    from ..storage.targets import Target, open_sink, write_bytes
+    from ..storage.targets import Target, makedirs_private, open_sink, write_bytes
     from .single_file import write_raw
 
     peer_root = os.path.join(root, "peer")
     step_dir = os.path.join(peer_root, f"step-{step:012d}")
-    os.makedirs(os.path.join(step_dir, "data"), exist_ok=True)
+    makedirs_private(os.path.join(step_dir, "data"))
     path = os.path.join(step_dir, "data", f"rank-{src:05d}.bin")
     sink = open_sink(Target(display=path, path=path))
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,31 @@ FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 _FILE_RE = re.compile(r"^(?!/)(?!.*(?:^|/)\.\.?(?:/|$))[A-Za-z0-9._\-/]{1,255}$")
 _MAX_DIMS = 64
 _MAX_BYTES = 1 << 60
+# A zstd block decodes to at most 128 KiB and costs at least 4 stored bytes (3 of header, 1 of RLE
+# payload), so no frame decodes to more than 32768 times its own size: a compressed chunk whose box
+# is larger than that is a lie about its size, refused before a buffer for it is allocated.
+MAX_ZSTD_RATIO = 32768
+# Manifests are read whole into memory and parsed (JSON parsing needs several times the bytes), so
+# their size is capped before reading. 256 MiB is ~1M tensors, or 4 PiB of data in 4 MiB checksummed
+# blocks; CKPTSTORE_MAX_MANIFEST_BYTES raises (or lowers) it.
+DEFAULT_MAX_MANIFEST_BYTES = 256 << 20
+
+
+def max_manifest_bytes() -> int:
+    value = os.environ.get("CKPTSTORE_MAX_MANIFEST_BYTES", "")
+    return int(value) if value.isdigit() else DEFAULT_MAX_MANIFEST_BYTES
+
+
+def check_manifest_size(nbytes: int, *, where: str) -> None:
+    """Refuse a manifest (or RAM-tier document) larger than the cap before it is read."""
+    cap = max_manifest_bytes()
+    if nbytes > cap:
+        raise CorruptCheckpointError(
+            f"{where}: the manifest is {nbytes} bytes, over the {cap}-byte cap on manifests; refusing to read it. "
+            "It is damaged or not a ckptstore manifest; if it is genuine, set CKPTSTORE_MAX_MANIFEST_BYTES "
+            "above its size",
+            location=where,
+        )
 
 
 @dataclass(frozen=True)
@@ -133,6 +159,27 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Parsers disagree on which of two same-named members wins (Python's json keeps the last), so a
+    # manifest with duplicates could mean one thing here and another to a different reader.
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate member name {dup[:100]!r} in one object")
+    return obj
+
+
+def load_json(data: bytes | str, *, where: str, what: str = "manifest") -> Any:
+    """JSON as the manifest rules read it: no NaN/Infinity, no duplicate member names, bounded depth.
+    Every failure is a CorruptCheckpointError naming ``where``."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray, memoryview)) else data
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_members)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: {what} is not valid JSON: {exc}", location=where) from None
+
+
 def _check_version(doc: dict[str, Any], where: str) -> None:
     version = doc.get("format_version")
     m = re.fullmatch(r"(\d{1,6})\.(\d{1,6})", version) if isinstance(version, str) else None
@@ -171,10 +218,8 @@ def _verify_own_checksum(data: bytes, doc: dict[str, Any], where: str) -> None:
 
 def parse_manifest(data: bytes, *, where: str) -> Manifest:
     """Parse and validate manifest bytes; every failure is a CorruptCheckpointError naming ``where``."""
-    try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{where}: manifest is not valid JSON: {exc}", location=where) from None
+    check_manifest_size(len(data), where=where)
+    doc = load_json(data, where=where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: manifest is not a ckptstore manifest", location=where)
     _check_version(doc, where)
@@ -192,6 +237,7 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
     if "tree" not in doc:
         raise CorruptCheckpointError(f"{where}: manifest has no tree", location=where)
     tensors = {key: _parse_entry(key, value, where) for key, value in raw_tensors.items()}
+    _check_byte_ranges(tensors, where)
     return Manifest(
         kind=kind,
         tensors=tensors,
@@ -255,6 +301,13 @@ def _parse_entry(key: str, value: Any, where: str) -> TensorEntry:
                 location=where,
                 key=key,
             )
+        if codec != "raw" and math.prod(sizes) * elsize > length * MAX_ZSTD_RATIO:
+            raise CorruptCheckpointError(
+                f"{cat}: {length} stored bytes of {codec} cannot decode to the {math.prod(sizes) * elsize} bytes "
+                f"of its box (a zstd frame decodes to at most {MAX_ZSTD_RATIO}x its size)",
+                location=where,
+                key=key,
+            )
         block_size, blocks = raw.get("block_size"), raw.get("block_checksums")
         if blocks is not None or block_size is not None:
             if (
@@ -309,3 +362,23 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: list[Chunk], where
                     key=key,
                 )
         active.append(box)
+
+
+def _check_byte_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
+    """No two chunks may claim the same stored bytes of one file: writers never share bytes, and
+    shared bytes would make two tensors alias one mapping (mmap) or one decode serve two boxes."""
+    ranges = sorted(
+        (c.file or "", c.offset, c.offset + c.length, key)
+        for key, entry in tensors.items()
+        for c in entry.chunks
+        if c.length
+    )
+    for (f1, _s1, e1, k1), (f2, s2, _e2, k2) in zip(ranges, ranges[1:]):
+        if f1 == f2 and s2 < e1:
+            name = f"file {f1!r}" if f1 else "the container"
+            raise CorruptCheckpointError(
+                f"{where}: tensors {k1!r} and {k2!r} claim overlapping bytes [{s2}, {e1}) of {name}; "
+                "the manifest is damaged or crafted",
+                location=where,
+                key=k2,
+            )

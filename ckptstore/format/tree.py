@@ -191,11 +191,20 @@ class Decoder:
         return CorruptCheckpointError(f"{self._where}: manifest tree: {msg}", location=self._where)
 
     def decode(self, node: Any) -> Any:
+        """The object ``node`` (a manifest's tree) encodes; a malformed tree is a CorruptCheckpointError."""
+        try:
+            return self._decode(node)
+        except RecursionError:
+            # json's parser nests deeper than this walk can: a legitimate writer (which recursed
+            # as deep to encode) never gets near the limit.
+            raise self.bad("the tree is nested too deeply") from None
+
+    def _decode(self, node: Any) -> Any:
         t = type(node)
         if node is None or t is bool or t is str or t is int or t is float:
             return node
         if t is list:
-            return [self.decode(v) for v in node]
+            return [self._decode(v) for v in node]
         if t is not dict:
             raise self.bad(f"unexpected JSON value of type {t.__name__}")
         if not node:
@@ -204,13 +213,13 @@ class Decoder:
         if not tag.startswith("$"):
             if any(k.startswith("$") for k in node):
                 raise self.bad(f"object mixes plain keys and tags: {sorted(node)[:5]}")
-            return {k: self.decode(v) for k, v in node.items()}
+            return {k: self._decode(v) for k, v in node.items()}
         try:
             return self._tagged(tag, node)
         except CheckpointError:
             raise  # raised on purpose by a resolver (map_location misuse, pickle refusal, ...)
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-            raise self.bad(f"malformed {tag} node: {exc}") from None
+            raise self.bad(f"malformed {tag} node: {str(exc)[:500]}") from None
 
     def _float(self, v: Any) -> float:
         if type(v) is dict and set(v) == {"$float"} and v["$float"] in ("nan", "inf", "-inf"):
@@ -222,11 +231,13 @@ class Decoder:
     def _pairs(self, v: Any) -> list[tuple[Any, Any]]:
         if type(v) is not list or any(type(p) is not list or len(p) != 2 for p in v):
             raise self.bad("dict entries must be [key, value] pairs")
-        return [(_hashable(self.decode(k)), self.decode(val)) for k, val in v]
+        return [(_hashable(self._decode(k)), self._decode(val)) for k, val in v]
 
     def _tagged(self, tag: str, node: dict) -> Any:
         v = node[tag]
         if tag in RESOLVED_TAGS:
+            if type(v) is not str:  # every resolved tag names an entry (or a dtype) by a string
+                raise self.bad(f"{tag} must name an entry with a string, not a {type(v).__name__}")
             return self._resolve(tag, node)
         if tag == "$int":
             base = node.get("base", 10)
@@ -245,34 +256,44 @@ class Decoder:
             data = base64.b64decode(v.encode("ascii"), validate=True)
             return data if tag == "$bytes" else bytearray(data)
         if tag == "$tuple":
-            return tuple(self.decode(x) for x in _list(v, self))
+            return tuple(self._decode(x) for x in _list(v, self))
         if tag == "$size":
             if any(type(x) is not int for x in _list(v, self)):
                 raise self.bad("$size holds ints only")
             return torch.Size(v)
         if tag in ("$set", "$frozenset"):
-            items = [_hashable(self.decode(x)) for x in _list(v, self)]
+            items = [_hashable(self._decode(x)) for x in _list(v, self)]
             return set(items) if tag == "$set" else frozenset(items)
         if tag == "$dict":
             return dict(self._pairs(v))
         if tag == "$odict":
             out = collections.OrderedDict(self._pairs(v))
             if "meta" in node:
-                out._metadata = self.decode(node["meta"])  # type: ignore[attr-defined]
+                out._metadata = self._decode(node["meta"])  # type: ignore[attr-defined]
             return out
         if tag == "$namedtuple":
             fields = tuple(_list(node["fields"], self))
             if type(v) is not str or any(type(f) is not str for f in fields):
                 raise self.bad("$namedtuple needs a class name and string fields")
             cls = _namedtuple_type(v, fields)
-            return cls(*(self.decode(x) for x in _list(node["values"], self)))
+            return cls(*(self._decode(x) for x in _list(node["values"], self)))
         if tag == "$dtype":
             if v not in NAME_TO_DTYPE:
                 raise self.bad(f"unknown dtype {v!r}")
             return NAME_TO_DTYPE[v]
         if tag == "$device":
-            return torch.device(v)
+            return parse_device(v, self)
         raise self.bad(f"unknown tag {tag!r}; the checkpoint may come from a newer ckptstore")
+
+
+def parse_device(v: Any, dec: Decoder) -> torch.device:
+    """A device named in a tree; torch refuses a bad name with RuntimeError, which is not ours to leak."""
+    try:
+        if type(v) is not str:
+            raise TypeError(f"not a string: {type(v).__name__}")
+        return torch.device(v)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise dec.bad(f"{str(v)[:100]!r} is not a device: {str(exc)[:200]}") from None
 
 
 def _list(v: Any, dec: Decoder) -> list:

@@ -26,6 +26,7 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     InvalidArgumentError,
+    NotACheckpointError,
     StorageError,
     UnknownProtocolError,
 )
@@ -62,6 +63,8 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
         s = os.fspath(f)
         if not isinstance(s, str):
             raise InvalidArgumentError(f"paths must be str, not {type(s).__name__}")
+        if "\x00" in s:
+            raise InvalidArgumentError(f"path {s!r} contains a NUL byte, which no file name can hold")
         if "://" not in s:
             if storage_options:
                 raise InvalidArgumentError("storage_options only apply to fsspec URLs, not to local paths")
@@ -195,7 +198,8 @@ class LocalSink(Sink):
         if os.path.isdir(path):
             raise storage_error(IsADirectoryError(errno.EISDIR, "is a directory"), "write", display)
         try:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            # Owner-only, like everything ckptstore creates: checkpoints can hold private data.
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise storage_error(exc, "write", display, previous_kept=os.path.exists(path)) from None
         # Bulk data goes through O_DIRECT where the filesystem allows it (see direct.py); small
@@ -298,6 +302,26 @@ def _link_or_replace_absent(tmp: str, path: str) -> None:
         os.replace(tmp, path)
         return
     os.unlink(tmp)
+
+
+def makedirs_private(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, except that every directory it creates is 0700 (owner
+    only; os.makedirs applies its mode to the last one alone). Existing directories are left as
+    they are: their modes are the user's choice."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
 
 
 def fsync_dir(directory: str) -> None:
@@ -468,7 +492,7 @@ def _create_local_exclusive(path: str, display: str, data: bytes) -> None:
     directory, base = os.path.split(path)
     tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -499,7 +523,7 @@ def _create_local_exclusive(path: str, display: str, data: bytes) -> None:
 
 def _create_in_place(path: str, data: bytes) -> None:
     """O_EXCL create is just as exclusive as link, but a crash mid-write leaves a short file there."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -538,6 +562,9 @@ class Source:
     local_path: str | None = None
 
     def read(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            # Before allocating: a damaged or crafted length must not become a huge buffer.
+            raise _ShortRead(offset, length, max(0, self.size - offset))
         buf = bytearray(length)
         self.readinto(offset, memoryview(buf))
         return bytes(buf)
@@ -568,7 +595,8 @@ class LocalSource(Source):
         self.display = display
         self.local_path = path
         try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: opening a FIFO planted where a checkpoint file belongs must not hang.
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {display}: the file does not exist") from None
         except IsADirectoryError:
@@ -583,6 +611,13 @@ class LocalSource(Source):
             os.close(self.fd)
             self.fd = -1
             raise CheckpointNotFoundError(f"{display} is a directory; ckptstore.load reads a single checkpoint file")
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self.fd)
+            self.fd = -1
+            raise NotACheckpointError(
+                f"{display} is not a regular file (a FIFO, socket or device); checkpoints are read from files"
+            )
+        os.set_blocking(self.fd, True)
         self.size = st.st_size
 
     def readinto(self, offset: int, out: memoryview) -> None:

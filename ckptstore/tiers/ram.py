@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -34,11 +35,11 @@ from typing import Any
 import torch
 import xxhash
 
-from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StorageError
 from ..format.checksum import ALGORITHM
 from ..format.container import align_up
 from ..format.dtypes import dtype_from_name, dtype_name
-from ..format.manifest import Manifest, parse_manifest
+from ..format.manifest import Manifest, check_manifest_size, load_json, parse_manifest
 from ..storage.targets import Source, Target, open_source
 from .base import Snapshot, Tier
 
@@ -87,8 +88,23 @@ class Slot:
 
     def __init__(self, path: str, size: int) -> None:
         self.path, self.size = path, size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # ram_dir is usually /dev/shm, writable by every user: never follow a link planted under
+        # our name (the staged bytes would go wherever it points), never use another user's file.
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot open the shared-memory segment {path}: {exc.strerror or exc}"
+                + (" (it is a symbolic link, which ckptstore never follows there; remove it)" if os.path.islink(path) else ""),
+                errno=exc.errno,
+            ) from None
+        try:
+            owner = os.fstat(fd).st_uid
+            if owner != os.geteuid():
+                raise CheckpointError(
+                    f"{path} belongs to user {owner}, not to this process's user {os.geteuid()}; refusing to use it "
+                    "as a staging segment. Remove it, or choose another job name or ram_dir"
+                )
             os.fchmod(fd, 0o600)  # an existing segment keeps owner-only access too
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
@@ -263,11 +279,7 @@ class RamTier(Tier):
         }
         path = self._name(staged.slot, "json")
         tmp = f"{path}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps(doc, separators=(",", ":")).encode())
-        finally:
-            os.close(fd)
+        _write_doc(tmp, doc)
         os.replace(tmp, path)
 
     def committed(self) -> list[dict[str, Any]]:
@@ -280,14 +292,15 @@ class RamTier(Tier):
         for index in range(self.nslots):
             path = self._name(index, "json")
             try:
-                with open(path, "rb") as fh:
-                    doc = json.loads(fh.read())
+                doc = read_doc(path)
             except FileNotFoundError:
                 continue
-            except (OSError, ValueError) as exc:
+            except OSError as exc:
                 raise CorruptCheckpointError(f"{path}: unreadable RAM-tier manifest: {exc}", location=path) from None
             if doc.get("format") != RAM_FORMAT or doc.get("job") != self.job or doc.get("rank") != self.rank:
                 continue
+            if doc.get("slot") != index or type(doc.get("size")) is not int or type(doc.get("step")) is not int:
+                raise CorruptCheckpointError(f"{path}: RAM-tier manifest names another slot, or no size/step", location=path)
             seg = self._name(index, "bin")
             if not os.path.exists(seg) or os.path.getsize(seg) != doc.get("size"):
                 continue
@@ -296,7 +309,7 @@ class RamTier(Tier):
 
     def read(self, doc: dict[str, Any], *, verify: bool = True) -> dict[str, torch.Tensor]:
         """Tensors of a committed snapshot, as copies (the slot will be reused), checksums verified."""
-        entries = [SlotEntry(e["key"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"]) for e in doc["layout"]]
+        entries = _entries(doc)
         layout = Layout(tuple(entries), doc["size"])
         if layout.signature != doc["signature"]:
             raise CorruptCheckpointError(f"RAM snapshot of step {doc['step']}: layout does not match its signature")
@@ -308,7 +321,8 @@ class RamTier(Tier):
                 data = memoryview(slot.map)[e.offset : e.offset + e.nbytes]
                 actual = f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"
                 data.release()
-                expected = doc["checksums"].get(e.key, {}).get("checksum")
+                sums = doc.get("checksums")
+                expected = sums.get(e.key, {}).get("checksum") if isinstance(sums, dict) else None
                 if actual != expected:
                     raise CorruptCheckpointError(
                         f"RAM snapshot of step {doc['step']} in {slot.path}: checksum mismatch for {e.key!r}",
@@ -364,21 +378,20 @@ class RamTier(Tier):
                 continue
             path = os.path.join(self.ram_dir, name)
             try:
-                with open(path, "rb") as fh:
-                    doc = json.loads(fh.read())
+                doc = read_doc(path)
             except FileNotFoundError:
                 continue
-            except (OSError, ValueError) as exc:
+            except (OSError, CorruptCheckpointError) as exc:
                 # Unreadable: not a usable copy; restore falls back to another tier.
                 _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its manifest is unreadable ({exc})")
                 continue
             seg = path[:-5] + ".bin"
-            if (not isinstance(doc, dict) or doc.get("format") != RAM_FORMAT or doc.get("job") != self.job
-                    or doc.get("rank") != rank or doc.get("slot") != int(name[len(prefix) : -5])
-                    or "manifest" not in doc.get("extra", {})):
+            if (not usable_doc(doc) or doc.get("job") != self.job or doc.get("rank") != rank
+                    or doc.get("slot") != int(name[len(prefix) : -5])):
                 _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its manifest is not one of this job's")
                 continue
-            size, expected = (os.path.getsize(seg) if os.path.exists(seg) else None), doc.get("size")
+            size = os.path.getsize(seg) if os.path.exists(seg) and not os.path.islink(seg) else None
+            expected = doc.get("size")
             if size != expected:
                 why = "it is missing" if size is None else f"it holds {size} bytes, its manifest says {expected}"
                 _warn_once(path, f"ckptstore: ignoring the RAM copy of step {doc.get('step')} in {seg}: {why}")
@@ -437,10 +450,10 @@ class RamTier(Tier):
             held = []
             for k in (0, 1):
                 try:
-                    with open(self._replica_name(src, k, "json"), "rb") as fh:
-                        held.append((json.loads(fh.read()).get("step", -1), k))
-                except (OSError, ValueError):
-                    held.append((-1, k))
+                    step = read_doc(self._replica_name(src, k, "json")).get("step", -1)
+                except (OSError, CorruptCheckpointError):
+                    step = -1
+                held.append((step if type(step) is int else -1, k))
             slot = min(held)[1]
         self._replica_next[src] = 1 - slot
         _unlink(self._replica_name(src, slot, "json"))
@@ -457,8 +470,7 @@ class RamTier(Tier):
                "size": size, "committed_unix": round(time.time(), 3), "extra": {"manifest": manifest.decode()}}
         path = self._replica_name(src, slot, "json")
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            fh.write(json.dumps(doc, separators=(",", ":")).encode())
+        _write_doc(tmp, doc)
         os.replace(tmp, path)
 
     def close(self, *, unlink: bool = False) -> None:
@@ -481,6 +493,79 @@ def _warn_once(path: str, message: str) -> None:
     if (path, message) not in _warned:
         _warned.add((path, message))
         logging.getLogger("ckptstore").warning("%s", message)
+
+
+def _write_doc(path: str, doc: dict[str, Any]) -> None:
+    # O_NOFOLLOW: a link planted in a shared ram_dir under this name must not redirect the write.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise StorageError(
+            f"cannot write {path}: {exc.strerror or exc}"
+            + (" (it is a symbolic link, which ckptstore never follows there; remove it)" if os.path.islink(path) else ""),
+            errno=exc.errno,
+        ) from None
+    try:
+        os.fchmod(fd, 0o600)
+        data = memoryview(json.dumps(doc, separators=(",", ":")).encode())
+        while data:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+
+
+def read_doc(path: str) -> dict[str, Any]:
+    """A RAM-tier document (own slot or peer replica): never through a symbolic link, never larger
+    than the manifest cap, always a JSON object. Raises OSError or CorruptCheckpointError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        check_manifest_size(size, where=path)
+        chunks, left = [], size
+        while left > 0:
+            piece = os.read(fd, left)
+            if not piece:
+                break
+            chunks.append(piece)
+            left -= len(piece)
+    finally:
+        os.close(fd)
+    doc = load_json(b"".join(chunks), where=path, what="RAM-tier document")
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{path}: a RAM-tier document must be a JSON object", location=path)
+    return doc
+
+
+def usable_doc(doc: dict[str, Any]) -> bool:
+    """Whether a RAM-tier document has the members a restore relies on, of the right types (a
+    document that fails this is skipped like a missing one: restore uses another copy)."""
+    extra = doc.get("extra")
+    return (
+        doc.get("format") == RAM_FORMAT
+        and type(doc.get("step")) is int
+        and doc["step"] >= 0
+        and type(doc.get("size")) is int
+        and doc["size"] >= 0
+        and isinstance(extra, dict)
+        and isinstance(extra.get("manifest"), str)
+    )
+
+
+def _entries(doc: dict[str, Any]) -> list[SlotEntry]:
+    """The layout of a committed slot, each entry checked to lie inside the segment."""
+    where = f"RAM snapshot of step {doc.get('step')!r}"
+    try:
+        size = doc["size"]
+        entries = [SlotEntry(e["key"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"]) for e in doc["layout"]]
+        for e in entries:
+            ok = all(type(v) is int and v >= 0 for v in (size, e.offset, e.nbytes, *e.shape)) and type(e.key) is str
+            if not ok or e.offset + e.nbytes > size:
+                raise ValueError(f"entry {e.key!r} does not lie inside the {size}-byte segment")
+            if e.nbytes != math.prod(e.shape) * dtype_from_name(e.dtype, where=where).itemsize:
+                raise ValueError(f"entry {e.key!r}: {e.nbytes} bytes do not hold shape {list(e.shape)} of {e.dtype}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{where}: malformed layout: {exc}") from None
+    return entries
 
 
 def _pin(buffer: torch.Tensor) -> bool:
