@@ -178,6 +178,7 @@ def test_checkpoint_store_signature():
         ("node", P.KEYWORD_ONLY, None),
         ("peer_timeout_s", P.KEYWORD_ONLY, 60.0),
         ("peer_to_local", P.KEYWORD_ONLY, False),
+        ("tuning", P.KEYWORD_ONLY, None),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save"]
     assert _shape(ckptstore.CheckpointStore.restore) == [

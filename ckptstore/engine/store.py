@@ -125,6 +125,16 @@ class _Job:
     shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
 
 
+def _write_tuning(tuning: Any) -> Any:
+    """``tuning=``: the settings ``ckptstore bench`` recommends (its JSON file, or a dict), checked
+    before anything is created so a bad file fails the constructor with a clear error."""
+    if tuning is None:
+        return None
+    from ..bench import load_tuning
+
+    return load_tuning(tuning)
+
+
 class CheckpointStore:
     """Tiered asynchronous checkpoints of one training job (see the module docstring).
 
@@ -140,6 +150,10 @@ class CheckpointStore:
     launcher's environment does not. A peer that does not answer within ``peer_timeout_s`` fails
     only that replication, and replication stops for the run. ``timeout_s`` bounds every other
     collective of the store.
+
+    ``tuning``: bulk-write settings for the local and durable tiers (write chunk size, S3 part size,
+    writes in flight) as recommended by ``ckptstore bench --json FILE``: that file's path, or a dict
+    of the same shape; they win over the ``CKPTSTORE_S3_*`` environment variables.
     """
 
     def __init__(
@@ -165,7 +179,9 @@ class CheckpointStore:
         node: Any = None,
         peer_timeout_s: float = 60.0,
         peer_to_local: bool = False,
+        tuning: str | os.PathLike[str] | dict[str, Any] | None = None,
     ) -> None:
+        write_tuning = _write_tuning(tuning)
         if policy not in ("block", "skip"):
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
         for name, value in (("durable_every", durable_every), ("keep_local", keep_local), ("keep_durable", keep_durable),
@@ -199,10 +215,10 @@ class CheckpointStore:
         where = (socket.gethostname(), os.path.realpath(local) if local else None)
         peers = self._fg.all_gather(where)
         local_writer = self.rank == min(r for r, w in enumerate(peers) if w == where)
-        self.local = DirectoryTier("local", local, manifest_writer=local_writer) if local else None
+        self.local = DirectoryTier("local", local, manifest_writer=local_writer, tuning=write_tuning) if local else None
         self.durable = (
             DirectoryTier("durable", durable, storage_options=storage_options, codec=durable_compression,
-                          manifest_writer=self.rank == 0)
+                          manifest_writer=self.rank == 0, tuning=write_tuning)
             if durable else None
         )
         if self.local is not None and local_writer:
