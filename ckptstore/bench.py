@@ -350,8 +350,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     if cfg.repeats < 1:
         raise InvalidArgumentError(f"--repeats must be at least 1, not {cfg.repeats}")
-    if cfg.peer:
-        raise InvalidArgumentError("--peer is not implemented in this version: run benchmarks/bench_peer.py")
     n = cfg.size
     sweep_n = min(cfg.sweep_size or min(n, 256 << 20), n)
     state_bytes = cfg.state_size or n
@@ -538,6 +536,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         doc["sweep"]["durable"] = {"bytes": sweep_n, "results": rows, "recommended": rec, "applies": is_s3}
         if is_s3:
             doc["recommended"]["durable"] = {"part_bytes": rec["part_bytes"], "concurrency": rec["concurrency"]}
+    if cfg.peer:
+        targets["peer"] = _run_peer(min(n, 256 << 20), cfg.repeats, cfg.log)
     doc["cache_drop"] = sorted(cache_drop)[0] if cache_drop else None
     doc["o_direct"] = True in o_direct if o_direct else None
     doc["checkpoint_cost"] = _cost(doc, state_bytes, staged.checksum_s * state_bytes / n)
@@ -596,6 +596,7 @@ def _cost(doc: dict[str, Any], state_bytes: int, checksum_s: float) -> dict[str,
     ram = _rate(doc, "ram", "stage")
     local = _rate(doc, "local", "write")
     durable = _rate(doc, "durable", "write")
+    peer = _rate(doc, "peer", "replicate")
     blocking = state_bytes / ram if ram else None
     background = (blocking or 0.0) + (checksum_s if ram else 0.0)
     return {
@@ -603,9 +604,11 @@ def _cost(doc: dict[str, Any], state_bytes: int, checksum_s: float) -> dict[str,
         "blocking_s": round(blocking, 4) if blocking is not None else None,
         "to_local_s": round(background + state_bytes / local, 4) if local else None,
         "to_durable_s": round(background + state_bytes / durable, 4) if durable else None,
+        "to_peer_s": round(background + state_bytes / peer, 4) if peer else None,
         "basis": "extrapolated linearly from the rates measured at --size, one process on this machine; "
-                 "to_local_s and to_durable_s include the blocking copy and the checksums of the staged copy "
-                 "(the local and durable writes run side by side in the store)",
+                 "to_local_s, to_durable_s and to_peer_s include the blocking copy and the checksums of the staged "
+                 "copy (the store writes the tiers side by side); each tier's rate is the faster of its default "
+                 "settings and the sweep's recommendation (measured at the sweep's size)",
     }
 
 
@@ -620,6 +623,172 @@ def _machine() -> dict[str, Any]:
             "ckptstore": __version__, "platform": platform.platform()}
 
 
+# ---------------------------------------------------------------------------------------- peers
+
+PEER_TIMEOUT_S = 240
+
+
+def _slowest(*values: float) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def peer_rounds(store: Any, state: Any, rank: int, ram_dir: str, job: str, repeats: int,
+                step: int = 0) -> tuple[dict[str, list[float]], int, int]:
+    """In each of 2 ranks on 2 nodes (torch.distributed initialized, ``store`` with peer_replicas=1):
+    interleaved rounds of a raw gloo isend/irecv of the replica's size in both directions against
+    ``save()`` with replication (``wait("ram")`` to ``wait("peer")``: send, verify, commit the
+    replica). Times are the slowest rank's. Returns (seconds per figure, bytes per rank, last step).
+    Shared by ``ckptstore bench --peer`` and benchmarks/bench_peer.py."""
+    import datetime
+    import glob
+
+    import torch
+    import torch.distributed as dist
+
+    other = 1 - rank
+    for _ in range(2):  # warm-up: the staging slots and replica segments are allocated on first use
+        step += 1
+        store.save(step, state).wait("peer")
+    # Exactly what was sent: the size of the replica this rank holds (the other rank's staged bytes).
+    docs = []
+    for path in glob.glob(os.path.join(ram_dir, f"ckptstore-{job}-r{rank:05d}-peer*.json")):
+        with open(path) as fh:
+            docs.append(json.load(fh))
+    if not docs or any(d["src"] != other for d in docs):
+        raise RuntimeError(f"rank {rank} holds no replica of rank {other}: {docs}")
+    nbytes = max(d["size"] for d in docs)
+    raw_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
+    send = torch.empty(nbytes, dtype=torch.uint8).fill_(rank + 1)
+    recv = torch.zeros(nbytes, dtype=torch.uint8)  # touched now, not in the first timed round
+
+    def raw() -> dict[str, float]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.irecv(recv, group=raw_pg, group_src=other), dist.isend(send, group=raw_pg, group_dst=other)]
+        for w in works:
+            if w is not None:
+                w.wait()
+        (dt,) = _slowest(time.perf_counter() - t0)
+        return {"raw_gloo_exchange": dt}
+
+    def save() -> dict[str, float]:
+        nonlocal step
+        step += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        handle = store.save(step, state)
+        t1 = time.perf_counter()
+        handle.wait("ram")
+        t2 = time.perf_counter()
+        handle.wait("peer")
+        t3 = time.perf_counter()
+        blocking, to_peer, replication = _slowest(t1 - t0, t3 - t0, t3 - t2)
+        return {"save_blocking": blocking, "save_to_peer": to_peer, "replication": replication}
+
+    for _ in range(2):
+        raw()
+    if int(recv[0]) != other + 1 or int(recv[-1]) != other + 1:
+        raise RuntimeError("the raw gloo exchange delivered the wrong bytes")
+    times: dict[str, list[float]] = {k: [] for k in ("raw_gloo_exchange", "replication", "save_to_peer", "save_blocking")}
+    order = [raw, save]
+    for r in range(repeats):
+        for fn in order if r % 2 == 0 else order[::-1]:
+            for k, v in fn().items():
+                times[k].append(v)
+    return times, nbytes, step
+
+
+def _peer_rank(rank: int, init_file: str, nbytes: int, repeats: int, root: str, job: str, result: str) -> None:
+    """One of the two processes of ``ckptstore bench --peer``: a node of its own (its own RAM directory)."""
+    import datetime
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    from .engine.store import CheckpointStore
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
+        try:
+            ram_dir = os.path.join(root, f"node{rank}")
+            os.makedirs(ram_dir, exist_ok=True)
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            # A Shard(0) DTensor: each rank stages (and replicates) its own half; a plain tensor
+            # would count as replicated and be staged by one rank only.
+            rows = max(1, nbytes // 8 // 4096)
+            local = torch.arange(rows * 4096, dtype=torch.int64).view(rows, 4096) + rank
+            mesh = init_device_mesh("cpu", (2,))
+            state = {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                             shape=torch.Size((2 * rows, 4096)), stride=(4096, 1))}
+            with CheckpointStore(job, ram_dir=ram_dir, peer_replicas=1, node=rank,
+                                 timeout_s=PEER_TIMEOUT_S) as store:
+                times, sent, _ = peer_rounds(store, state, rank, ram_dir, job, repeats)
+        finally:
+            dist.destroy_process_group()
+        if rank == 0:
+            with open(result, "w") as fh:
+                json.dump({"times": times, "bytes": sent}, fh)
+    except BaseException:
+        with open(f"{result}.error-{rank}", "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+def _run_peer(nbytes: int, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import multiprocessing
+
+    # No "-peer" in the job name: the store tells replicas from its own segments by that substring.
+    job = f"benchrepl-{uuid.uuid4().hex[:8]}"
+    root = tempfile.mkdtemp(prefix=f"{job}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    result = os.path.join(root, "result.json")
+    log(f"ckptstore bench --peer: 2 processes on 2 simulated nodes, {nbytes / 2**20:.0f} MiB per rank")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_peer_rank, args=(r, os.path.join(root, "init"), nbytes, repeats, root, job, result))
+             for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 2 * PEER_TIMEOUT_S
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        hung = [p.pid for p in procs if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = []
+        for r in range(2):
+            with contextlib.suppress(FileNotFoundError), open(f"{result}.error-{r}") as fh:
+                errors.append(f"rank {r}:\n{fh.read()}")
+        if hung or errors or not os.path.exists(result):
+            raise RuntimeError(f"ckptstore bench --peer failed (hung ranks {hung}): " + "\n".join(errors))
+        with open(result) as fh:
+            out = json.load(fh)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+            if name.startswith(f"ckptstore-{job}-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
+    times, sent = out["times"], out["bytes"]
+    doc = {"where": "2 local processes, gloo over loopback", "bytes_per_rank": sent,
+           "ops": {"replicate": _op(sent, ("gloo isend/irecv, both directions", times["raw_gloo_exchange"]),
+                                    ("peer replication (RAM commit to replica)", times["replication"]))},
+           "save_to_peer": _entry("save() to replica committed", sent, times["save_to_peer"]),
+           "save_blocking": _entry("save() blocking", sent, times["save_blocking"])}
+    return doc
+
+
 # ---------------------------------------------------------------------------------------- reporting
 
 def _fmt_bytes(n: int) -> str:
@@ -632,12 +801,12 @@ def _fmt_bytes(n: int) -> str:
 def format_table(doc: dict[str, Any]) -> str:
     lines = [f"ckptstore bench: {_fmt_bytes(doc['bytes'])} per operation, medians of {doc['repeats']} "
              f"(page cache: {doc.get('cache_drop') or 'not dropped'})"]
-    header = f"  {'target':8s} {'op':6s} {'raw ceiling':34s} {'GB/s':>7s}   {'ckptstore':40s} {'GB/s':>7s} {'ratio':>6s}"
+    header = f"  {'target':8s} {'op':9s} {'raw ceiling':34s} {'GB/s':>7s}   {'ckptstore':40s} {'GB/s':>7s} {'ratio':>6s}"
     lines.append(header)
     for target, body in doc["targets"].items():
         for op, row in body["ops"].items():
             r, c = row["raw"], row["ckptstore"]
-            lines.append(f"  {target:8s} {op:6s} {r['name'][:34]:34s} {r['GB_per_s']:7.2f}   {c['name'][:40]:40s} "
+            lines.append(f"  {target:8s} {op:9s} {r['name'][:34]:34s} {r['GB_per_s']:7.2f}   {c['name'][:40]:40s} "
                          f"{c['GB_per_s']:7.2f} {row['ratio']:5.2f}x")
     for target, sw in doc["sweep"].items():
         size_key = "chunk_bytes" if target == "local" else "part_bytes"
@@ -657,7 +826,8 @@ def format_table(doc: dict[str, Any]) -> str:
         return "n/a" if v is None else f"{v:.3g} s"
 
     lines.append(f"  checkpoint of {_fmt_bytes(cost['state_bytes'])}: blocks {sec(cost['blocking_s'])}, "
-                 f"on local disk after {sec(cost['to_local_s'])}, durable after {sec(cost['to_durable_s'])}")
+                 f"on local disk after {sec(cost['to_local_s'])}, durable after {sec(cost['to_durable_s'])}"
+                 + (f", on a peer after {sec(cost['to_peer_s'])}" if cost.get("to_peer_s") is not None else ""))
     if doc.get("plan_hint"):
         lines.append(f"  interval planning: {doc['plan_hint']}")
     return "\n".join(lines)

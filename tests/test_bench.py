@@ -65,6 +65,18 @@ def test_bench_cli_measures_ram_local_and_durable_and_writes_json_and_png(tmp_pa
     assert s3_keys(s3, s3["prefix"]) == []
 
 
+def test_bench_peer_compares_replication_with_raw_gloo(tmp_path):
+    out = tmp_path / "peer.json"
+    assert main(["bench", "--peer", "--size", "1MiB", "--repeats", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    peer = doc["targets"]["peer"]
+    row = peer["ops"]["replicate"]
+    assert peer["bytes_per_rank"] >= 1 << 20
+    assert row["ratio"] == pytest.approx(row["raw"]["median_s"] / row["ckptstore"]["median_s"], rel=1e-6)
+    assert doc["checkpoint_cost"]["to_peer_s"] is not None
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("ckptstore-benchrepl-")]
+
+
 def test_bench_help_and_bad_size(capsys):
     res = subprocess.run([sys.executable, "-m", "ckptstore.cli", "bench", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "--state-size" in res.stdout
