@@ -620,7 +620,7 @@ def _machine() -> dict[str, Any]:
     from ._version import __version__
 
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "ckptstore": __version__, "platform": platform.platform()}
+            "ckptstore": __version__, "platform": platform.platform(), "loadavg": os.getloadavg()}
 
 
 # ---------------------------------------------------------------------------------------- peers
