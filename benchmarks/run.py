@@ -113,9 +113,10 @@ def headlines(part: str, out: str) -> dict[str, Any]:
         if doc is None:
             return {}
         rows = {}
-        for row in doc["by_size"] + doc["by_count"]:
-            tag = f"{row['bytes'] / 2**20:.0f} MiB / {row['tensors']} tensors"
-            rows[tag] = row.get("ratios") or {"skipped": row.get("skipped")}
+        for kind in ("by_size", "by_count"):
+            for row in doc[kind]:
+                tag = f"{kind}: {row['bytes'] / 2**20:.0f} MiB in {row['tensors']} tensors"
+                rows[tag] = row.get("ratios") or {"skipped": row.get("skipped")}
         return {"ratios_by_state": rows}
     if part == "loop":
         found = {}
@@ -172,7 +173,7 @@ def main() -> int:
         for k, v in (body.get("ratios") or {}).items():
             print(f"      {k:45s} {v:7.2f}x")
         for tag, rs in (body.get("ratios_by_state") or {}).items():
-            print(f"      {tag:30s} " + ", ".join(f"{k} {v:.2f}x" if isinstance(v, float) else f"{k}: {v}"
+            print(f"      {tag:36s} " + ", ".join(f"{k} {v:.2f}x" if isinstance(v, float) else f"{k}: {v}"
                                                   for k, v in rs.items()))
         for tag, lo in (body.get("loop_overhead") or {}).items():
             print(f"      {tag:15s} overhead {lo['overhead_pct']:+.2f}% (save blocks {lo['save_blocking_median_s']:.3f} s, "

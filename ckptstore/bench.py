@@ -353,6 +353,15 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     n = cfg.size
     sweep_n = min(cfg.sweep_size or min(n, 256 << 20), n)
     state_bytes = cfg.state_size or n
+    if not (cfg.ram or cfg.local or cfg.durable):
+        if not cfg.peer:
+            raise InvalidArgumentError("name at least one target: --ram, --local DIR, --durable URL or --peer")
+        doc: dict[str, Any] = {"schema": SCHEMA, "bytes": n, "GiB": n / 2**30, "repeats": cfg.repeats,
+                               "targets": {"peer": _run_peer(min(n, 256 << 20), cfg.repeats, cfg.log)},
+                               "sweep": {}, "recommended": {}, "cache_drop": None, "o_direct": None}
+        doc["checkpoint_cost"] = _cost(doc, state_bytes, 0.0)
+        doc["machine"] = _machine()
+        return doc
     fs = None
     durable_root = None
     if cfg.durable is not None:
@@ -378,8 +387,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     dest = _pieces(dst, n)
     staged = _Staged(job, state, cfg.ram_dir)
     sweep_staged: _Staged | None = None
-    doc: dict[str, Any] = {"schema": SCHEMA, "bytes": n, "GiB": n / 2**30, "repeats": cfg.repeats, "targets": {},
-                           "sweep": {}, "recommended": {}}
+    doc = {"schema": SCHEMA, "bytes": n, "GiB": n / 2**30, "repeats": cfg.repeats, "targets": {}, "sweep": {},
+           "recommended": {}}
     cache_drop: set[str] = set()
     o_direct: set[bool] = set()
     sweep_local = [(c, k) for c in cfg.local_chunks for k in cfg.local_concurrency] if local_root and cfg.sweep else []

@@ -203,3 +203,40 @@ def test_store_uploads_durable_parts_of_the_tuned_size_and_concurrency(tmp_path,
             os.unlink(os.path.join("/dev/shm", name))
     assert parts["default"][0] == 2  # 8 MiB parts: 8 + 4 MiB (+ the container's own bytes)
     assert parts["tuned"] == (3, 1)  # 5 MiB parts, one at a time
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _suite(tmp_path, *only: str) -> dict:
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--quick", "--out", str(tmp_path / "out"),
+           "--dir", str(tmp_path)]
+    res = subprocess.run([*cmd, *(["--only", *only] if only else [])], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(tmp_path / "out" / "suite.json") as fh:
+        return json.load(fh)
+
+
+def test_benchmark_suite_quick_smoke(tmp_path):
+    suite = _suite(tmp_path, "scale")
+    assert suite["mode"] == "quick" and suite["parts"]["scale"]["status"] == "ok"
+    rows = suite["parts"]["scale"]["ratios_by_state"]
+    assert len(rows) == 4  # 2 sizes + 2 tensor counts
+    for ratios in rows.values():
+        assert set(ratios) == {"save_speedup_vs_torch", "load_speedup_vs_torch", "store_blocking_vs_memcpy_floor"}
+        assert all(v > 0 for v in ratios.values())
+    with open(tmp_path / "out" / "scale.json") as fh:
+        scale = json.load(fh)
+    for row in scale["by_size"] + scale["by_count"]:
+        assert all(len(s) == row["repeats"] == 1 for s in row["seconds"].values())
+    assert (tmp_path / "out" / "scale.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_benchmark_suite_quick_runs_every_part(tmp_path):
+    suite = _suite(tmp_path)
+    assert {p: b["status"] for p, b in suite["parts"].items()} == {
+        p: "ok" for p in ("dropin", "sharded", "async", "scale", "loop")}
+    assert "safetensors" in json.dumps(suite["parts"]["dropin"]["ratios"])
+    assert "store_save_vs_dcp_process" in suite["parts"]["async"]["ratios"]
+    assert set(suite["parts"]["loop"]["loop_overhead"]) == {"every 2 steps", "every 4 steps"}
