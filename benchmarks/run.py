@@ -42,26 +42,32 @@ EXTRA_PARTS = ("tiers", "peer")
 LOOP_INTERVALS = {"full": (5, 10, 20), "quick": (2, 4)}
 
 
-def commands(mode: str, out: str, work: str | None) -> dict[str, list[list[str]]]:
-    """Per part, the script invocations (argv after the interpreter) of this mode."""
+def commands(mode: str, out: str, work: str | None, repeats: int | None = None,
+             loop_rounds: int | None = None) -> dict[str, list[list[str]]]:
+    """Per part, the script invocations (argv after the interpreter) of this mode; ``repeats`` and
+    ``loop_rounds`` override the mode's rounds (to fit a time budget)."""
     full = mode == "full"
+
+    def reps(default_full: int) -> str:
+        return str(repeats if repeats else default_full if full else 1)
+
     d = ["--dir", work] if work else []
     layers = ["--layers", "24" if full else "1"]
     loops = []
     for every in LOOP_INTERVALS[mode]:
         loops.append(["bench_loop.py", "--every", str(every), "--steps", str(every), "--cases", "a",
-                      "--rounds", "8" if full else "2", "--name", f"loop-every{every}", *d,
+                      "--rounds", str(loop_rounds or (8 if full else 2)), "--name", f"loop-every{every}", *d,
                       *([] if full else ["--layers", "2", "--batch", "4"])])
     return {
-        "dropin": [["bench_dropin.py", *layers, "--repeats", "5" if full else "1", *d]],
-        "sharded": [["bench_sharded.py", *layers, "--repeats", "3" if full else "1", "--worlds",
+        "dropin": [["bench_dropin.py", *layers, "--repeats", reps(5), *d]],
+        "sharded": [["bench_sharded.py", *layers, "--repeats", reps(3), "--worlds",
                      *(["1", "2", "4"] if full else ["1", "2"]), *d]],
-        "async": [["bench_staging.py", *layers, "--repeats", "5" if full else "1", *d]],
-        "scale": [["bench_scale.py", "--repeats", "3" if full else "1", *d,
+        "async": [["bench_staging.py", *layers, "--repeats", reps(5), *d]],
+        "scale": [["bench_scale.py", "--repeats", reps(3), *d,
                    *(["--sizes-mib", "64", "256", "1024", "4096", "--counts", "10", "100", "1000", "10000", "100000"]
                      if full else ["--sizes-mib", "4", "16", "--counts", "10", "100", "--count-total-mib", "4"])]],
         "loop": loops,
-        "tiers": [["bench_tiers.py", *layers, "--repeats", "3" if full else "1", *d]],
+        "tiers": [["bench_tiers.py", *layers, "--repeats", reps(3), *d]],
         "peer": [["bench_peer.py", *(["--repeats", "5"] if full else ["--mib", "16", "--repeats", "1",
                                                                         "--restore-mib", "16", "--restore-repeats", "1"])]],
     }
@@ -142,15 +148,30 @@ def main() -> int:
     ap.add_argument("--extra", action="store_true", help="also run the extra parts (tiers, peer)")
     ap.add_argument("--out", default=None, help="results directory (default: docs/benchmarks, or a temp dir with --quick)")
     ap.add_argument("--dir", default=None, help="where the parts write their checkpoints (a real disk)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds of every part (default: 5 or 3 full, 1 quick)")
+    ap.add_argument("--loop-rounds", type=int, default=None, help="rounds per loop interval (default: 8 full, 2 quick)")
+    ap.add_argument("--summarize", action="store_true",
+                    help="run nothing: rebuild suite.json/png from the parts' JSON already in --out")
     args = ap.parse_args()
     mode = "quick" if args.quick else "full"
     out = args.out or (tempfile.mkdtemp(prefix="ckptstore-bench-quick-") if args.quick
                        else os.path.join(HERE, "..", "docs", "benchmarks"))
     os.makedirs(out, exist_ok=True)
     parts = args.only or [*DEFAULT_PARTS, *(EXTRA_PARTS if args.extra else ())]
-    cmds = commands(mode, out, args.dir)
+    cmds = commands(mode, out, args.dir, args.repeats, args.loop_rounds)
     suite: dict[str, Any] = {"benchmark": "suite", "mode": mode, "parts": {}, "started": time.time()}
-    failed = []
+    failed: list[str] = []
+    if args.summarize:
+        # Parts from several runs (e.g. one per time budget): what each run recorded, else "ok".
+        previous = _load(out, "suite") or {"parts": {}}
+        suite.update({k: v for k, v in previous.items() if k not in ("parts", "machine")})
+        for part in [*DEFAULT_PARTS, *EXTRA_PARTS]:
+            found = headlines(part, out)
+            if not found or not any(found.values()):
+                continue
+            body = previous["parts"].get(part, {"status": "ok", "wall_s": 0.0, "commands": []})
+            suite["parts"][part] = {**{k: body[k] for k in ("status", "wall_s", "commands") if k in body}, **found}
+        parts = []
     for part in parts:
         t0 = time.perf_counter()
         status = "ok"
@@ -164,7 +185,7 @@ def main() -> int:
         suite["parts"][part] = {"status": status, "wall_s": round(time.perf_counter() - t0, 1),
                                 "commands": [" ".join(["python", f"benchmarks/{a[0]}", *a[1:]]) for a in cmds[part]],
                                 **headlines(part, out)}
-    suite["machine"] = machine()
+    suite["machine"] = suite.get("machine") or machine()
     with open(os.path.join(out, "suite.json"), "w") as fh:
         json.dump(suite, fh, indent=2)
     print(f"\nsuite ({mode}) -> {out}")
