@@ -392,8 +392,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     cache_drop: set[str] = set()
     o_direct: set[bool] = set()
     sweep_local = [(c, k) for c in cfg.local_chunks for k in cfg.local_concurrency] if local_root and cfg.sweep else []
+    # The durable settings are S3's multipart upload's: elsewhere they would change nothing.
+    from .storage.s3 import is_s3
+
+    durable_s3 = fs is not None and is_s3(fs)
     sweep_durable = ([(p, k) for p in cfg.durable_parts for k in cfg.durable_concurrency]
-                     if durable_root and cfg.sweep else [])
+                     if durable_root and cfg.sweep and durable_s3 else [])
     ops_per_round = (2 if cfg.ram else 0) + (4 if local_root else 0) + (4 if durable_root else 0)
     total = cfg.repeats * (ops_per_round + len(sweep_local) + len(sweep_durable))
     bar = _Bar(total, cfg.progress)
@@ -537,14 +541,15 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         rec = _recommend(rows, "chunk_bytes")
         doc["sweep"]["local"] = {"bytes": sweep_n, "results": rows, "recommended": rec}
         doc["recommended"]["local"] = {"chunk_bytes": rec["chunk_bytes"], "concurrency": rec["concurrency"]}
+    if durable_root and cfg.sweep and not durable_s3:
+        doc.setdefault("notes", []).append("no durable sweep: the tuning covers S3 multipart uploads, and this URL is "
+                                           "not S3")
     if sweep_durable:
-        is_s3 = fs is not None and "s3" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
         rows = [{"part_bytes": p, "concurrency": k, **_entry(f"part {p >> 20} MiB x {k}", sweep_n,
                                                              times[f"sweep/durable/{p}/{k}"])} for p, k in sweep_durable]
         rec = _recommend(rows, "part_bytes")
-        doc["sweep"]["durable"] = {"bytes": sweep_n, "results": rows, "recommended": rec, "applies": is_s3}
-        if is_s3:
-            doc["recommended"]["durable"] = {"part_bytes": rec["part_bytes"], "concurrency": rec["concurrency"]}
+        doc["sweep"]["durable"] = {"bytes": sweep_n, "results": rows, "recommended": rec}
+        doc["recommended"]["durable"] = {"part_bytes": rec["part_bytes"], "concurrency": rec["concurrency"]}
     if cfg.peer:
         targets["peer"] = _run_peer(min(n, 256 << 20), cfg.repeats, cfg.log)
     doc["cache_drop"] = sorted(cache_drop)[0] if cache_drop else None
@@ -821,8 +826,7 @@ def format_table(doc: dict[str, Any]) -> str:
         size_key = "chunk_bytes" if target == "local" else "part_bytes"
         rec = sw["recommended"]
         lines.append(f"  sweep {target} ({_fmt_bytes(sw['bytes'])}): best {rec['GB_per_s']:.2f} GB/s with "
-                     f"{size_key.split('_')[0]} {_fmt_bytes(rec[size_key])} x {rec['concurrency']} in flight"
-                     + ("" if sw.get("applies", True) else " (not applied: tuning covers S3 only)"))
+                     f"{size_key.split('_')[0]} {_fmt_bytes(rec[size_key])} x {rec['concurrency']} in flight")
         sizes = sorted({row[size_key] for row in sw["results"]})
         ks = sorted({row["concurrency"] for row in sw["results"]})
         grid = {(row[size_key], row["concurrency"]): row["GB_per_s"] for row in sw["results"]}
@@ -837,6 +841,8 @@ def format_table(doc: dict[str, Any]) -> str:
     lines.append(f"  checkpoint of {_fmt_bytes(cost['state_bytes'])}: blocks {sec(cost['blocking_s'])}, "
                  f"on local disk after {sec(cost['to_local_s'])}, durable after {sec(cost['to_durable_s'])}"
                  + (f", on a peer after {sec(cost['to_peer_s'])}" if cost.get("to_peer_s") is not None else ""))
+    for note in doc.get("notes", []):
+        lines.append(f"  note: {note}")
     if doc.get("plan_hint"):
         lines.append(f"  interval planning: {doc['plan_hint']}")
     return "\n".join(lines)
