@@ -240,3 +240,12 @@ def test_benchmark_suite_quick_runs_every_part(tmp_path):
     assert "safetensors" in json.dumps(suite["parts"]["dropin"]["ratios"])
     assert "store_save_vs_dcp_process" in suite["parts"]["async"]["ratios"]
     assert set(suite["parts"]["loop"]["loop_overhead"]) == {"every 2 steps", "every 4 steps"}
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    from ckptstore.bench import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert plot({"targets": {}, "sweep": {}, "bytes": 1, "repeats": 1}, str(tmp_path / "x.png")) is False
+    assert "matplotlib is not installed, so no plot was written" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
