@@ -172,10 +172,12 @@ def main() -> None:
             print(f"  {k:24s} {v:7.3f} s  [{min(times[k]):.3f}-{max(times[k]):.3f}]  {nbytes / v / 1e9:6.2f} GB/s")
         for k, v in entry["ratios"].items():
             print(f"  {k:30s} {v:5.2f}x")
-    report["machine"] = machine()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sharded.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
+        # Written after every world size, so a later one that fails (4 ranks on a small machine can
+        # run out of memory) leaves the finished ones behind.
+        report["machine"] = machine()
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sharded.json"), "w") as fh:
+            json.dump(report, fh, indent=2)
     _plot(report, os.path.join(args.out, "sharded.png"))
 
 
