@@ -395,9 +395,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     # The durable settings are S3's multipart upload's: elsewhere they would change nothing.
     from .storage.s3 import is_s3
 
+    notes: list[str] = []
     durable_s3 = fs is not None and is_s3(fs)
-    sweep_durable = ([(p, k) for p in cfg.durable_parts for k in cfg.durable_concurrency]
+    # A part size that does not cut the sweep's object in at least two parts measures a single PUT.
+    parts = [p for p in cfg.durable_parts if 2 * p <= sweep_n]
+    sweep_durable = ([(p, k) for p in parts for k in cfg.durable_concurrency]
                      if durable_root and cfg.sweep and durable_s3 else [])
+    if durable_root and cfg.sweep and durable_s3 and not parts:
+        notes.append(f"no durable sweep: --sweep-size {sweep_n} bytes is under two parts of the smallest size")
     ops_per_round = (2 if cfg.ram else 0) + (4 if local_root else 0) + (4 if durable_root else 0)
     total = cfg.repeats * (ops_per_round + len(sweep_local) + len(sweep_durable))
     bar = _Bar(total, cfg.progress)
@@ -542,8 +547,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         doc["sweep"]["local"] = {"bytes": sweep_n, "results": rows, "recommended": rec}
         doc["recommended"]["local"] = {"chunk_bytes": rec["chunk_bytes"], "concurrency": rec["concurrency"]}
     if durable_root and cfg.sweep and not durable_s3:
-        doc.setdefault("notes", []).append("no durable sweep: the tuning covers S3 multipart uploads, and this URL is "
-                                           "not S3")
+        notes.append("no durable sweep: the tuning covers S3 multipart uploads, and this URL is not S3")
+    if notes:
+        doc["notes"] = notes
     if sweep_durable:
         rows = [{"part_bytes": p, "concurrency": k, **_entry(f"part {p >> 20} MiB x {k}", sweep_n,
                                                              times[f"sweep/durable/{p}/{k}"])} for p, k in sweep_durable]
@@ -836,7 +842,7 @@ def format_table(doc: dict[str, Any]) -> str:
     cost = doc["checkpoint_cost"]
 
     def sec(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:.3g} s"
+        return "n/a" if v is None else f"{v:.0f} s" if v >= 100 else f"{v:.3g} s"
 
     lines.append(f"  checkpoint of {_fmt_bytes(cost['state_bytes'])}: blocks {sec(cost['blocking_s'])}, "
                  f"on local disk after {sec(cost['to_local_s'])}, durable after {sec(cost['to_durable_s'])}"

@@ -22,13 +22,13 @@ from ckptstore.storage.targets import WriteTuning
 def test_bench_cli_measures_ram_local_and_durable_and_writes_json_and_png(tmp_path, s3, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     url = f"s3://{s3['bucket']}/{s3['prefix']}"
-    rc = main(["--storage-options", json.dumps(s3["storage_options"]), "bench", "--size", "2MiB", "--ram",
-               "--local", str(tmp_path / "disk"), "--durable", url, "--repeats", "1", "--sweep-size", "1MiB",
+    rc = main(["--storage-options", json.dumps(s3["storage_options"]), "bench", "--size", "10MiB", "--ram",
+               "--local", str(tmp_path / "disk"), "--durable", url, "--repeats", "1", "--sweep-size", "10MiB",
                "--state-size", "70GiB", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     text = capsys.readouterr().out
     doc = json.loads(out.read_text())
-    assert doc["schema"] == "ckptstore-bench/1" and doc["bytes"] == 2 << 20 and doc["repeats"] == 1
+    assert doc["schema"] == "ckptstore-bench/1" and doc["bytes"] == 10 << 20 and doc["repeats"] == 1
     assert set(doc["targets"]) == {"ram", "local", "durable"}
     assert set(doc["targets"]["ram"]["ops"]) == {"stage"}
     for target in ("local", "durable"):
@@ -38,14 +38,16 @@ def test_bench_cli_measures_ram_local_and_durable_and_writes_json_and_png(tmp_pa
             raw, ours = row["raw"], row["ckptstore"]
             for entry in (raw, ours):
                 assert len(entry["seconds"]) == 1 and entry["median_s"] > 0
-                assert entry["GB_per_s"] == pytest.approx((2 << 20) / entry["median_s"] / 1e9, rel=1e-3)
+                assert entry["GB_per_s"] == pytest.approx((10 << 20) / entry["median_s"] / 1e9, rel=1e-3)
             # The ratio is ckptstore's throughput over the raw ceiling's.
             assert row["ratio"] == pytest.approx(raw["median_s"] / ours["median_s"], rel=1e-3)
     assert doc["cache_drop"] in ("drop_caches", "fadvise_dontneed")
-    # The sweeps cover the whole grid and recommend one of its points.
+    # The sweeps cover the grid and recommend one of its points; S3 parts must cut the sweep's object
+    # in at least two, so at 10 MiB only 5 MiB parts are tried.
     local, durable = doc["sweep"]["local"], doc["sweep"]["durable"]
-    assert local["bytes"] == durable["bytes"] == 1 << 20
-    assert len(local["results"]) == 15 and len(durable["results"]) == 20
+    assert local["bytes"] == durable["bytes"] == 10 << 20
+    assert len(local["results"]) == 15 and {(r["part_bytes"], r["concurrency"]) for r in durable["results"]} == {
+        (5 << 20, k) for k in (1, 2, 4, 8)}
     assert {(r["chunk_bytes"], r["concurrency"]) for r in local["results"]} >= {
         (doc["recommended"]["local"]["chunk_bytes"], doc["recommended"]["local"]["concurrency"])}
     assert {(r["part_bytes"], r["concurrency"]) for r in durable["results"]} >= {
