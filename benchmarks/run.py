@@ -152,6 +152,8 @@ def main() -> int:
     ap.add_argument("--loop-rounds", type=int, default=None, help="rounds per loop interval (default: 8 full, 2 quick)")
     ap.add_argument("--summarize", action="store_true",
                     help="run nothing: rebuild suite.json/png from the parts' JSON already in --out")
+    ap.add_argument("--note", action="append", default=[], metavar="PART=TEXT",
+                    help="with --summarize: record where a part's figures come from (e.g. an earlier run)")
     args = ap.parse_args()
     mode = "quick" if args.quick else "full"
     out = args.out or (tempfile.mkdtemp(prefix="ckptstore-bench-quick-") if args.quick
@@ -171,6 +173,10 @@ def main() -> int:
                 continue
             body = previous["parts"].get(part, {"status": "ok", "wall_s": 0.0, "commands": []})
             suite["parts"][part] = {**{k: body[k] for k in ("status", "wall_s", "commands") if k in body}, **found}
+        for note in args.note:
+            part, _, text = note.partition("=")
+            if part in suite["parts"]:
+                suite["parts"][part]["note"] = text
         parts = []
     for part in parts:
         t0 = time.perf_counter()
@@ -190,7 +196,7 @@ def main() -> int:
         json.dump(suite, fh, indent=2)
     print(f"\nsuite ({mode}) -> {out}")
     for part, body in suite["parts"].items():
-        print(f"  {part:8s} {body['status']:6s} {body['wall_s']:7.1f} s")
+        print(f"  {part:8s} {body['status']:6s} {body['wall_s']:7.1f} s  {body.get('note', '')}")
         for k, v in (body.get("ratios") or {}).items():
             print(f"      {k:45s} {v:7.2f}x")
         for tag, rs in (body.get("ratios_by_state") or {}).items():
