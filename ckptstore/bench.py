@@ -826,8 +826,8 @@ def format_table(doc: dict[str, Any]) -> str:
     for target, body in doc["targets"].items():
         for op, row in body["ops"].items():
             r, c = row["raw"], row["ckptstore"]
-            lines.append(f"  {target:8s} {op:9s} {r['name'][:34]:34s} {r['GB_per_s']:7.2f}   {c['name'][:40]:40s} "
-                         f"{c['GB_per_s']:7.2f} {row['ratio']:5.2f}x")
+            lines.append(f"  {target:8s} {op:9s} {r['name'][:34]:34s} {r['GB_per_s']:7.3g}   {c['name'][:40]:40s} "
+                         f"{c['GB_per_s']:7.3g} {row['ratio']:5.2f}x")
     for target, sw in doc["sweep"].items():
         size_key = "chunk_bytes" if target == "local" else "part_bytes"
         rec = sw["recommended"]
@@ -838,7 +838,7 @@ def format_table(doc: dict[str, Any]) -> str:
         grid = {(row[size_key], row["concurrency"]): row["GB_per_s"] for row in sw["results"]}
         lines.append("    GB/s    " + "".join(f"{_fmt_bytes(s):>10s}" for s in sizes))
         for k in ks:
-            lines.append(f"    x{k:<6d} " + "".join(f"{grid[(s, k)]:10.2f}" for s in sizes))
+            lines.append(f"    x{k:<6d} " + "".join(f"{grid[(s, k)]:10.3g}" for s in sizes))
     cost = doc["checkpoint_cost"]
 
     def sec(v: float | None) -> str:
