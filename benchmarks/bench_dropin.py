@@ -1,4 +1,4 @@
-"""Drop-in benchmark: ckptstore.save/load against torch.save/torch.load on the same state, same run.
+"""Drop-in benchmark: ckptstore.save/load against torch.save/torch.load and safetensors on the same state, same run.
 
 The state is the one of shared/reference/anchors_cpu.py: 24 Linear(2048, 2048) layers plus Adam state
 (~1.13 GiB). Figures:
@@ -10,6 +10,10 @@ The state is the one of shared/reference/anchors_cpu.py: 24 Linear(2048, 2048) l
   loudly where it cannot), the restart-after-a-crash case;
 - warm load: repeated loads in one process (freed memory is reused);
 - mmap load: torch.load(mmap=True) against ckptstore.load(mmap=True).
+
+safetensors (save_file / load_file of the same tensors, flattened to dotted keys) runs in the same
+rounds: its loads read the bytes (backend="pread") except in the mmap row (its default backend);
+the libraries rotate which goes first round by round.
 
 ckptstore verifies every chunk's xxh3 checksum on save-then-load (not with mmap, as documented).
 Writes JSON and a PNG under docs/benchmarks/ by default.
@@ -81,6 +85,9 @@ kind, path = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
 if kind == "torch":
     obj = torch.load(path, weights_only=True)
+elif kind == "safetensors":
+    from safetensors.torch import load_file
+    obj = load_file(path, backend="pread")  # its default maps the file lazily: see load_mmap
 else:
     obj = ckptstore.load(path)
 dt = time.perf_counter() - t
@@ -117,6 +124,19 @@ def cold_load(kind: str, path: str, drop_cache: bool = False) -> float:
     return float(json.loads(res.stdout.strip().splitlines()[-1])["seconds"])
 
 
+def flatten(x, prefix: str = "") -> dict:
+    """The state as safetensors takes it: one flat dict of tensors, keys joined with dots."""
+    out = {}
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else []
+    for k, v in items:
+        key = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out[key] = v
+        elif isinstance(v, (dict, list, tuple)):
+            out.update(flatten(v, key + "."))
+    return out
+
+
 def bitwise_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(
@@ -140,7 +160,10 @@ def main() -> None:
     state = make_state(args.layers)
     n = nbytes(state)
     d = tempfile.mkdtemp(dir=args.dir)
-    tpath, cpath = os.path.join(d, "t.pt"), os.path.join(d, "c.ckpt")
+    tpath, cpath, spath = os.path.join(d, "t.pt"), os.path.join(d, "c.ckpt"), os.path.join(d, "s.safetensors")
+    from safetensors.torch import load_file, save_file
+
+    flat = flatten(state)
     results: dict[str, list[float]] = {}
     try:
         def tsave():
@@ -150,34 +173,46 @@ def main() -> None:
         def csave():
             ckptstore.save(state, cpath)
 
-        # Interleaved rounds, alternating which library goes first, after one unmeasured warm-up
+        def ssave():
+            save_file(flat, spath)
+            fsync_path(spath)
+
+        # Interleaved rounds, rotating which library goes first, after one unmeasured warm-up
         # of each: this VM's page-cache writes and fresh-memory faults vary from run to run, and
-        # interleaving exposes both libraries to the same conditions.
+        # interleaving exposes every library to the same conditions.
         tsave()
         csave()
-        pairs = {
-            "save": (tsave, csave),
-            "load_cold": (lambda: cold_load("torch", tpath), lambda: cold_load("ckptstore", cpath)),
-            "load_cold_disk": (
-                lambda: cold_load("torch", tpath, drop_cache=True),
-                lambda: cold_load("ckptstore", cpath, drop_cache=True),
-            ),
-            "load_warm": (lambda: torch.load(tpath, weights_only=True), lambda: ckptstore.load(cpath)),
-            "load_mmap": (
-                lambda: torch.load(tpath, weights_only=True, mmap=True),
-                lambda: ckptstore.load(cpath, mmap=True),
-            ),
+        ssave()
+        variants = {
+            "save": {"torch": tsave, "ckptstore": csave, "safetensors": ssave},
+            "load_cold": {lib: (lambda lib=lib, p=p: cold_load(lib, p))
+                          for lib, p in (("torch", tpath), ("ckptstore", cpath), ("safetensors", spath))},
+            "load_cold_disk": {lib: (lambda lib=lib, p=p: cold_load(lib, p, drop_cache=True))
+                               for lib, p in (("torch", tpath), ("ckptstore", cpath), ("safetensors", spath))},
+            "load_warm": {"torch": lambda: torch.load(tpath, weights_only=True), "ckptstore": lambda: ckptstore.load(cpath),
+                          "safetensors": lambda: load_file(spath, backend="pread")},
+            # safetensors' default backend maps the file (tensors fault their pages in on use):
+            # the mmap row; the other rows read the bytes (backend="pread"), as torch and ckptstore do.
+            "load_mmap": {"torch": lambda: torch.load(tpath, weights_only=True, mmap=True),
+                          "ckptstore": lambda: ckptstore.load(cpath, mmap=True),
+                          "safetensors": lambda: load_file(spath)},
         }
         loaded = ckptstore.load(cpath)
         assert bitwise_equal(state, loaded), "ckptstore round trip is not bitwise equal"
         del loaded
-        for name, (tfn, cfn) in pairs.items():
-            results[f"torch_{name}"], results[f"ckptstore_{name}"] = [], []
+        loaded = load_file(spath)
+        assert bitwise_equal(dict(sorted(flat.items())), dict(sorted(loaded.items()))), "safetensors round trip"
+        del loaded
+        for name, fns in variants.items():
+            for lib in fns:
+                results[f"{lib}_{name}"] = []
             for r in range(args.repeats):
-                order = [("torch", tfn), ("ckptstore", cfn)]
-                for lib, fn in order if r % 2 == 0 else order[::-1]:
+                order = list(fns.items())
+                k = r % len(order)
+                for lib, fn in order[k:] + order[:k]:
                     results[f"{lib}_{name}"].append(timed_once(fn))
-        file_sizes = {"torch": os.path.getsize(tpath), "ckptstore": os.path.getsize(cpath)}
+        file_sizes = {"torch": os.path.getsize(tpath), "ckptstore": os.path.getsize(cpath),
+                      "safetensors": os.path.getsize(spath)}
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -188,6 +223,11 @@ def main() -> None:
         "cold_disk_load_speedup_vs_torch": med["torch_load_cold_disk"] / med["ckptstore_load_cold_disk"],
         "warm_load_speedup_vs_torch": med["torch_load_warm"] / med["ckptstore_load_warm"],
         "mmap_load_speedup_vs_torch": med["torch_load_mmap"] / med["ckptstore_load_mmap"],
+        "save_speedup_vs_safetensors": med["safetensors_save"] / med["ckptstore_save"],
+        "cold_load_speedup_vs_safetensors": med["safetensors_load_cold"] / med["ckptstore_load_cold"],
+        "cold_disk_load_speedup_vs_safetensors": med["safetensors_load_cold_disk"] / med["ckptstore_load_cold_disk"],
+        "warm_load_speedup_vs_safetensors": med["safetensors_load_warm"] / med["ckptstore_load_warm"],
+        "mmap_load_speedup_vs_safetensors": med["safetensors_load_mmap"] / med["ckptstore_load_mmap"],
     }
     doc = report("dropin", n, args.repeats, results, ratios, args.out, file_sizes=file_sizes,
                  checksums_verified_on_load=True)
@@ -202,8 +242,9 @@ def plot(report: dict, path: str) -> None:
     gbps = report["GB_per_s"]
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(groups))
-    ax.bar([x - 0.2 for x in xs], [gbps[f"torch_{g}"] for g in groups], 0.4, label="torch.save / torch.load")
-    ax.bar([x + 0.2 for x in xs], [gbps[f"ckptstore_{g}"] for g in groups], 0.4, label="ckptstore")
+    for i, (lib, label) in enumerate((("torch", "torch.save / torch.load"), ("safetensors", "safetensors"),
+                                      ("ckptstore", "ckptstore"))):
+        ax.bar([x + (i - 1) * 0.27 for x in xs], [gbps.get(f"{lib}_{g}", 0) for g in groups], 0.27, label=label)
     ax.set_xticks(list(xs), ["save\n(+fsync)", "load, fresh\nprocess", "load, fresh\nprocess, disk", "load,\nwarm", "load,\nmmap"])
     ax.set_ylabel("GB/s (higher is better)")
     ax.set_yscale("log")
@@ -211,6 +252,7 @@ def plot(report: dict, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

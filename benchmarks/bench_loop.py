@@ -264,6 +264,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="parent of the local tier's directory (a real disk, not tmpfs)")
     ap.add_argument("--ram-dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
+    ap.add_argument("--name", default="loop", help="results go to <out>/<name>.json and .png")
     args = ap.parse_args()
     if args.steps % args.every:
         ap.error("--steps must be a multiple of --every (one save per interval)")
@@ -322,7 +323,7 @@ def main() -> None:
         results[f"{case}_save_blocking"] = c["save_blocking_s"]["all"]
         ratios[f"{case}_checkpointed_vs_baseline_step"] = 1 + c["overhead_pct"] / 100
     doc = report(
-        "loop",
+        args.name,
         nbytes,
         args.rounds,
         results,
@@ -352,7 +353,7 @@ def main() -> None:
               f"(persisted before the next save was due {c['persisted_before_next_save_due']}, "
               f"slot busy {c['saves_finding_slot_busy']}, skipped {c['saves_skipped']}){persisted}")
     print(f"  wall time {doc['wall_s']:.0f} s")
-    plot(doc, os.path.join(args.out, "loop.png"))
+    plot(doc, os.path.join(args.out, f"{args.name}.png"))
 
 
 def plot(doc: dict, path: str) -> None:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ckptstore
+from ckptstore.bench import peer_rounds
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import pyplot, report  # noqa: E402 - shared by the benchmark scripts
@@ -82,11 +83,6 @@ def _node_dir(root: str, what: str, rank: int) -> str:
     return path
 
 
-def _read_json(path: str) -> dict:
-    with open(path) as fh:
-        return json.load(fh)
-
-
 def _slowest(*values: float) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -98,58 +94,14 @@ def _replicate_phase(rank: int, job: str, root: str, mib: int, repeats: int, res
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    other = 1 - rank
     state = _state(mesh, rank, mib, zeros=False)
     ram_dir = _node_dir(root, "repl", rank)
     store = ckptstore.CheckpointStore(f"{job}-repl", ram_dir=ram_dir, local=None, durable=None, peer_replicas=1,
                                       node=rank, timeout_s=TIMEOUT_S)
-    step = 0
-    for _ in range(2):  # warm-up: the staging slots and replica segments are allocated on first use
-        step += 1
-        store.save(step, state).wait("peer")
-    # Exactly what was sent: the size of the replica this rank holds (the other rank's staged bytes).
-    docs = [_read_json(p) for p in glob.glob(os.path.join(ram_dir, f"ckptstore-{job}-repl-r{rank:05d}-peer*.json"))]
-    assert docs and all(d["src"] == other for d in docs), docs
-    nbytes = max(d["size"] for d in docs)
+    # The timed rounds are shared with `ckptstore bench --peer` (ckptstore/bench.py).
+    times, nbytes, _ = peer_rounds(store, state, rank, ram_dir, f"{job}-repl", repeats)
     payload = sum(t.to_local().nbytes for t in state.values())
     assert payload <= nbytes <= payload + (1 << 20), (payload, nbytes)
-
-    raw_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    send = torch.empty(nbytes, dtype=torch.uint8).fill_(rank + 1)
-    recv = torch.empty(nbytes, dtype=torch.uint8).fill_(0)  # touched now, not in the first timed round
-
-    def raw() -> dict[str, float]:
-        dist.barrier()
-        t0 = time.perf_counter()
-        works = [dist.irecv(recv, group=raw_pg, group_src=other), dist.isend(send, group=raw_pg, group_dst=other)]
-        for w in works:
-            w.wait()
-        (dt,) = _slowest(time.perf_counter() - t0)
-        return {"raw_gloo_exchange": dt}
-
-    def save() -> dict[str, float]:
-        nonlocal step
-        step += 1
-        dist.barrier()
-        t0 = time.perf_counter()
-        handle = store.save(step, state)
-        t1 = time.perf_counter()
-        handle.wait("ram")
-        t2 = time.perf_counter()
-        handle.wait("peer")
-        t3 = time.perf_counter()
-        blocking, to_peer, replication = _slowest(t1 - t0, t3 - t0, t3 - t2)
-        return {"save_blocking": blocking, "save_to_peer": to_peer, "replication": replication}
-
-    for _ in range(2):
-        raw()
-    assert int(recv[0]) == other + 1 and int(recv[-1]) == other + 1
-    times: dict[str, list[float]] = {k: [] for k in ("raw_gloo_exchange", "replication", "save_to_peer", "save_blocking")}
-    order = [raw, save]
-    for r in range(repeats):
-        for fn in order if r % 2 == 0 else order[::-1]:
-            for k, v in fn().items():
-                times[k].append(v)
     store.close()
     del state
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch.multiprocessing as mp
 import ckptstore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import pyplot  # noqa: E402 - shared by the benchmark scripts
+from common import machine, pyplot  # noqa: E402 - shared by the benchmark scripts
 
 
 def _shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -173,11 +172,12 @@ def main() -> None:
             print(f"  {k:24s} {v:7.3f} s  [{min(times[k]):.3f}-{max(times[k]):.3f}]  {nbytes / v / 1e9:6.2f} GB/s")
         for k, v in entry["ratios"].items():
             print(f"  {k:30s} {v:5.2f}x")
-    report["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                         "ckptstore": ckptstore.__version__, "platform": platform.platform()}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sharded.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
+        # Written after every world size, so a later one that fails (4 ranks on a small machine can
+        # run out of memory) leaves the finished ones behind.
+        report["machine"] = machine()
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sharded.json"), "w") as fh:
+            json.dump(report, fh, indent=2)
     _plot(report, os.path.join(args.out, "sharded.png"))
 
 

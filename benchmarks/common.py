@@ -30,6 +30,8 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "ckptstore": ckptstore.__version__,
         "platform": platform.platform(),
+        # This VM's 2 cores are shared: the load average says how busy they were when the run ended.
+        "loadavg": os.getloadavg(),
     }
 
 

@@ -414,6 +414,50 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    from .bench import BenchConfig, format_table, parse_size, plot, run_bench
+
+    size = parse_size(args.size)
+    any_target = args.ram or args.local or args.durable or args.peer
+    local = args.local
+    scratch = None
+    if not any_target:  # nothing named: this machine's RAM and its temp directory's disk
+        scratch = local = tempfile.mkdtemp(prefix="ckptstore-bench-", dir=os.getcwd())
+    cfg = BenchConfig(
+        size=size,
+        ram=args.ram or not any_target,
+        local=local,
+        durable=args.durable,
+        storage_options=args.storage_options,
+        peer=args.peer,
+        repeats=args.repeats,
+        sweep=not args.no_sweep,
+        sweep_size=parse_size(args.sweep_size) if args.sweep_size else None,
+        state_size=parse_size(args.state_size) if args.state_size else None,
+        ram_dir=args.ram_dir,
+        progress=None,
+    )
+    try:
+        doc = run_bench(cfg)
+    finally:
+        if scratch is not None:
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(format_table(doc))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+        print(f"  JSON: {args.json} (CheckpointStore(..., tuning={args.json!r}) applies its recommended settings)")
+    if args.plot and plot(doc, args.plot):
+        print(f"  plot: {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptstore", description="Tiered asynchronous checkpoint storage for PyTorch.")
     parser.add_argument("--version", action="version", version=f"ckptstore {__version__}")
@@ -527,6 +571,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline and the split (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=cmd_goodput)
+    p = sub.add_parser(
+        "bench",
+        help="measure each storage tier against this machine's raw ceiling, and recommend tuning",
+        description="For each target, time the raw ceiling (memcpy; write+fsync and a cold read; an fsspec "
+        "put/get) next to ckptstore's own tier on the same bytes, sweep write chunk size and concurrency for the "
+        "local and durable tiers, and print the checkpoint cost of --state-size for `ckptstore plan`. With no "
+        "target, measures RAM and a scratch directory under the current one.",
+    )
+    p.add_argument("--size", default="1GiB", help="bytes per measured operation (default 1GiB)")
+    p.add_argument("--ram", action="store_true", help="RAM: memcpy against staging into the RAM tier")
+    p.add_argument("--ram-dir", default="/dev/shm", help="where the RAM tier keeps its slots (default /dev/shm)")
+    p.add_argument("--local", metavar="DIR", help="a local directory (a scratch subdirectory is made and removed)")
+    p.add_argument("--durable", metavar="URL", help="an fsspec URL for the durable tier (e.g. s3://bucket/prefix)")
+    p.add_argument("--peer", action="store_true", help="peer replication against raw gloo (see docs/benchmarks.md)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported (default 3)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the chunk size / concurrency sweep")
+    p.add_argument("--sweep-size", help="bytes per sweep measurement (default: the smaller of --size and 256MiB)")
+    p.add_argument("--state-size", help="state size for the checkpoint cost (default: --size), e.g. 70GiB")
+    p.add_argument("--json", metavar="OUT", help="write the results as JSON (usable as CheckpointStore(tuning=OUT))")
+    p.add_argument("--plot", metavar="OUT.png", help="write a PNG chart (needs matplotlib)")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

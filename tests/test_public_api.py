@@ -185,6 +185,7 @@ def test_checkpoint_store_signature():
         ("events", P.KEYWORD_ONLY, False),
         ("sdc", P.KEYWORD_ONLY, "off"),
         ("durable_timeout_s", P.KEYWORD_ONLY, None),
+        ("tuning", P.KEYWORD_ONLY, None),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save",
                                                                                      "should_save"]

@@ -132,6 +132,16 @@ class _Job:
     sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)
 
 
+def _write_tuning(tuning: Any) -> Any:
+    """``tuning=``: the settings ``ckptstore bench`` recommends (its JSON file, or a dict), checked
+    before anything is created so a bad file fails the constructor with a clear error."""
+    if tuning is None:
+        return None
+    from ..bench import load_tuning
+
+    return load_tuning(tuning)
+
+
 class CheckpointStore:
     """Tiered asynchronous checkpoints of one training job (see the module docstring).
 
@@ -158,6 +168,9 @@ class CheckpointStore:
     0.9 x ``timeout_s``; in a process group it must be below ``timeout_s``): past it the step fails
     in the durable tier only, with a StorageError (ETIMEDOUT) raised once to the trainer, its RAM
     and local copies stay, and the next promotion starts afresh.
+    ``tuning``: bulk-write settings for the local and durable tiers (write chunk size, S3 part size,
+    writes in flight) as recommended by ``ckptstore bench --json FILE``: that file's path, or a dict
+    of the same shape; they win over the ``CKPTSTORE_S3_*`` environment variables.
     """
 
     def __init__(
@@ -188,7 +201,9 @@ class CheckpointStore:
         events: bool | str | os.PathLike[str] = False,
         sdc: str = "off",
         durable_timeout_s: float | None = None,
+        tuning: str | os.PathLike[str] | dict[str, Any] | None = None,
     ) -> None:
+        write_tuning = _write_tuning(tuning)
         if policy not in ("block", "skip"):
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
         for name, value in (("durable_every", durable_every), ("keep_local", keep_local), ("keep_durable", keep_durable),
@@ -233,10 +248,10 @@ class CheckpointStore:
         where = (socket.gethostname(), os.path.realpath(local) if local else None)
         peers = self._fg.all_gather(where)
         local_writer = self.rank == min(r for r, w in enumerate(peers) if w == where)
-        self.local = DirectoryTier("local", local, manifest_writer=local_writer) if local else None
+        self.local = DirectoryTier("local", local, manifest_writer=local_writer, tuning=write_tuning) if local else None
         self.durable = (
             DirectoryTier("durable", durable, storage_options=storage_options, codec=durable_compression,
-                          manifest_writer=self.rank == 0)
+                          manifest_writer=self.rank == 0, tuning=write_tuning)
             if durable else None
         )
         if self.local is not None and local_writer:

@@ -51,13 +51,20 @@ class S3Upload:
             raise InvalidArgumentError(f"at least one part upload must be allowed in flight, not {self.max_in_flight}")
 
 
-def upload_settings() -> S3Upload | None:
+def upload_settings(tuning: Any = None) -> S3Upload | None:
     """The concurrent upload used for s3:// sinks, or None for s3fs's own (sequential) file upload.
 
     On by default with 4 parts of 8 MiB in flight; the environment can tune it, read at every open
     so a process can change it: ``CKPTSTORE_S3_UPLOAD_CONCURRENCY`` (parts in flight; 0 falls back
-    to s3fs's file) and ``CKPTSTORE_S3_PART_SIZE`` (bytes).
+    to s3fs's file) and ``CKPTSTORE_S3_PART_SIZE`` (bytes). A store's ``tuning`` (a
+    :class:`~ckptstore.storage.targets.WriteTuning`) names settings explicitly, so they win over
+    the environment.
     """
+    part = getattr(tuning, "s3_part_bytes", None)
+    concurrency = getattr(tuning, "s3_concurrency", None)
+    if part is not None or concurrency is not None:
+        base = upload_settings() or S3Upload()
+        return S3Upload(part_size=part or base.part_size, max_in_flight=concurrency or base.max_in_flight)
     try:
         in_flight = int(os.environ.get("CKPTSTORE_S3_UPLOAD_CONCURRENCY", "") or MAX_IN_FLIGHT)
         part_size = int(os.environ.get("CKPTSTORE_S3_PART_SIZE", "") or PART_SIZE)

@@ -189,10 +189,16 @@ class Sink:
 
 
 class LocalSink(Sink):
-    def __init__(self, path: str, display: str, exclusive: bool = False) -> None:
+    """``chunk_bytes`` caps the size of one bulk write call and ``concurrency`` how many run at once
+    (tuning from ``ckptstore bench``); None keeps the engine's pieces and all its I/O threads."""
+
+    def __init__(self, path: str, display: str, exclusive: bool = False, *, chunk_bytes: int | None = None,
+                 concurrency: int | None = None) -> None:
         self.path, self.display = path, display
         # exclusive: commit by link(), which never replaces: CheckpointExistsError if the name is taken.
         self.exclusive = exclusive
+        self.chunk_bytes = chunk_bytes
+        self._slots = threading.BoundedSemaphore(concurrency) if concurrency else None
         directory, base = os.path.split(path)
         self.tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
         if os.path.isdir(path):
@@ -219,6 +225,22 @@ class LocalSink(Sink):
         """Bulk write of a chunk (or a piece of one) that starts on a 4 KiB boundary and owns the
         padding up to the next boundary."""
         view = memoryview(data).cast("B")
+        step = self.chunk_bytes
+        if step and len(view) > step and offset % direct.ALIGN == 0:
+            # Tuned chunk sizes are multiples of the alignment, so every piece stays aligned.
+            for p in range(0, len(view), step):
+                self._write_at(offset + p, view[p : p + step])
+            return
+        self._write_at(offset, view)
+
+    def _write_at(self, offset: int, view: memoryview) -> None:
+        if self._slots is None:
+            self._write_piece(offset, view)
+            return
+        with self._slots:
+            self._write_piece(offset, view)
+
+    def _write_piece(self, offset: int, view: memoryview) -> None:
         dfd = self.dfd
         if dfd is not None and offset % direct.ALIGN == 0:
             try:
@@ -533,11 +555,29 @@ def _create_in_place(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def open_sink(target: Target, *, exclusive: bool = False) -> Sink:
+@dataclass(frozen=True)
+class WriteTuning:
+    """Tuned bulk-write settings (``CheckpointStore(tuning=...)``, measured by ``ckptstore bench``).
+
+    ``local_chunk_bytes``/``local_concurrency``: size of one write call and writes at once to a
+    local file; ``s3_part_bytes``/``s3_concurrency``: multipart part size and parts in flight to
+    S3. None leaves a setting at its default (for S3: the environment, then 4 parts of 8 MiB).
+    """
+
+    local_chunk_bytes: int | None = None
+    local_concurrency: int | None = None
+    s3_part_bytes: int | None = None
+    s3_concurrency: int | None = None
+
+
+def open_sink(target: Target, tuning: WriteTuning | None = None, *, exclusive: bool = False) -> Sink:
     """``exclusive``: the commit fails with CheckpointExistsError, and replaces nothing, if something
     is at the destination already: atomically on local disks (link) and S3 (If-None-Match), by a
     check just before committing on other fsspec stores."""
     if target.path is not None:
+        if tuning is not None:
+            return LocalSink(target.path, target.display, exclusive, chunk_bytes=tuning.local_chunk_bytes,
+                             concurrency=tuning.local_concurrency)
         return LocalSink(target.path, target.display, exclusive)
     if target.fileobj is not None:
         if exclusive:
@@ -547,7 +587,7 @@ def open_sink(target: Target, *, exclusive: bool = False) -> Sink:
     from . import s3
 
     if s3.is_s3(target.fs):
-        upload = s3.upload_settings()
+        upload = s3.upload_settings(tuning)
         if upload is not None:
             return s3.S3Sink(target.fs, target.fspath, target.display, upload, exclusive=exclusive)
     return FsspecSink(target.fs, target.fspath, target.display, exclusive)

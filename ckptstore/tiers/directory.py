@@ -39,6 +39,7 @@ from ..format import codecs
 from ..format.manifest import Manifest, parse_manifest
 from ..storage.targets import (
     Source,
+    WriteTuning,
     open_sink,
     storage_error,
     transport_errors,
@@ -63,6 +64,7 @@ class DirectoryTier(Tier):
         storage_options: dict[str, Any] | None = None,
         codec: str | None = None,
         manifest_writer: bool = True,
+        tuning: WriteTuning | None = None,
     ) -> None:
         if codec not in (None, "raw", "zstd"):
             raise InvalidArgumentError(f"codec must be None or 'zstd' for a tier, not {codec!r}")
@@ -71,6 +73,7 @@ class DirectoryTier(Tier):
         self.codec = None if codec == "raw" else codec
         # Of all ranks sharing this root, exactly one writes manifests, sweeps and applies retention.
         self.manifest_writer = manifest_writer
+        self.tuning = tuning  # bulk-write settings measured by `ckptstore bench`, or None for the defaults
         self._base = Directory(self.root, self.storage_options)
         # frozen file name -> (a step that holds it, its chunk table): what a later step may link.
         self._frozen: dict[str, tuple[int, dict[str, list[dict[str, Any]]]]] = {}
@@ -161,7 +164,7 @@ class DirectoryTier(Tier):
         self, d: Directory, rel: str, snap: Snapshot, keys: list[str], start: int, exclusive: bool = False
     ) -> dict[str, list[dict[str, Any]]]:
         """Write the chunks of ``keys`` (which sit in the slot from ``start`` on) to ``rel``."""
-        sink = open_sink(d.target(rel), exclusive=exclusive)
+        sink = open_sink(d.target(rel), self.tuning, exclusive=exclusive)
         try:
             if self.codec is None:
                 end = max((c["offset"] + c["length"] for k in keys for c in snap.chunks[k]), default=start)

@@ -1,0 +1,226 @@
+"""Scale: how the drop-in and async figures grow with the state's size and with its number of tensors.
+
+For each state (a flat dict of fp32 tensors, every byte written before the first timed round),
+interleaved rounds time, same process, same run:
+
+- ``ckptstore.save`` against ``torch.save`` followed by an fsync (both durable when they return);
+- ``ckptstore.load`` against ``torch.load`` (warm: repeated in one process, file in the page cache);
+- ``CheckpointStore.save``'s blocking time against the memcpy floor (``copy_`` into preallocated
+  buffers); the store persists in the background and is drained (untimed) before the next variant.
+
+Sizes sweep the total bytes at 10 tensors (``--sizes-mib``); counts sweep the number of tensors at a
+fixed total (``--counts`` at ``--count-total-mib``). A size whose buffers would not fit in 3/4 of the
+memory available now is skipped and says so in the JSON (state + one loaded copy); the memcpy floor and
+the store (+ floor buffers + one RAM slot) are left out, with a note, where only those do not fit.
+
+    python benchmarks/bench_scale.py [--sizes-mib 64 256 1024 4096] [--counts 10 1000 10000 100000]
+                                     [--count-total-mib 64] [--repeats 3] [--dir DIR] [--out docs/benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import torch
+
+import ckptstore
+from ckptstore.engine.store import CheckpointStore
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, pyplot  # noqa: E402 - shared by the benchmark scripts
+
+VARIANTS = ("torch_save_fsync", "ckptstore_save", "torch_load", "ckptstore_load", "memcpy_floor", "store_save_blocking")
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _state(total: int, count: int) -> dict[str, torch.Tensor]:
+    per = max(1, total // count // 4)
+    return {f"layer{i:06d}.weight": torch.full((per,), float(i % 251), dtype=torch.float32) for i in range(count)}
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def measure(total: int, count: int, repeats: int, work: str, ram_dir: str, with_async: bool = True) -> dict[str, Any]:
+    state = _state(total, count)
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    floor = {k: torch.empty_like(v) for k, v in state.items()} if with_async else {}
+    tpath, cpath = os.path.join(work, "t.pt"), os.path.join(work, "c.ckpt")
+    job = f"bench-scale-{uuid.uuid4().hex[:8]}"
+    # One slot: the store is drained between rounds, so a second one would only hold memory.
+    store = CheckpointStore(job, local=os.path.join(work, "local"), keep_local=1, ram_dir=ram_dir,
+                            ram_budget_bytes=nbytes + (count + 1) * 4096 + (1 << 20)) if with_async else None
+    step = [0]
+
+    def torch_save() -> None:
+        torch.save(state, tpath)
+        _fsync(tpath)
+
+    def store_save() -> float:
+        step[0] += 1
+        t = time.perf_counter()
+        assert store is not None
+        handle = store.save(step[0], state)
+        blocking = time.perf_counter() - t
+        handle.wait("local")
+        store._drain()
+        return blocking
+
+    def floor_copy() -> None:
+        for k, v in state.items():
+            floor[k].copy_(v)
+
+    fns = {
+        "torch_save_fsync": torch_save,
+        "ckptstore_save": lambda: ckptstore.save(state, cpath),
+        "torch_load": lambda: torch.load(tpath, weights_only=True),
+        "ckptstore_load": lambda: ckptstore.load(cpath),
+    }
+    if with_async:
+        fns.update(memcpy_floor=floor_copy, store_save_blocking=store_save)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    try:
+        for fn in fns.values():  # warm-up: files exist for the loads, slots and buffers touched
+            fn()
+        loaded = ckptstore.load(cpath)
+        assert all(torch.equal(loaded[k], v) for k, v in state.items()), "ckptstore round trip differs"
+        del loaded
+        for r in range(repeats):
+            names = list(fns) if r % 2 == 0 else list(reversed(fns))
+            for name in names:
+                gc.collect()
+                t = time.perf_counter()
+                out = fns[name]()
+                elapsed = time.perf_counter() - t
+                times[name].append(out if isinstance(out, float) else elapsed)
+                del out
+    finally:
+        if store is not None:
+            store.close()
+        for f in os.listdir(ram_dir):
+            if f.startswith(f"ckptstore-{job}-"):
+                os.unlink(os.path.join(ram_dir, f))
+        for p in (tpath, cpath):
+            if os.path.exists(p):
+                os.unlink(p)
+        shutil.rmtree(os.path.join(work, "local"), ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratios = {"save_speedup_vs_torch": med["torch_save_fsync"] / med["ckptstore_save"],
+              "load_speedup_vs_torch": med["torch_load"] / med["ckptstore_load"]}
+    if with_async:
+        ratios["store_blocking_vs_memcpy_floor"] = med["store_save_blocking"] / med["memcpy_floor"]
+    return {
+        "bytes": nbytes,
+        "tensors": count,
+        "repeats": repeats,
+        "seconds": times,
+        "median_seconds": med,
+        "GB_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "ratios": ratios,
+        **({} if with_async else {"note": "memcpy floor and store variants skipped: not enough free memory for them"}),
+    }
+
+
+def _print(tag: str, row: dict[str, Any]) -> None:
+    med, sec = row["median_seconds"], row["seconds"]
+    cells = "  ".join(f"{k} {med[k]:.3f} [{min(sec[k]):.3f}-{max(sec[k]):.3f}]" for k in VARIANTS if k in med)
+    ratios = ", ".join(f"{k} {v:.2f}x" for k, v in row["ratios"].items())
+    print(f"  {tag}: {cells}\n    {ratios}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    ap.add_argument("--counts", type=int, nargs="+", default=[10, 1000, 10000, 100000])
+    ap.add_argument("--count-total-mib", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--many", type=int, default=10000, help="counts above this get --many-repeats rounds")
+    ap.add_argument("--many-repeats", type=int, default=1)
+    ap.add_argument("--dir", default=None, help="where the files go (a real disk, default: a temp dir)")
+    ap.add_argument("--ram-dir", default="/dev/shm")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    work = tempfile.mkdtemp(prefix="ckptstore-bench-scale-", dir=args.dir)
+    by_size: list[dict[str, Any]] = []
+    by_count: list[dict[str, Any]] = []
+    try:
+        print(f"scale: medians of {args.repeats} interleaved rounds (seconds [min-max])")
+        for mib in args.sizes_mib:
+            # state + loaded copy for the drop-in figures; + floor buffers + a RAM slot for the async ones
+            avail = _available() * 3 // 4
+            if 2 * (mib << 20) > avail:
+                by_size.append({"bytes": mib << 20, "tensors": 10, "skipped": f"needs ~{2 * mib} MiB, more than "
+                                f"3/4 of the {_available() >> 20} MiB available"})
+                print(f"  {mib} MiB: skipped ({by_size[-1]['skipped']})")
+                continue
+            by_size.append(measure(mib << 20, 10, args.repeats, work, args.ram_dir, with_async=4 * (mib << 20) <= avail))
+            _print(f"{mib} MiB in 10 tensors", by_size[-1])
+        for count in args.counts:
+            # Per-tensor costs dominate there: a few seconds to a minute per call, so fewer rounds.
+            repeats = args.repeats if count <= args.many else args.many_repeats
+            by_count.append(measure(args.count_total_mib << 20, count, repeats, work, args.ram_dir))
+            _print(f"{args.count_total_mib} MiB in {count} tensors", by_count[-1])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    doc = {"benchmark": "scale", "repeats": args.repeats, "by_size": by_size, "by_count": by_count,
+           "note": "torch_save_fsync and ckptstore_save are durable when they return; loads are warm (page cache, "
+                   "repeated in one process); store_save_blocking is what CheckpointStore.save blocks for",
+           "machine": machine()}
+    import json
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scale.json"), "w") as fh:
+        json.dump(doc, fh, indent=2)
+    plot(doc, os.path.join(args.out, "scale.png"))
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, xkey, xlabel in ((axes[0], "by_size", "bytes", "state size (MiB), 10 tensors"),
+                                  (axes[1], "by_count", "tensors", "number of tensors (fixed total)")):
+        rows = [r for r in doc[key] if "skipped" not in r]
+        if not rows:
+            continue
+        xs = [r[xkey] / 2**20 if xkey == "bytes" else r[xkey] for r in rows]
+        for v in VARIANTS:
+            pts = [(x, r["median_seconds"][v]) for x, r in zip(xs, rows) if v in r["median_seconds"]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=v)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("median seconds (lower is better)")
+        ax.grid(True, which="both", lw=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Scale, medians of {doc['repeats']}, {doc['machine']['cpus']} CPUs", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""`ckptstore bench` and `CheckpointStore(tuning=...)`: the JSON users and the planner read, and
+that tuned settings really reach the writes (observed on a real moto S3 server and real files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from conftest import assert_same, s3_keys
+
+from ckptstore import CheckpointStore, InvalidArgumentError
+from ckptstore.bench import load_tuning, parse_size
+from ckptstore.cli import main
+from ckptstore.storage.targets import WriteTuning
+
+
+def test_bench_cli_measures_ram_local_and_durable_and_writes_json_and_png(tmp_path, s3, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    url = f"s3://{s3['bucket']}/{s3['prefix']}"
+    rc = main(["--storage-options", json.dumps(s3["storage_options"]), "bench", "--size", "10MiB", "--ram",
+               "--local", str(tmp_path / "disk"), "--durable", url, "--repeats", "1", "--sweep-size", "10MiB",
+               "--state-size", "70GiB", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "ckptstore-bench/1" and doc["bytes"] == 10 << 20 and doc["repeats"] == 1
+    assert set(doc["targets"]) == {"ram", "local", "durable"}
+    assert set(doc["targets"]["ram"]["ops"]) == {"stage"}
+    for target in ("local", "durable"):
+        assert set(doc["targets"][target]["ops"]) == {"write", "read"}
+    for body in doc["targets"].values():
+        for row in body["ops"].values():
+            raw, ours = row["raw"], row["ckptstore"]
+            for entry in (raw, ours):
+                assert len(entry["seconds"]) == 1 and entry["median_s"] > 0
+                assert entry["GB_per_s"] == pytest.approx((10 << 20) / entry["median_s"] / 1e9, rel=1e-3)
+            # The ratio is ckptstore's throughput over the raw ceiling's.
+            assert row["ratio"] == pytest.approx(raw["median_s"] / ours["median_s"], rel=1e-3)
+    assert doc["cache_drop"] in ("drop_caches", "fadvise_dontneed")
+    # The sweeps cover the grid and recommend one of its points; S3 parts must cut the sweep's object
+    # in at least two, so at 10 MiB only 5 MiB parts are tried.
+    local, durable = doc["sweep"]["local"], doc["sweep"]["durable"]
+    assert local["bytes"] == durable["bytes"] == 10 << 20
+    assert len(local["results"]) == 15 and {(r["part_bytes"], r["concurrency"]) for r in durable["results"]} == {
+        (5 << 20, k) for k in (1, 2, 4, 8)}
+    assert {(r["chunk_bytes"], r["concurrency"]) for r in local["results"]} >= {
+        (doc["recommended"]["local"]["chunk_bytes"], doc["recommended"]["local"]["concurrency"])}
+    assert {(r["part_bytes"], r["concurrency"]) for r in durable["results"]} >= {
+        (doc["recommended"]["durable"]["part_bytes"], doc["recommended"]["durable"]["concurrency"])}
+    cost = doc["checkpoint_cost"]
+    assert cost["state_bytes"] == 70 << 30
+    assert 0 < cost["blocking_s"] < cost["to_local_s"] and cost["blocking_s"] < cost["to_durable_s"]
+    assert doc["plan_hint"] == f"ckptstore plan --ckpt-cost {cost['blocking_s']:.3g}s"
+    assert doc["plan_hint"] in text and "ratio" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The file is what `tuning=` takes.
+    tuned = load_tuning(str(out))
+    assert tuned.local_chunk_bytes == doc["recommended"]["local"]["chunk_bytes"]
+    assert tuned.s3_part_bytes == doc["recommended"]["durable"]["part_bytes"]
+    # Nothing is left behind at the targets.
+    assert os.listdir(tmp_path / "disk") == []
+    assert s3_keys(s3, s3["prefix"]) == []
+
+
+def test_bench_peer_compares_replication_with_raw_gloo(tmp_path):
+    out = tmp_path / "peer.json"
+    assert main(["bench", "--peer", "--size", "1MiB", "--repeats", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    peer = doc["targets"]["peer"]
+    row = peer["ops"]["replicate"]
+    assert peer["bytes_per_rank"] >= 1 << 20
+    assert row["ratio"] == pytest.approx(row["raw"]["median_s"] / row["ckptstore"]["median_s"], rel=1e-6)
+    assert doc["checkpoint_cost"]["to_peer_s"] is not None
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("ckptstore-benchrepl-")]
+
+
+def test_bench_help_and_bad_size(capsys):
+    res = subprocess.run([sys.executable, "-m", "ckptstore.cli", "bench", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "--state-size" in res.stdout
+    assert main(["bench", "--size", "lots"]) == 2
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+def test_parse_size():
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("64 MiB") == 64 << 20
+    assert parse_size("2.5GB") == 2_500_000_000
+    assert parse_size("4096") == 4096
+    for bad in ("", "0", "1 parsec", "-1GiB"):
+        with pytest.raises(InvalidArgumentError):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    "tuning, message",
+    [
+        ({"lcoal": {}}, "unknown section(s) ['lcoal']"),
+        ({"local": {"chunk": 1 << 20}}, "unknown key(s) ['chunk'] in 'local'"),
+        ({"local": {"chunk_bytes": 1000}}, "local.chunk_bytes must be an integer between 64 KiB and 32 MiB"),
+        ({"local": {"chunk_bytes": 64 << 20}}, "local.chunk_bytes must be an integer between 64 KiB and 32 MiB"),
+        ({"local": {"concurrency": 0}}, "local.concurrency must be an integer between 1 and 64"),
+        ({"durable": {"part_bytes": 1 << 20}}, "durable.part_bytes must be an integer between 5 MiB and 5 GiB"),
+        ({"durable": {"concurrency": True}}, "durable.concurrency must be an integer"),
+        ({"durable": [8 << 20]}, "'durable' must be an object"),
+        ([1, 2], "must be a bench JSON file path or a dict"),
+    ],
+)
+def test_bad_tuning_is_a_clear_error_and_creates_nothing(tmp_path, job, tuning, message):
+    with pytest.raises(InvalidArgumentError) as info:
+        CheckpointStore(job, local=tmp_path / "local", tuning=tuning)
+    assert message in str(info.value)
+    assert not (tmp_path / "local").exists()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ckptstore-{job}-")]
+
+
+def test_bad_tuning_files_are_named(tmp_path, job):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(InvalidArgumentError, match=r"tuning file '.*nope.json' does not exist; write one with"):
+        CheckpointStore(job, tuning=str(missing))
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text("{not json")
+    with pytest.raises(InvalidArgumentError, match=r"garbled.json' is not valid JSON"):
+        CheckpointStore(job, tuning=str(garbled))
+    # The bench document's own shape (with "recommended") is accepted; partial settings keep defaults.
+    assert load_tuning({"recommended": {"local": {"concurrency": 2}}}) == WriteTuning(local_concurrency=2)
+
+
+def _write_sizes(monkeypatch) -> list[int]:
+    """Record the size of every bulk write call that reaches the kernel."""
+    sizes: list[int] = []
+    real = os.pwrite
+
+    def spy(fd, data, offset):
+        sizes.append(len(data))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", spy)
+    return sizes
+
+
+def test_store_writes_local_files_in_the_tuned_chunk_size(tmp_path, job, monkeypatch):
+    state = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: one 12 MiB piece by default
+    sizes = _write_sizes(monkeypatch)
+    with CheckpointStore(job + "-d", local=tmp_path / "default") as store:
+        store.save(1, state).wait("local")
+    assert max(sizes) >= 8 << 20
+    sizes.clear()
+    with CheckpointStore(job, local=tmp_path / "tuned", tuning={"local": {"chunk_bytes": 1 << 20}}) as store:
+        store.save(1, state).wait("local")
+    bulk = [s for s in sizes if s >= 64 << 10]
+    assert max(sizes) == 1 << 20 and sum(bulk) >= 12 << 20
+    out = {"w": torch.zeros_like(state["w"])}
+    from ckptstore import load_sharded
+
+    load_sharded(out, str(tmp_path / "tuned" / "step-000000000001"))
+    assert_same(out, state)
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"ckptstore-{job}-d-"):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+def test_store_uploads_durable_parts_of_the_tuned_size_and_concurrency(tmp_path, job, s3, monkeypatch):
+    import s3fs
+
+    state = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB of tensor data
+    in_flight, peak = [0], [0]
+    lock = threading.Lock()
+    real = s3fs.S3FileSystem._call_s3
+
+    async def spy(self, method, *args, **kwargs):
+        if method != "upload_part":
+            return await real(self, method, *args, **kwargs)
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        try:
+            return await real(self, method, *args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", spy)
+    parts = {}
+    for name, tuning in (("default", None), ("tuned", {"durable": {"part_bytes": 5 << 20, "concurrency": 1}})):
+        url = f"s3://{s3['bucket']}/{s3['prefix']}/{name}"
+        peak[0] = 0
+        with CheckpointStore(f"{job}-{name}", durable=url, durable_every=1, storage_options=s3["storage_options"],
+                             tuning=tuning) as store:
+            store.save(1, state).wait("durable")
+        key = next(k for k in s3_keys(s3, f"{s3['prefix']}/{name}/") if "/data/" in k)
+        etag = s3["client"].head_object(Bucket=s3["bucket"], Key=key)["ETag"].strip('"')
+        parts[name] = (int(etag.rsplit("-", 1)[1]), peak[0])  # a multipart ETag ends in -<number of parts>
+        out = {"w": torch.zeros_like(state["w"])}
+        from ckptstore import load_sharded
+
+        load_sharded(out, f"{url}/step-000000000001", storage_options=s3["storage_options"])
+        assert_same(out, state)
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"ckptstore-{job}-"):
+            os.unlink(os.path.join("/dev/shm", name))
+    assert parts["default"][0] == 2  # 8 MiB parts: 8 + 4 MiB (+ the container's own bytes)
+    assert parts["tuned"] == (3, 1)  # 5 MiB parts, one at a time
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _suite(tmp_path, *only: str) -> dict:
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--quick", "--out", str(tmp_path / "out"),
+           "--dir", str(tmp_path)]
+    res = subprocess.run([*cmd, *(["--only", *only] if only else [])], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(tmp_path / "out" / "suite.json") as fh:
+        return json.load(fh)
+
+
+def test_benchmark_suite_quick_smoke(tmp_path):
+    suite = _suite(tmp_path, "scale")
+    assert suite["mode"] == "quick" and suite["parts"]["scale"]["status"] == "ok"
+    rows = suite["parts"]["scale"]["ratios_by_state"]
+    assert len(rows) == 4  # 2 sizes + 2 tensor counts
+    for ratios in rows.values():
+        assert set(ratios) == {"save_speedup_vs_torch", "load_speedup_vs_torch", "store_blocking_vs_memcpy_floor"}
+        assert all(v > 0 for v in ratios.values())
+    with open(tmp_path / "out" / "scale.json") as fh:
+        scale = json.load(fh)
+    for row in scale["by_size"] + scale["by_count"]:
+        assert all(len(s) == row["repeats"] == 1 for s in row["seconds"].values())
+    assert (tmp_path / "out" / "scale.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_benchmark_suite_quick_runs_every_part(tmp_path):
+    suite = _suite(tmp_path)
+    assert {p: b["status"] for p, b in suite["parts"].items()} == {
+        p: "ok" for p in ("dropin", "sharded", "async", "scale", "loop")}
+    assert "safetensors" in json.dumps(suite["parts"]["dropin"]["ratios"])
+    assert "store_save_vs_dcp_process" in suite["parts"]["async"]["ratios"]
+    assert set(suite["parts"]["loop"]["loop_overhead"]) == {"every 2 steps", "every 4 steps"}
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    from ckptstore.bench import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert plot({"targets": {}, "sweep": {}, "bytes": 1, "repeats": 1}, str(tmp_path / "x.png")) is False
+    assert "matplotlib is not installed, so no plot was written" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
