@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
 from ..planning.sharding import intersect
 from ..storage.targets import Source, Target, open_source
@@ -45,6 +45,7 @@ class Inventory:
     def __init__(self) -> None:
         self.files: dict[str, list[tuple[str, Callable[[], Source]]]] = {}  # name -> [(where, opener)]
         self.manifest: bytes | None = None
+        self.unsupported: UnsupportedFormatVersionError | None = None  # a copy only a newer reader reads
 
     def offer_manifest(self, body: bytes, where: str) -> None:
         """Keep the first copy of the step's manifest that validates (its own checksum included):
@@ -53,6 +54,11 @@ class Inventory:
             return
         try:
             parse_manifest(body, where=where)
+        except UnsupportedFormatVersionError as exc:
+            # Not damage: a newer writer's. If no copy is readable, upgrading is the answer.
+            log.warning("ckptstore: ignoring a copy of a manifest: %s", exc)
+            self.unsupported = exc
+            return
         except CheckpointError as exc:
             log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
             return

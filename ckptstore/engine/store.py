@@ -743,6 +743,8 @@ class CheckpointStore:
             try:
                 if manifest is None and durable is not None:
                     manifest = durable.manifest_sync(step)
+                if manifest is None and inv.unsupported is not None:
+                    raise inv.unsupported  # written by a newer ckptstore: say so, do not fall back silently
                 if manifest is None:
                     raise CheckpointNotFoundError(f"no copy of the manifest of {display}")
                 self._sdc_refuse(manifest, display)
