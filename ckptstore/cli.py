@@ -255,10 +255,29 @@ def _mtbf_args(args: argparse.Namespace, required: bool = True) -> float | None:
     return None
 
 
+def _bench_cost(path: str) -> float:
+    """The blocking seconds of one checkpoint that ``ckptstore bench --json`` measured."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+        cost = doc["checkpoint_cost"]["blocking_s"]
+    except OSError as exc:
+        raise CheckpointError(f"--bench {path}: cannot read it: {exc}") from None
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"--bench {path}: not the JSON of `ckptstore bench --json` (no checkpoint_cost.blocking_s); "
+                              "run ckptstore bench with --ram (or no target) to measure it") from None
+    if not isinstance(cost, (int, float)) or isinstance(cost, bool) or cost <= 0:
+        raise CheckpointError(f"--bench {path}: checkpoint_cost.blocking_s is {cost!r}; the RAM tier was not measured "
+                              "(run ckptstore bench with --ram)")
+    return float(cost)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .goodput.planner import daly, first_order_waste, human, optimum, parse_duration, table, waste, young
 
-    cost = parse_duration(args.ckpt_cost, "--ckpt-cost")
+    if (args.ckpt_cost is None) == (args.bench is None):
+        raise CheckpointError("give the checkpoint cost: --ckpt-cost 60s, or --bench bench.json (from ckptstore bench)")
+    cost = parse_duration(args.ckpt_cost, "--ckpt-cost") if args.ckpt_cost is not None else _bench_cost(args.bench)
     restart = parse_duration(args.restart, "--restart")
     mtbf = _mtbf_args(args)
     assert mtbf is not None
@@ -529,7 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="The optimal checkpoint interval by Young's approximation and Daly's higher-order formula, "
         "the expected waste (checkpoint overhead, lost work, restart time) and a table of waste against interval.",
     )
-    p.add_argument("--ckpt-cost", required=True, help="what one checkpoint blocks training for (60s, 1m, ...)")
+    p.add_argument("--ckpt-cost", help="what one checkpoint blocks training for (60s, 1m, ...)")
+    p.add_argument("--bench", metavar="JSON", help="take the checkpoint cost from `ckptstore bench --json` output "
+                   "(its checkpoint_cost.blocking_s, for its --state-size)")
     p.add_argument("--restart", default="0", help="time from a failure to training again (default 0)")
     _failure_args(p)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")

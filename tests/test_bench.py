@@ -62,6 +62,9 @@ def test_bench_cli_measures_ram_local_and_durable_and_writes_json_and_png(tmp_pa
     tuned = load_tuning(str(out))
     assert tuned.local_chunk_bytes == doc["recommended"]["local"]["chunk_bytes"]
     assert tuned.s3_part_bytes == doc["recommended"]["durable"]["part_bytes"]
+    # The interval planner takes the measured cost straight from the file.
+    assert main(["plan", "--bench", str(out), "--mtbf", "3h", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost_s"] == cost["blocking_s"]
     # Nothing is left behind at the targets.
     assert os.listdir(tmp_path / "disk") == []
     assert s3_keys(s3, s3["prefix"]) == []

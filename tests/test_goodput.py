@@ -64,6 +64,18 @@ def test_plan_cli_prints_both_intervals_and_the_waste_split(capsys):
     assert "give the MTBF" in capsys.readouterr().err
 
 
+def test_plan_cli_takes_the_cost_from_bench_json_or_says_what_is_wrong(tmp_path, capsys):
+    good, bad = tmp_path / "bench.json", tmp_path / "other.json"
+    good.write_text(json.dumps({"checkpoint_cost": {"blocking_s": 60.0}}))
+    bad.write_text(json.dumps({"targets": {}}))
+    assert main(["plan", "--bench", str(good), "--mtbf", "3h"]) == 0
+    assert "every 19 min of training" in capsys.readouterr().out  # the same as --ckpt-cost 60s
+    assert main(["plan", "--bench", str(bad), "--mtbf", "3h"]) == 2
+    assert "not the JSON of `ckptstore bench --json`" in capsys.readouterr().err
+    assert main(["plan", "--mtbf", "3h"]) == 2
+    assert "give the checkpoint cost" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- simulator
 
 
