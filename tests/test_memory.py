@@ -20,11 +20,18 @@ SNAPSHOT = 2 * TENSOR * 4 + 4096  # two tensors and a small one: the bytes one s
 
 
 def _rss() -> int:
+    """Resident memory that is the process's own: anonymous pages plus mapped shared memory. File
+    pages it maps (a promotion maps the step's local files to read them) are the page cache's,
+    reclaimable, and would count a file being read as growth."""
+    found = {}
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+            key = line.split(":")[0]
+            if key in ("RssAnon", "RssShmem"):
+                found[key] = int(line.split()[1]) * 1024
+    if len(found) != 2:
+        raise RuntimeError("no RssAnon/RssShmem in /proc/self/status")
+    return found["RssAnon"] + found["RssShmem"]
 
 
 def _shm(job: str) -> tuple[int, int, int]:

@@ -162,9 +162,10 @@ def test_reads_cut_every_time_fail_clearly_and_boundedly(s3, proxy):
 
 @pytest.mark.parametrize("policy", ["block", "skip"])
 def test_save_returns_while_an_upload_is_stuck(s3, proxy, job, tmp_path, policy):
-    """While step 1's parts hang in the proxy, the next save returns and step 2 commits locally;
-    under policy="skip" the save after it is skipped (both RAM slots are taken) instead of waiting.
-    Once the store answers, both promotions complete and load bitwise equal."""
+    """While step 1's parts hang in the proxy, the saves that follow return and commit locally
+    under either policy, none skipped: a promotion reads the step's local files, not its RAM slot,
+    so a stuck upload holds no slot. Once the store answers, every promotion completes and loads
+    bitwise equal."""
     proxy.add("hold", "UploadPart")
     url = _durable(s3, job)
     store = CheckpointStore(job, local=tmp_path / "local", durable=url, durable_every=1, policy=policy,
@@ -175,17 +176,17 @@ def test_save_returns_while_an_upload_is_stuck(s3, proxy, job, tmp_path, policy)
         h2 = store.save(2, _state(2))  # returns: step 1's slot is not needed
         h2.wait("local")
         assert not h1.done("durable") and proxy.held.is_set(), "the upload was meant to be stuck still"
-        if policy == "skip":
-            h3 = store.save(3, _state(3))
-            assert h3.skipped and store.skipped == 1
-            assert not h1.done("durable"), "save must not have waited for the stuck upload"
+        h3 = store.save(3, _state(3))  # into step 1's slot, whose promotion still hangs
+        assert not h3.skipped and store.skipped == 0
+        h3.wait("local")
+        assert not h1.done("durable"), "save must not have waited for the stuck upload"
         proxy.clear()
-        h1.wait("durable")
-        h2.wait("durable")
+        for h in (h1, h2, h3):
+            h.wait("durable")
     finally:
         proxy.clear()
         store.close()
-    for step in (1, 2):
+    for step in (1, 2, 3):
         assert_same(_from_durable(s3, url, step), _state(step), f"step {step}")
     assert s3_pending_uploads(s3, s3["prefix"]) == []
 

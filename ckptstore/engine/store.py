@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import datetime
 import logging
 import os
@@ -28,9 +29,12 @@ import re
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from .._faults import crashpoint
 from ..errors import (
@@ -45,7 +49,7 @@ from ..format.manifest import Manifest
 from ..planning.placement import node_of_ranks, replica_holders, replicas_held
 from ..storage import s3
 from ..tiers.base import Snapshot, Tier, _in_thread
-from ..tiers.directory import DirectoryTier
+from ..tiers.directory import DirectoryTier, step_name
 from ..tiers.ram import Layout, RamTier, Staged
 from .exchange import exchange, get_manifest, needed_chunks, node_inventory, node_steps
 from .materialize import decode_value, encode_value
@@ -122,6 +126,10 @@ class _Job:
     frozen_end: int = 0
     snap: Snapshot | None = None
     fast_done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    # Done once nothing reads the staged slot any more (the next save into it waits for this).
+    slot_free: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    local_part: dict[str, Any] | None = None  # this rank's part in the local tier, once committed there
+    durable_data: Any = None  # the local files mapped read-only, what the promotion reads instead of the slot
     parts: list[dict[str, Any]] = field(default_factory=list)  # every rank's RAM part, after the gather
     manifest: bytes = b""
     shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
@@ -410,7 +418,7 @@ class CheckpointStore:
         fut = self._loop.submit(self._pipeline(prev, job, futures, promote, replicate))
         self._outstanding = {f for f in self._outstanding if not f.done()} | {fut}
         if job.staged is not None:
-            self._busy[job.staged.slot] = fut
+            self._busy[job.staged.slot] = job.slot_free
         if job.error is not None:
             raise job.error
         handle = SaveHandle(step, futures, waited_s=waited, staged_s=job.staged.seconds if job.staged else 0.0)
@@ -463,21 +471,32 @@ class CheckpointStore:
         self, prev: concurrent.futures.Future | None, job: _Job, futures: dict[str, concurrent.futures.Future | None],
         promote: bool, replicate: bool,
     ) -> None:
-        if prev is not None:
-            await asyncio.wrap_future(prev)
         try:
-            await self._fast_part(job, futures)
-        except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
-            self._failed(job, futures, exc)
-            return
+            if prev is not None:
+                await asyncio.wrap_future(prev)
+            try:
+                await self._fast_part(job, futures)
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
+                self._failed(job, futures, exc)
+                return
+            finally:
+                job.fast_done.set_result(None)
+            lanes, slot_readers = [], []
+            if replicate:
+                lanes.append(asyncio.ensure_future(self._in_lane("peer", job, futures, self._replicate)))
+                slot_readers.append(lanes[-1])
+            if promote:
+                # A promotion reads the step's local files when there are some, not the slot: a slow or
+                # stuck object store then never holds a RAM slot, so it never blocks the next saves.
+                job.durable_data = self._local_view(job)
+                lanes.append(asyncio.ensure_future(self._in_lane("durable", job, futures, self._promote)))
+                if job.durable_data is None:
+                    slot_readers.append(lanes[-1])
+            await asyncio.gather(*slot_readers)
+            _resolve(job.slot_free, None)
+            await asyncio.gather(*lanes)
         finally:
-            job.fast_done.set_result(None)
-        lanes = []
-        if replicate:
-            lanes.append(self._in_lane("peer", job, futures, self._replicate))
-        if promote:
-            lanes.append(self._in_lane("durable", job, futures, self._promote))
-        await asyncio.gather(*lanes)
+            _resolve(job.slot_free, None)
 
     async def _in_lane(self, lane: str, job: _Job, futures: dict[str, concurrent.futures.Future | None],
                        work: Callable[[_Job], Any]) -> None:
@@ -584,14 +603,17 @@ class CheckpointStore:
         self._last = job
         _resolve(futures["ram"], job.step)
         if self.local is not None:
-            await self._to_tier(self.local, job, self._bg)
+            job.local_part = (await self._to_tier(self.local, job, self._bg))[self.rank]
             _resolve(futures["local"], job.step)
             await self._retain(self.local, self.keep_local)
         self._sdc_verdict(job)
 
-    async def _to_tier(self, tier: Tier, job: _Job, group: Group, deadline: float | None = None) -> None:
+    async def _to_tier(self, tier: Tier, job: _Job, group: Group, deadline: float | None = None,
+                       snap: Snapshot | None = None) -> list[dict[str, Any]]:
+        """Write the step to ``tier`` (from ``snap``, by default the staged slot's) and commit it;
+        returns every rank's part."""
         assert job.snap is not None
-        snap = job.snap
+        snap = snap or job.snap
         what = f"durable_timeout_s={self.durable_timeout_s:g}"
         try:
             parts = await self._agree(f"writing step {job.step} to the {tier.name} tier",
@@ -610,14 +632,17 @@ class CheckpointStore:
                     log.warning("ckptstore: cannot remove what the failed save of step %d left in %s: %s", job.step,
                                 tier.display(job.step), exc)
             raise
+        return parts
 
     async def _promote(self, job: _Job) -> None:
         assert self.durable is not None
         # The deadline bounds the whole promotion, retries included (one retry layer, botocore's,
         # bounded per request: storage/s3.py); past it the step fails in the durable tier only.
         deadline = time.monotonic() + self.durable_timeout_s
+        assert job.snap is not None
+        snap = job.snap if job.durable_data is None else dataclasses.replace(job.snap, data=job.durable_data)
         try:
-            await self._to_tier(self.durable, job, self._bg_durable, deadline)
+            await self._to_tier(self.durable, job, self._bg_durable, deadline, snap)
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - the HTTP stack's own errors, named for the caller
@@ -625,8 +650,32 @@ class CheckpointStore:
                 f"promoting step {job.step} to {self.durable.display(job.step)} failed: {type(exc).__name__}: {exc}; "
                 "the step stays in the RAM and local tiers and later steps are promoted as usual"
             ) from exc
+        finally:
+            job.durable_data = None  # unmaps the local files
         self._promoted.add(job.step)
         await self._retain(self.durable, self.keep_durable)
+
+    def _local_view(self, job: _Job) -> Any:
+        """This rank's committed local files of the step, mapped read-only and addressed like the
+        slot (see _LocalFiles), or None (no local tier, or a file cannot be mapped: the slot is read).
+        Mapped now, right after the local commit: a mapping keeps the bytes readable even when
+        retention removes the step's files before a queued promotion gets to them."""
+        part, snap = job.local_part, job.snap
+        if part is None or snap is None:
+            return None
+        frozen = {c["file"] for k, cs in part["chunks"].items() for c in cs if snap.chunks[k] and
+                  snap.chunks[k][0]["offset"] < snap.frozen_end}
+        rest = {c["file"] for k, cs in part["chunks"].items() for c in cs} - frozen
+        if len(frozen) > 1 or len(rest) > 1:
+            return None
+        try:
+            assert self.local is not None
+            root = os.path.join(self.local.root, step_name(job.step))
+            return _LocalFiles(_map(os.path.join(root, frozen.pop())) if frozen else None,
+                               _map(os.path.join(root, rest.pop())) if rest else None, snap.frozen_end, snap.nbytes)
+        except (OSError, ValueError) as exc:
+            log.warning("ckptstore: promoting step %d from its RAM slot (cannot map its local files: %s)", job.step, exc)
+            return None
 
     async def _retain(self, tier: DirectoryTier, keep: int | None) -> None:
         """Delete the oldest committed steps beyond ``keep``: a step goes only once ``keep`` newer
@@ -1176,3 +1225,38 @@ def _groups(process_group: Any, timeout_s: float, peer_timeout_s: float) -> tupl
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:
     if f is not None and not f.done():
         f.set_result(value)
+
+
+def _map(path: str) -> torch.Tensor:
+    """A file's bytes, mapped read-only (no copy; the page cache serves the reads)."""
+    import mmap
+
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        m = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable; nothing writes it
+        return torch.frombuffer(m, dtype=torch.uint8)
+
+
+class _LocalFiles:
+    """The local tier's files of one rank's step, addressed like the staged slot: bytes
+    ``[0, frozen_end)`` are the frozen file's, bytes from ``frozen_end`` on the other file's (the
+    local tier writes each region as it lies in the slot). Tiers only ever ask for a range inside one
+    region (a region's file, or one chunk)."""
+
+    def __init__(self, frozen: torch.Tensor | None, rest: torch.Tensor | None, frozen_end: int, nbytes: int) -> None:
+        self.frozen, self.rest, self.frozen_end, self.nbytes = frozen, rest, frozen_end, nbytes
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        assert dim == 0
+        if start >= self.frozen_end:
+            assert self.rest is not None
+            return self.rest.narrow(0, start - self.frozen_end, length)
+        assert self.frozen is not None and start + length <= self.frozen_end
+        return self.frozen.narrow(0, start, length)
