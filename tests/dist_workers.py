@@ -6,8 +6,10 @@ it loaded against the full reference bitwise.
 
 from __future__ import annotations
 
+import importlib
 import os
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,12 +54,17 @@ def _state(mesh_shape, layouts, *, zeros: bool):
 
 
 def run(rank: int, world: int, store_path: str, job: str, args: dict, result_dir: str) -> None:
+    """One rank: join the gloo group and run ``job`` (a function of this module, or
+    ``"module:function"`` of another worker module) with ``(rank, world, **args)``; leaves
+    ``ok-<rank>`` or ``error-<rank>`` (the traceback) in ``result_dir``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
+        module, _, name = job.rpartition(":")
+        fn = getattr(importlib.import_module(module), name) if module else globals()[name]
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
         try:
-            globals()[job](rank, world, **args)
+            fn(rank, world, **args)
         finally:
             dist.destroy_process_group()
         open(os.path.join(result_dir, f"ok-{rank}"), "w").close()
@@ -65,6 +72,31 @@ def run(rank: int, world: int, store_path: str, job: str, args: dict, result_dir
         with open(os.path.join(result_dir, f"error-{rank}"), "w") as fh:
             fh.write(traceback.format_exc())
         raise
+
+
+def spawn(world: int, job: str, tmp_path: Any, /, *, target: Any = None, **args: Any) -> None:
+    """Run ``job`` on ``world`` real processes (``target``, by default :func:`run`, with the same
+    arguments) and fail the calling test with every rank's traceback, or the ranks that hung."""
+    import torch.multiprocessing as mp
+
+    store = tmp_path / f"store-{world}-{os.urandom(4).hex()}"
+    results = tmp_path / f"results-{os.urandom(4).hex()}"
+    results.mkdir()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target or run, args=(r, world, str(store), job, args, str(results)))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    errors = {f.name: f.read_text() for f in results.iterdir() if f.name.startswith("error-")}
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks hung: {hung}"
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    assert sorted(f.name for f in results.iterdir()) == [f"ok-{r}" for r in range(world)]
 
 
 def save_job(rank: int, world: int, url: str, mesh_shape, layouts, storage_options=None) -> None:

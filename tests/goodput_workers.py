@@ -12,24 +12,6 @@ import torch.distributed as dist
 import ckptstore
 
 
-def run(rank: int, world: int, store_path: str, job: str, args: dict, result_dir: str) -> None:
-    import traceback
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-        try:
-            globals()[job](rank, world, **args)
-        finally:
-            dist.destroy_process_group()
-        open(os.path.join(result_dir, f"ok-{rank}"), "w").close()
-    except BaseException:
-        with open(os.path.join(result_dir, f"error-{rank}"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
-
-
 def _state(rank: int, step: int, *, corrupt: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

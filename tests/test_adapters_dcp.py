@@ -9,12 +9,12 @@ and every value is compared bitwise with the reference.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import traceback
 import warnings
 
+import dist_workers
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,22 +111,7 @@ def load_job(job: str, local: str, layout: dict, step: int | None, scale: int) -
 
 
 def _spawn(world: int, fn: str, tmp_path, **args) -> None:
-    init = tmp_path / f"init-{fn}-{os.urandom(4).hex()}"
-    results = tmp_path / f"results-{os.urandom(4).hex()}"
-    results.mkdir()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_run, args=(r, world, str(init), fn, args, str(results))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = {f.name: f.read_text() for f in results.iterdir() if f.name.startswith("error-")}
-    assert not hung, f"ranks hung: {hung}"
-    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    dist_workers.spawn(world, fn, tmp_path, target=_run, **args)
 
 
 # ------------------------------------------------------------------------------------- tests

@@ -10,10 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-import goodput_workers
+import dist_workers
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import wipe_ram
 
 import ckptstore
@@ -243,23 +242,7 @@ def test_stragglers_are_flagged_per_stage_by_host():
 
 
 def _spawn(world: int, job: str, tmp_path, **args) -> None:
-    store = tmp_path / f"store-{os.urandom(4).hex()}"
-    results = tmp_path / f"results-{os.urandom(4).hex()}"
-    results.mkdir()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=goodput_workers.run, args=(r, world, str(store), job, args, str(results)))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = {f.name: f.read_text() for f in results.iterdir() if f.name.startswith("error-")}
-    assert not hung, f"ranks hung: {hung}"
-    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    dist_workers.spawn(world, f"goodput_workers:{job}", tmp_path, **args)
 
 
 def test_replicas_are_compared_and_every_rank_plans_alike(tmp_path, capsys):

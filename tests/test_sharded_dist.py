@@ -8,7 +8,6 @@ import os
 import dist_workers
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import wipe_ram
 
 import ckptstore
@@ -24,26 +23,7 @@ TWO_D = {
 SHARD1 = {"big": [("shard", 1)], "w": [("shard", 1)], "odd": [("shard", 1)], "bf": [("shard", 1)]}
 
 
-def _spawn(world: int, job: str, tmp_path, **args) -> None:
-    store = tmp_path / f"store-{job}-{world}-{os.urandom(4).hex()}"
-    results = tmp_path / f"results-{os.urandom(4).hex()}"
-    results.mkdir()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=dist_workers.run, args=(r, world, str(store), job, args, str(results))) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    errors = {f.name: f.read_text() for f in results.iterdir() if f.name.startswith("error-")}
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks hung: {hung}"
-    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
-    assert sorted(f.name for f in results.iterdir()) == [f"ok-{r}" for r in range(world)]
+_spawn = dist_workers.spawn
 
 
 def _load_single_process(url: str, **kw) -> dict:
