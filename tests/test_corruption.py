@@ -170,3 +170,29 @@ def test_a_damaged_manifest_in_every_tier_is_an_error_not_wrong_data(copies, cap
         _restore(copies, caplog)
     assert "does not match its own checksum" in caplog.text  # each damaged copy was named
 
+
+
+def test_a_failed_read_returns_only_after_every_other_read_has_stopped():
+    """The fallback above reloads into the tensors a failed attempt was filling: a read still
+    running after the failure would overwrite them later (it did: the restored step 1 came back
+    with step 2's bias about one run in four). The pool's own map returns while reads still run."""
+    import threading
+    import time
+
+    from ckptstore.engine.single_file import map_all
+
+    landed: list[int] = []
+    started = threading.Event()
+
+    def read(i: int) -> int:
+        if i == 0:
+            started.wait(5)
+            raise ckptstore.CorruptCheckpointError("damaged")
+        started.set()
+        time.sleep(0.3)
+        landed.append(i)
+        return i
+
+    with pytest.raises(ckptstore.CorruptCheckpointError):
+        list(map_all(read, [0, 1]))
+    assert landed == [1], "map_all returned while a read was still running"

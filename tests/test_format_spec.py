@@ -814,6 +814,11 @@ def make_state() -> dict[str, Any]:
     }
 
 
+def _alignment(length: int) -> int:
+    """Section 2.3: chunks of 64 KiB or more start on 4 KiB boundaries, smaller ones on 64 bytes."""
+    return 4096 if length >= 65536 else 64
+
+
 def _container_invariants(buf: bytes, ck: Checkpoint, start: int = 0) -> None:
     """The writer-side layout rules of section 2.3 (what the reference writer promises)."""
     assert buf[start + HEADER.size : start + DATA_START] == bytes(DATA_START - HEADER.size)
@@ -823,7 +828,7 @@ def _container_invariants(buf: bytes, ck: Checkpoint, start: int = 0) -> None:
     ranges = sorted((c.offset, c.length) for e in ck.entries.values() for c in e.chunks)
     end = DATA_START
     for offset, length in ranges:
-        assert offset % 4096 == 0 and offset >= end
+        assert offset % _alignment(length) == 0 and offset >= end
         assert buf[start + end : start + offset] == bytes(offset - end)  # zero padding
         end = offset + length
     assert buf[start + end : start + ck.manifest_offset] == bytes(ck.manifest_offset - end)
@@ -1189,14 +1194,14 @@ def test_sharded_files_agree(sharded: tuple[pathlib.Path, dict[str, Any]]) -> No
     es = {k: DTYPE_SIZES[e["dtype"]] for k, e in doc["tensors"].items()}
     assert doc["meta"]["total_bytes"] == sum(math.prod(e["shape"]) * es[k] for k, e in doc["tensors"].items())
 
-    # The data file: no header, chunks from offset 0 on 4 KiB boundaries, zeros elsewhere.
+    # The data file: no header, chunks from offset 0 (4 KiB boundaries, small ones 64 bytes apart), zeros elsewhere.
     data = (root / "data" / "rank-00000.bin").read_bytes()
     assert {c["file"] for e in doc["tensors"].values() for c in e["chunks"]} == {"data/rank-00000.bin"}
     ranges = sorted((c["offset"], c["length"]) for e in doc["tensors"].values() for c in e["chunks"])
     assert ranges[0][0] == 0 and len(data) % 4096 == 0
     end = 0
     for offset, length in ranges:
-        assert offset % 4096 == 0 and offset >= end
+        assert offset % _alignment(length) == 0 and offset >= end
         assert data[end:offset] == bytes(offset - end)
         end = offset + length
     assert data[end:] == bytes(len(data) - end)
@@ -1340,5 +1345,6 @@ def test_sharded_worked_example_is_true(tmp_path: pathlib.Path) -> None:
     assert inner.manifest_offset == 4096 and inner.container_length == len(ck.entries["loader#rank00000"].data)
     data = (root / "data" / "rank-00000.bin").read_bytes()
     assert data[:24] == bytes.fromhex("000000000000803f0000004000004040000080400000a040")
-    assert data[4096:4112] == bytes.fromhex("0100000000000000feffffffffffffff")
-    assert data[8192:8200] == MAGIC and ck.entries["loader#rank00000"].chunks[0].offset == 8192
+    assert data[64:80] == bytes.fromhex("0100000000000000feffffffffffffff")
+    assert data[128:136] == MAGIC and ck.entries["loader#rank00000"].chunks[0].offset == 128
+    assert len(data) == 8192

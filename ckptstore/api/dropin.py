@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._gc import gc_paused
 from ..engine.materialize import MapLocation, load_container
 from ..engine.single_file import write_container
 from ..errors import (
@@ -25,6 +26,7 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 
 
+@gc_paused
 def save(
     obj: Any,
     f: FileLike,
@@ -50,6 +52,7 @@ def save(
         raise
 
 
+@gc_paused
 def load(
     f: FileLike,
     map_location: MapLocation = None,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._gc import gc_paused
 from ..engine import sharded as _engine
 from ..engine.materialize import decode_value, encode_value
 from ..engine.sharded import PerRank
 from ..train_state import TrainState
 
 
+@gc_paused
 def save_sharded(
     state_dict: Any,
     url: Any,
@@ -37,6 +39,7 @@ def save_sharded(
     )
 
 
+@gc_paused
 def load_sharded(
     state_dict: Any,
     url: Any,

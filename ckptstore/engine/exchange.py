@@ -45,6 +45,7 @@ class Inventory:
     def __init__(self) -> None:
         self.files: dict[str, list[tuple[str, Callable[[], Source]]]] = {}  # name -> [(where, opener)]
         self.manifest: bytes | None = None
+        self.parsed: Manifest | None = None  # self.manifest, parsed once (10^5 entries take seconds)
         self.unsupported: UnsupportedFormatVersionError | None = None  # a copy only a newer reader reads
 
     def offer_manifest(self, body: bytes, where: str) -> None:
@@ -53,7 +54,7 @@ class Inventory:
         if self.manifest is not None:
             return
         try:
-            parse_manifest(body, where=where)
+            parsed = parse_manifest(body, where=where)
         except UnsupportedFormatVersionError as exc:
             # Not damage: a newer writer's. If no copy is readable, upgrading is the answer.
             log.warning("ckptstore: ignoring a copy of a manifest: %s", exc)
@@ -62,7 +63,7 @@ class Inventory:
         except CheckpointError as exc:
             log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
             return
-        self.manifest = body
+        self.manifest, self.parsed = body, parsed
 
     def add(self, name: str, where: str, opener: Callable[[], Source]) -> None:
         self.files.setdefault(name, []).append((where, opener))
@@ -193,6 +194,9 @@ def get_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
         dist.broadcast_object_list(box, src=src, group=group.pg)
         body = box[0]
     assert body is not None
+    if body is inv.manifest and inv.parsed is not None:
+        parsed, inv.parsed = inv.parsed, None  # handed out once: a load fills its tree in place
+        return parsed
     return parse_manifest(body, where=where)
 
 

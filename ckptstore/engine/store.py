@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .._faults import crashpoint
+from .._gc import gc_paused
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -313,6 +314,7 @@ class CheckpointStore:
         self._errors = [(s, e) for s, e in self._errors if s > self._reported]
         raise CheckpointError(f"an earlier background save (step {step}) failed: {exc}") from exc
 
+    @gc_paused
     def save(self, step: int, state: Any) -> SaveHandle:
         """Stage ``state`` in RAM (the only blocking part) and persist it in the background.
 
@@ -332,6 +334,7 @@ class CheckpointStore:
         job = _Job(step, None, None)
         items: list[tuple[str, Any]] = []
         frozen_count = 0
+        breaks: frozenset[int] = frozenset()
         try:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
@@ -342,11 +345,12 @@ class CheckpointStore:
             frozen = [m for m in mine if self.frozen is not None and self.frozen(m.key)]
             rest = [m for m in mine if not (self.frozen is not None and self.frozen(m.key))]
             items = [(m.key, local.items[(m.key, m.offsets, m.sizes)]) for m in frozen + rest]
+            breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
             items += self._sdc_items(local, mine, job)
             frozen_count = len(frozen)
             job.tree, job.tensors, job.digest = local.tree, local.tensors, _digest(local)
             job.boxes = {m.key: m.offsets for m in mine}
-            self._size_slots(items)
+            self._size_slots(items, breaks)
             pipeline = self._busy.get(self.ram._next)
             busy = pipeline is not None and not pipeline.done()
         except Exception as exc:  # noqa: BLE001 - in a group every rank must reach the agreement first
@@ -394,7 +398,7 @@ class CheckpointStore:
         refresh = self._saves % self.refresh_every == 0
         may_skip = frozenset() if refresh else frozenset(k for k, _ in items[:frozen_count])
         try:
-            job.staged = self.ram.stage(step, items, may_skip=may_skip)
+            job.staged = self.ram.stage(step, items, may_skip=may_skip, breaks=breaks)
         except BaseException as exc:
             job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
             if self.world == 1:
@@ -425,11 +429,11 @@ class CheckpointStore:
         self._saved(job, handle, time.perf_counter() - t_enter)
         return handle
 
-    def _size_slots(self, items: list[tuple[str, Any]]) -> None:
+    def _size_slots(self, items: list[tuple[str, Any]], breaks: frozenset[int]) -> None:
         """Fix the number of staging slots at the first save, from ram_budget_bytes."""
         if self._slots_set:
             return
-        size = Layout.of(items).total
+        size = Layout.of(items, breaks).total
         if self.ram_budget_bytes is not None:
             slots = self.ram_budget_bytes // size
             if slots < 1:
@@ -691,6 +695,7 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------------------ restoring
 
+    @gc_paused
     def restore(self, state: Any, *, per_rank: str = "error") -> int | None:
         """Load the newest step with a sound copy into ``state`` in place; None when no tier holds
         any checkpoint of this job. Raises CorruptCheckpointError (listing what was tried) when

@@ -33,6 +33,14 @@ DATA_START = ALIGN
 assert HEADER.size == 32 and FOOTER.size == 32
 
 
+# Writer layout (section 2.3 of docs/format.md): chunks under SMALL_BYTES are packed SMALL_ALIGN
+# apart (torch.save's own alignment, enough for every dtype) in groups of up to BATCH_BYTES that
+# start and end on ALIGN boundaries. Readers never depend on any of this.
+SMALL_BYTES = 64 << 10
+SMALL_ALIGN = 64
+BATCH_BYTES = 4 << 20
+
+
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 

@@ -37,7 +37,7 @@ import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StorageError
 from ..format.checksum import ALGORITHM
-from ..format.container import align_up
+from ..format.container import SMALL_ALIGN, SMALL_BYTES, align_up
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import Manifest, check_manifest_size, load_json, parse_manifest
 from ..storage.targets import Source, Target, open_source
@@ -63,16 +63,21 @@ class Layout:
     total: int
 
     @classmethod
-    def of(cls, items: list[tuple[str, torch.Tensor]]) -> Layout:
+    def of(cls, items: list[tuple[str, torch.Tensor]], breaks: frozenset[int] = frozenset()) -> Layout:
+        """Entries of 64 KiB or more start 4 KiB-aligned, smaller ones 64 bytes apart (the padding
+        would otherwise be most of a state of small tensors, in RAM and in every file written from
+        the slot), and so does the entry at each index in ``breaks``: the store cuts the slot there
+        (frozen entries first, replica-check entries last)."""
         entries, pos = [], 0
-        for key, t in items:
+        for i, (key, t) in enumerate(items):
             name = dtype_name(t.dtype)
             if name is None:
                 raise InvalidArgumentError(f"{key}: dtype {t.dtype} cannot be staged")
             nbytes = t.numel() * t.element_size()
+            pos = align_up(pos) if nbytes >= SMALL_BYTES or i in breaks else align_up(pos, SMALL_ALIGN)
             entries.append(SlotEntry(key, name, tuple(t.shape), pos, nbytes))
-            pos = align_up(pos + nbytes)
-        return cls(tuple(entries), max(pos, 4096))
+            pos += nbytes
+        return cls(tuple(entries), max(align_up(pos), 4096))
 
     @property
     def signature(self) -> str:
@@ -176,7 +181,8 @@ class RamTier(Tier):
         return slot
 
     def stage(
-        self, step: int, items: list[tuple[str, torch.Tensor]], *, may_skip: frozenset[str] = frozenset()
+        self, step: int, items: list[tuple[str, torch.Tensor]], *, may_skip: frozenset[str] = frozenset(),
+        breaks: frozenset[int] = frozenset(),
     ) -> Staged:
         """Copy ``items`` into the next slot; the blocking part of a save. Returns what was staged.
 
@@ -184,12 +190,12 @@ class RamTier(Tier):
         the same version counter (frozen weights in fine-tuning). This is opt-in because writes
         through ``.data``, numpy views or DLPack change a tensor without bumping its version
         counter: the caller decides which tensors are truly frozen and refreshes them now and then
-        (an empty ``may_skip`` copies everything).
+        (an empty ``may_skip`` copies everything). ``breaks``: see :meth:`Layout.of`.
 
         The slot's previous manifest is removed first, so a crash mid-copy never leaves a
         committed-looking snapshot with half-overwritten bytes.
         """
-        layout = Layout.of(items)
+        layout = Layout.of(items, breaks)
         index = self._next
         self._next = (self._next + 1) % self.nslots
         _unlink(self._name(index, "json"))
