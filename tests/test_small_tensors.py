@@ -194,11 +194,11 @@ def test_paused_calls_nest_across_threads():
     assert gc.isenabled()
 
 
-def test_store_save_and_restore_pause_the_collector(tmp_path, monkeypatch):
+def test_store_save_and_restore_pause_the_collector(tmp_path, monkeypatch, job):
     from ckptstore.engine import store as store_module
 
     state = {f"t{i}": torch.tensor([float(i)]) for i in range(2_000)}
-    with ckptstore.CheckpointStore("gc-pause", local=str(tmp_path / "local")) as store:
+    with ckptstore.CheckpointStore(job, local=str(tmp_path / "local")) as store:
         staging = _spy_gc(monkeypatch, store.ram, "stage")
         store.save(1, state).wait("local")
         assert staging == [False]
