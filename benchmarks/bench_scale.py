@@ -36,7 +36,7 @@ import ckptstore
 from ckptstore.engine.store import CheckpointStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, pyplot  # noqa: E402 - shared by the benchmark scripts
+from common import machine, prime_page_cache, pyplot  # noqa: E402 - shared by the benchmark scripts
 
 VARIANTS = ("torch_save_fsync", "ckptstore_save", "torch_load", "ckptstore_load", "memcpy_floor", "store_save_blocking")
 
@@ -99,6 +99,10 @@ def measure(total: int, count: int, repeats: int, work: str, ram_dir: str, with_
     }
     if with_async:
         fns.update(memcpy_floor=floor_copy, store_save_blocking=store_save)
+    # The loads are warm, for both: ckptstore.save writes with O_DIRECT, which leaves its file out of
+    # the page cache, so without this a load right after a save read from disk (torch's file stays
+    # cached), which made earlier runs compare a cold ckptstore load with a warm torch one.
+    primed = {"torch_load": tpath, "ckptstore_load": cpath}
     times: dict[str, list[float]] = {k: [] for k in fns}
     try:
         for fn in fns.values():  # warm-up: files exist for the loads, slots and buffers touched
@@ -110,6 +114,8 @@ def measure(total: int, count: int, repeats: int, work: str, ram_dir: str, with_
             names = list(fns) if r % 2 == 0 else list(reversed(fns))
             for name in names:
                 gc.collect()
+                if name in primed:
+                    prime_page_cache(primed[name])
                 t = time.perf_counter()
                 out = fns[name]()
                 elapsed = time.perf_counter() - t

@@ -815,8 +815,8 @@ def make_state() -> dict[str, Any]:
 
 
 def _alignment(length: int) -> int:
-    """Section 2.3: chunks of 64 KiB or more start on 4 KiB boundaries, smaller ones on 64 bytes."""
-    return 4096 if length >= 65536 else 64
+    """Section 2.3: chunks of 1 MiB or more start on 4 KiB boundaries, smaller ones on 64 bytes."""
+    return 4096 if length >= 1 << 20 else 64
 
 
 def _container_invariants(buf: bytes, ck: Checkpoint, start: int = 0) -> None:

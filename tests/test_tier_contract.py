@@ -143,7 +143,9 @@ def _save(env: Env, step: int, state: Any, *, commit: bool = True, use_async: bo
     mine = _my_writes(local, 1, 0)
     is_frozen = [bool(frozen) and m.key.startswith(frozen) for m in mine]
     ordered = [m for m, f in zip(mine, is_frozen) if f] + [m for m, f in zip(mine, is_frozen) if not f]
-    staged = env.source.stage(step, [(m.key, local.items[(m.key, m.offsets, m.sizes)]) for m in ordered])
+    # As the store does: the slot is cut where the frozen entries end, so that entry starts a page.
+    staged = env.source.stage(step, [(m.key, local.items[(m.key, m.offsets, m.sizes)]) for m in ordered],
+                              breaks=frozenset({sum(is_frozen)}))
     env.source.checksums(staged, BLOCK_SIZE)
     frozen_end = 0
     if any(is_frozen):

@@ -108,7 +108,8 @@ class Written:
 
 # Tensors under SMALL_BYTES are packed SMALL_ALIGN apart into batches of up to BATCH_BYTES, each
 # written in one aligned write (constants in format/container.py): one job per tensor cost ~0.15 ms
-# of thread hand-offs, which at 100,000 small tensors made ckptstore.save 6x slower than torch.save.
+# of thread hand-offs, which at 100,000 small tensors made ckptstore.save 6x slower than torch.save
+# (and at 1,000 tensors of 64 KiB, 0.74x torch.save's speed with a 64 KiB bound; 1.33x with 1 MiB).
 SMALL_BYTES, SMALL_ALIGN, BATCH_BYTES = container.SMALL_BYTES, container.SMALL_ALIGN, container.BATCH_BYTES
 
 

@@ -36,7 +36,7 @@ assert HEADER.size == 32 and FOOTER.size == 32
 # Writer layout (section 2.3 of docs/format.md): chunks under SMALL_BYTES are packed SMALL_ALIGN
 # apart (torch.save's own alignment, enough for every dtype) in groups of up to BATCH_BYTES that
 # start and end on ALIGN boundaries. Readers never depend on any of this.
-SMALL_BYTES = 64 << 10
+SMALL_BYTES = 1 << 20
 SMALL_ALIGN = 64
 BATCH_BYTES = 4 << 20
 

@@ -64,7 +64,7 @@ class Layout:
 
     @classmethod
     def of(cls, items: list[tuple[str, torch.Tensor]], breaks: frozenset[int] = frozenset()) -> Layout:
-        """Entries of 64 KiB or more start 4 KiB-aligned, smaller ones 64 bytes apart (the padding
+        """Entries of 1 MiB or more start 4 KiB-aligned, smaller ones 64 bytes apart (the padding
         would otherwise be most of a state of small tensors, in RAM and in every file written from
         the slot), and so does the entry at each index in ``breaks``: the store cuts the slot there
         (frozen entries first, replica-check entries last)."""
