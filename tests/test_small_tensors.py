@@ -247,3 +247,33 @@ def test_store_with_small_frozen_and_trained_tensors_restores_bitwise_from_local
     for part, d in state.items():
         for key, t in d.items():
             assert_tensor_identical(target[part][key], t, f"{part}/{key}")
+
+
+def test_scatter_reads_fill_every_buffer_across_iov_max_and_short_reads(tmp_path, monkeypatch):
+    import os
+
+    from ckptstore.storage import targets
+
+    data = bytes(range(256)) * 40  # 10,240 bytes
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    source = targets.LocalSource(str(path), str(path))
+    try:
+        # 3,000 buffers of 3 bytes: three preadv calls of at most IOV_MAX buffers each.
+        bufs = [memoryview(bytearray(3)) for _ in range(3000)]
+        source.readv_into(100, bufs)
+        assert b"".join(bytes(b) for b in bufs) == data[100:9100]
+
+        # A short preadv (the kernel may return fewer bytes) is finished buffer by buffer.
+        real = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: real(fd, [bufs[0][:1]], offset))
+        bufs = [memoryview(bytearray(5)) for _ in range(10)]
+        source.readv_into(7, bufs)
+        assert b"".join(bytes(b) for b in bufs) == data[7:57]
+        monkeypatch.setattr(os, "preadv", real)
+
+        # Past the end of the file: a short read, never a silently zero-filled buffer.
+        with pytest.raises(targets.ShortRead):
+            source.readv_into(10_200, [memoryview(bytearray(30)), memoryview(bytearray(30))])
+    finally:
+        source.close()

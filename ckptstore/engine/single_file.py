@@ -371,14 +371,28 @@ def read_entries(
             else:
                 decodes.append((key, c, buf, es))
 
-    # (file offset, buffer read into, the small chunks to copy out of it or None)
-    reads: list[tuple[int, memoryview, list[tuple[int, memoryview]] | None]] = [(o, v, None) for o, v in pieces]
-    for start, end, members in _group_small(small):
-        reads.append((start, memoryview(bytearray(end - start)), members))
+    # (file offset, the buffers that consecutive bytes from there fill, chunk bytes among them):
+    # a group of small chunks is one scatter read straight into their tensors, its gaps (alignment
+    # padding) into a scratch buffer that nothing reads.
+    reads: list[tuple[int, list[memoryview], int]] = [(o, [v], len(v)) for o, v in pieces]
+    groups = _group_small(small)
+    junk = memoryview(bytearray(max((gap for g in groups for gap in _gaps(g)), default=0)))
+    for start, _end, members in groups:
+        bufs: list[memoryview] = []
+        cursor = 0
+        for at, into in members:
+            if at > cursor:
+                bufs.append(junk[: at - cursor])
+            bufs.append(into)
+            cursor = at + len(into)
+        reads.append((start, bufs, sum(len(m) for _, m in members)))
 
-    def read_piece(piece: tuple[int, memoryview, list[tuple[int, memoryview]] | None]) -> int:
-        source.readinto(piece[0], piece[1])
-        return _spread(piece)
+    def read_piece(piece: tuple[int, list[memoryview], int]) -> int:
+        if len(piece[1]) == 1:
+            source.readinto(piece[0], piece[1][0])
+        else:
+            source.readv_into(piece[0], piece[1])
+        return piece[2]
 
     try:
         if source.parallel and len(reads) > 1 and source.local_path is not None:
@@ -386,10 +400,9 @@ def read_entries(
                 if progress:
                     progress(n)
         elif len(reads) > 1 and source.local_path is None and source.parallel:
-            datas = source.read_many([(o, len(v)) for o, v, _ in reads])
-            for piece, data in zip(reads, datas):
-                piece[1][:] = data
-                n = _spread(piece)
+            datas = source.read_many([(o, sum(len(v) for v in bufs)) for o, bufs, _ in reads])
+            for (_, bufs, n), data in zip(reads, datas):
+                _scatter(data, bufs)
                 if progress:
                     progress(n)
         else:
@@ -450,10 +463,15 @@ def _group_small(small: list[tuple[int, memoryview]]) -> list[tuple[int, int, li
     return groups
 
 
-def _spread(piece: tuple[int, memoryview, list[tuple[int, memoryview]] | None]) -> int:
-    """Copy a group read out to its chunks; the chunk bytes the piece delivered (gaps not counted)."""
-    if piece[2] is None:
-        return len(piece[1])
-    for at, dest in piece[2]:
-        dest[:] = piece[1][at : at + len(dest)]
-    return sum(len(dest) for _, dest in piece[2])
+def _gaps(group: tuple[int, int, list[tuple[int, memoryview]]]) -> Iterator[int]:
+    cursor = 0
+    for at, dest in group[2]:
+        yield at - cursor
+        cursor = at + len(dest)
+
+
+def _scatter(data: bytes | memoryview, bufs: list[memoryview]) -> None:
+    pos = 0
+    for b in bufs:
+        b[:] = data[pos : pos + len(b)]
+        pos += len(b)

@@ -615,6 +615,14 @@ class Source:
     def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         return [self.read(o, n) for o, n in ranges]
 
+    def readv_into(self, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` in order from the consecutive bytes at ``offset`` (one read of their total)."""
+        data = self.read(offset, sum(len(b) for b in bufs))
+        pos = 0
+        for b in bufs:
+            b[:] = data[pos : pos + len(b)]
+            pos += len(b)
+
     def close(self) -> None:
         pass
 
@@ -626,6 +634,9 @@ class _ShortRead(Exception):
     def __init__(self, offset: int, wanted: int, got: int) -> None:
         super().__init__(f"wanted {wanted} bytes at offset {offset}, the file ends after {got}")
         self.offset, self.wanted, self.got = offset, wanted, got
+
+
+_IOV_MAX = 1024  # Linux UIO_MAXIOV: preadv takes at most this many buffers per call
 
 
 class LocalSource(Source):
@@ -671,6 +682,27 @@ class LocalSource(Source):
             if n == 0:
                 raise _ShortRead(offset, total, done)
             done += n
+
+    def readv_into(self, offset: int, bufs: list[memoryview]) -> None:
+        # preadv scatters one read over the buffers (at most IOV_MAX of them per call); a short
+        # read finishes buffer by buffer, where readinto reports a truncated file.
+        for i in range(0, len(bufs), _IOV_MAX):
+            batch = bufs[i : i + _IOV_MAX]
+            want = sum(len(b) for b in batch)
+            try:
+                n = os.preadv(self.fd, batch, offset)
+            except OSError as exc:
+                raise storage_error(exc, "read", self.display) from None
+            if n < want:
+                pos, left = offset, n  # left: bytes delivered from pos on
+                for b in batch:
+                    if left >= len(b):
+                        left -= len(b)
+                    else:
+                        self.readinto(pos + left, b[left:])
+                        left = 0
+                    pos += len(b)
+            offset += want
 
     def close(self) -> None:
         if self.fd >= 0:
