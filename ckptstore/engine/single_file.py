@@ -23,7 +23,7 @@ from ..format.checksum import checksum, verify
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..planning.flatten import Plan
-from ..storage.targets import READ_PIECE, ShortRead, Sink, Source
+from ..storage.targets import READ_PIECE, ShortRead, Sink, Source, scatter
 from .memory import alloc_bytes
 
 _pool: ThreadPoolExecutor | None = None
@@ -402,7 +402,7 @@ def read_entries(
         elif len(reads) > 1 and source.local_path is None and source.parallel:
             datas = source.read_many([(o, sum(len(v) for v in bufs)) for o, bufs, _ in reads])
             for (_, bufs, n), data in zip(reads, datas):
-                _scatter(data, bufs)
+                scatter(data, bufs)
                 if progress:
                     progress(n)
         else:
@@ -468,10 +468,3 @@ def _gaps(group: tuple[int, int, list[tuple[int, memoryview]]]) -> Iterator[int]
     for at, dest in group[2]:
         yield at - cursor
         cursor = at + len(dest)
-
-
-def _scatter(data: bytes | memoryview, bufs: list[memoryview]) -> None:
-    pos = 0
-    for b in bufs:
-        b[:] = data[pos : pos + len(b)]
-        pos += len(b)

@@ -593,6 +593,14 @@ def open_sink(target: Target, tuning: WriteTuning | None = None, *, exclusive: b
     return FsspecSink(target.fs, target.fspath, target.display, exclusive)
 
 
+def scatter(data: bytes | memoryview, bufs: list[memoryview]) -> None:
+    """Copy ``data`` into ``bufs`` in order, each taking the next len(buf) bytes."""
+    pos = 0
+    for b in bufs:
+        b[:] = data[pos : pos + len(b)]
+        pos += len(b)
+
+
 class Source:
     """Random-access reader over one container; ``start`` is where the container begins."""
 
@@ -617,11 +625,7 @@ class Source:
 
     def readv_into(self, offset: int, bufs: list[memoryview]) -> None:
         """Fill ``bufs`` in order from the consecutive bytes at ``offset`` (one read of their total)."""
-        data = self.read(offset, sum(len(b) for b in bufs))
-        pos = 0
-        for b in bufs:
-            b[:] = data[pos : pos + len(b)]
-            pos += len(b)
+        scatter(self.read(offset, sum(len(b) for b in bufs)), bufs)
 
     def close(self) -> None:
         pass
