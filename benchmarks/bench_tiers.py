@@ -19,8 +19,8 @@ import uuid
 import torch
 
 from ckptstore._local_s3 import start_local_s3
-from ckptstore.engine.materialize import encode_value
-from ckptstore.engine.sharded import BLOCK_SIZE, _build_manifest, _collect
+from ckptstore.checkpoint.materialize import encode_value
+from ckptstore.checkpoint.sharded import BLOCK_SIZE, _build_manifest, _collect
 from ckptstore.tiers.directory import DirectoryTier
 from ckptstore.tiers.ram import RamTier
 

@@ -297,8 +297,8 @@ class _Staged:
     """A state of ``nbytes`` staged once in a RAM tier, as the store's pipeline hands it to a tier."""
 
     def __init__(self, job: str, state: dict[str, Any], ram_dir: str) -> None:
-        from .engine.materialize import encode_value
-        from .engine.sharded import BLOCK_SIZE, _collect
+        from .checkpoint.materialize import encode_value
+        from .checkpoint.sharded import BLOCK_SIZE, _collect
         from .tiers.ram import RamTier
 
         self.local = _collect(state, 0, encode_value)
@@ -316,7 +316,7 @@ class _Staged:
 
     def persist(self, root: str, storage_options: dict[str, Any] | None, tuning: WriteTuning | None) -> str:
         """What the store's pipeline does per tier and step: this rank's files, then the manifest."""
-        from .engine.sharded import _build_manifest
+        from .checkpoint.sharded import _build_manifest
         from .tiers.directory import DirectoryTier
 
         target = DirectoryTier("bench", root, storage_options=storage_options, tuning=tuning)

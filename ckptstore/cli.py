@@ -22,7 +22,7 @@ def _human(n: float) -> str:
 
 
 def _open(url: str, storage_options: dict[str, Any] | None):
-    from .engine.inspect import open_any
+    from .checkpoint.inspect import open_any
 
     return open_any(url, storage_options)
 
@@ -50,7 +50,7 @@ def _progress(total: int, desc: str):
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .engine.inspect import summary
+    from .checkpoint.inspect import summary
 
     if getattr(args, "timings", False):
         return cmd_timings(args)
@@ -96,7 +96,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .engine.inspect import scan
+    from .checkpoint.inspect import scan
 
     opened = _open(args.url, args.storage_options)
     try:
@@ -123,9 +123,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from .engine.inspect import open_any
-    from .engine.materialize import decode_value
-    from .engine.reshard import reshard
+    from .checkpoint.inspect import open_any
+    from .checkpoint.materialize import decode_value
+    from .checkpoint.reshard import reshard
 
     opened = open_any(args.src, args.storage_options)
     total = opened.manifest.total_bytes
@@ -174,8 +174,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _newest_step(url: str, storage_options: dict[str, Any] | None) -> str:
     """``url`` when it is a checkpoint; the newest committed step under it when it is a tier's root."""
-    from .engine.inspect import is_sharded
-    from .engine.sharded import MANIFEST, Directory
+    from .checkpoint.inspect import is_sharded
+    from .checkpoint.sharded import MANIFEST, Directory
 
     if not is_sharded(url, storage_options):
         return url

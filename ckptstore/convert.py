@@ -150,7 +150,7 @@ def detect_format(src: str, storage_options: dict[str, Any] | None = None) -> st
 
 
 def _detect_directory(url: str, target: Any, storage_options: dict[str, Any] | None) -> str:
-    from .engine.sharded import MANIFEST, Directory, read_manifest
+    from .checkpoint.sharded import MANIFEST, Directory, read_manifest
 
     directory = Directory(url, storage_options if "://" in url else None)
     if directory.exists(MANIFEST):
@@ -292,8 +292,8 @@ def _read_single(url: str, so: dict[str, Any] | None, allow_pickle: bool) -> Any
 def _read_sharded(url: str, so: dict[str, Any] | None) -> tuple[Any, list[str]]:
     """Assemble a sharded checkpoint in this process: a state of full tensors, one per manifest entry."""
     from .api.sharded import PerRank, load_sharded
-    from .engine.memory import alloc_bytes
-    from .engine.sharded import Directory, read_manifest
+    from .checkpoint.memory import alloc_bytes
+    from .checkpoint.sharded import Directory, read_manifest
     from .format.dtypes import dtype_from_name
     from .format.tree import Decoder
 

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ._adapters import next_step
-from .engine.sharded import GlobalBox
+from .checkpoint.sharded import GlobalBox
 from .engine.store import CheckpointStore, SaveHandle
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsupportedObjectError
 from .format.dtypes import dtype_from_name, dtype_name

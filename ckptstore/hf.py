@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ._adapters import require
-from .engine.sharded import PerRank
+from .checkpoint.sharded import PerRank
 from .engine.store import CheckpointStore
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, UnsupportedObjectError
 

@@ -821,7 +821,7 @@ def test_created_files_and_directories_are_owner_only(tmp_path, job, umask):
         with ckptstore.CheckpointStore(job, local=str(tmp_path / "x" / "local"), ram_dir=str(ram_dir)) as store:
             store.save(1, _state()).wait("local")
             store.save(2, _state()).wait("local")
-        from ckptstore.engine.reshard import reshard
+        from ckptstore.checkpoint.reshard import reshard
 
         reshard(str(tmp_path / "a" / "b" / "sharded"), str(tmp_path / "r" / "resharded"), 2)
     finally:

@@ -12,8 +12,8 @@ import torch
 
 import ckptstore
 from ckptstore.cli import main
-from ckptstore.engine.materialize import encode_value
-from ckptstore.engine.sharded import BLOCK_SIZE, _build_manifest, _collect
+from ckptstore.checkpoint.materialize import encode_value
+from ckptstore.checkpoint.sharded import BLOCK_SIZE, _build_manifest, _collect
 from ckptstore.tiers.directory import DirectoryTier
 from ckptstore.tiers.ram import RamTier
 

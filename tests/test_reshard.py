@@ -9,7 +9,7 @@ import torch
 
 import ckptstore
 from ckptstore.cli import main
-from ckptstore.engine.reshard import reshard
+from ckptstore.checkpoint.reshard import reshard
 
 
 def _state() -> dict:

@@ -15,7 +15,7 @@ from conftest import assert_tensor_identical, container_layout
 
 import ckptstore
 from ckptstore import CorruptCheckpointError
-from ckptstore.engine.single_file import BATCH_BYTES, SMALL_ALIGN, SMALL_BYTES
+from ckptstore.checkpoint.single_file import BATCH_BYTES, SMALL_ALIGN, SMALL_BYTES
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.complex128, torch.bool, torch.int8, torch.uint8, torch.int64]
 

@@ -17,8 +17,8 @@ import torch
 from conftest import assert_tensor_identical
 
 from ckptstore import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, PerRank
-from ckptstore.engine.materialize import decode_value, encode_value
-from ckptstore.engine.sharded import (
+from ckptstore.checkpoint.materialize import decode_value, encode_value
+from ckptstore.checkpoint.sharded import (
     BLOCK_SIZE,
     Directory,
     Group,

@@ -33,7 +33,8 @@ from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
 from ..planning.sharding import intersect
 from ..storage.targets import Source, Target, open_source
 from ..tiers.ram import read_doc, usable_doc
-from .sharded import MANIFEST, Decoder, Group, _fill, _LoadCtx, _SavedRef
+from ..checkpoint.sharded import MANIFEST, Decoder, _fill, _LoadCtx, _SavedRef
+from ..collective import Group
 
 log = logging.getLogger("ckptstore")
 _SEG = re.compile(r"^ckptstore-(?P<job>.+)-r(?P<rank>\d{5})-(?:peer(?P<src>\d{5})-)?s(?P<slot>\d+)\.json$")

@@ -53,8 +53,8 @@ from ..tiers.base import Snapshot, Tier, _in_thread
 from ..tiers.directory import DirectoryTier, step_name
 from ..tiers.ram import Layout, RamTier, Staged
 from .exchange import exchange, get_manifest, needed_chunks, node_inventory, node_steps
-from .materialize import decode_value, encode_value
-from .sharded import BLOCK_SIZE, MANIFEST, Group, _build_manifest, _collect, _digest, _my_writes, load_manifest
+from ..checkpoint.materialize import decode_value, encode_value
+from ..checkpoint.sharded import BLOCK_SIZE, MANIFEST, Group, _build_manifest, _collect, _digest, _my_writes, load_manifest
 
 log = logging.getLogger("ckptstore")
 TIERS = ("ram", "local", "peer", "durable")
@@ -1172,7 +1172,7 @@ def _replica_to_local(root: str, step: int, src: int, buf: Any, manifest: bytes,
     """Keep a received replica on this node's disk too: ``<local>/peer/step-<012d>/`` holds the
     replicas this node's ranks received, with the step's manifest, so they survive a reboot."""
     from ..storage.targets import Target, makedirs_private, open_sink, write_bytes
-    from .single_file import write_raw
+    from ..checkpoint.single_file import write_raw
 
     peer_root = os.path.join(root, "peer")
     step_dir = os.path.join(peer_root, f"step-{step:012d}")

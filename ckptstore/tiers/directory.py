@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from .._faults import crashpoint
-from ..engine.sharded import BLOCK_SIZE, MANIFEST, Directory, data_file, part_file, read_manifest
-from ..engine.single_file import write_raw
+from ..checkpoint.sharded import BLOCK_SIZE, MANIFEST, Directory, data_file, part_file, read_manifest
+from ..checkpoint.single_file import write_raw
 from ..errors import CheckpointExistsError, InvalidArgumentError
 from ..format import codecs
 from ..format.manifest import Manifest, parse_manifest

@@ -30,6 +30,7 @@ import torch
 
 from .._buffers import byte_view
 from .._version import __version__
+from ..collective import Group
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -101,46 +102,6 @@ class GlobalBox:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-class Group:
-    """The ranks taking part: a torch.distributed process group, or this process alone."""
-
-    def __init__(self, process_group: Any) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
-        if process_group is None and not (dist.is_available() and dist.is_initialized()):
-            self.pg, self.rank, self.world = None, 0, 1
-        else:
-            self.pg = process_group
-            self.rank = dist.get_rank(process_group)
-            self.world = dist.get_world_size(process_group)
-
-    @classmethod
-    def solo(cls) -> Group:
-        """This process alone, even when torch.distributed is initialized."""
-        group = cls.__new__(cls)
-        import torch.distributed as dist
-
-        group._dist, group.pg, group.rank, group.world = dist, None, 0, 1
-        return group
-
-    def gather_to_root(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
-        if self.world == 1:
-            return [obj]
-        dst = 0 if self.pg is None else self._dist.get_global_rank(self.pg, 0)
-        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        self._dist.gather_object(obj, out, dst=dst, group=self.pg)
-        return out or []
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self._dist.all_gather_object(out, obj, group=self.pg)
-        return out
 
 
 class Directory:
