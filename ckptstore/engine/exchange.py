@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.sharded import MANIFEST, Decoder, _fill, _LoadCtx, _SavedRef
+from ..collective import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
 from ..planning.sharding import intersect
 from ..storage.targets import Source, Target, open_source
 from ..tiers.ram import read_doc, usable_doc
-from ..checkpoint.sharded import MANIFEST, Decoder, _fill, _LoadCtx, _SavedRef
-from ..collective import Group
 
 log = logging.getLogger("ckptstore")
 _SEG = re.compile(r"^ckptstore-(?P<job>.+)-r(?P<rank>\d{5})-(?:peer(?P<src>\d{5})-)?s(?P<slot>\d+)\.json$")

@@ -38,6 +38,17 @@ import torch
 
 from .._faults import crashpoint
 from .._gc import gc_paused
+from ..checkpoint.materialize import decode_value, encode_value
+from ..checkpoint.sharded import (
+    BLOCK_SIZE,
+    MANIFEST,
+    Group,
+    _build_manifest,
+    _collect,
+    _digest,
+    _my_writes,
+    load_manifest,
+)
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -53,8 +64,6 @@ from ..tiers.base import Snapshot, Tier, _in_thread
 from ..tiers.directory import DirectoryTier, step_name
 from ..tiers.ram import Layout, RamTier, Staged
 from .exchange import exchange, get_manifest, needed_chunks, node_inventory, node_steps
-from ..checkpoint.materialize import decode_value, encode_value
-from ..checkpoint.sharded import BLOCK_SIZE, MANIFEST, Group, _build_manifest, _collect, _digest, _my_writes, load_manifest
 
 log = logging.getLogger("ckptstore")
 TIERS = ("ram", "local", "peer", "durable")
@@ -1171,8 +1180,8 @@ def _node_identity(node: Any, rank: int) -> Any:
 def _replica_to_local(root: str, step: int, src: int, buf: Any, manifest: bytes, keep: int | None) -> None:
     """Keep a received replica on this node's disk too: ``<local>/peer/step-<012d>/`` holds the
     replicas this node's ranks received, with the step's manifest, so they survive a reboot."""
-    from ..storage.targets import Target, makedirs_private, open_sink, write_bytes
     from ..checkpoint.single_file import write_raw
+    from ..storage.targets import Target, makedirs_private, open_sink, write_bytes
 
     peer_root = os.path.join(root, "peer")
     step_dir = os.path.join(peer_root, f"step-{step:012d}")

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from .._faults import crashpoint
 from ..errors import InvalidArgumentError, StorageError
-from .targets import Sink, storage_error, transport_errors
+from .base import Sink, storage_error, transport_errors
 
 T = TypeVar("T")
 
@@ -347,7 +347,7 @@ class S3Sink(Sink):
         except BaseException as exc:
             self.abort()
             if isinstance(exc, FileExistsError) or _error_code(exc) == "PreconditionFailed":
-                from .targets import already_exists
+                from .base import already_exists
 
                 raise already_exists(self.display) from None
             raise
