@@ -14,9 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import inspect
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +65,16 @@ class Group:
         return out
 
 
+def failure_record(rank: int, exc: BaseException) -> dict[str, Any]:
+    """How ``exc`` travels to the other ranks: a plain dict (see :class:`~ckptstore.errors.RankFailure`)."""
+    return dataclasses.asdict(RankFailure.of(rank, exc, socket.gethostname()))
+
+
+def failures_from(records: list[dict[str, Any] | None]) -> dict[int, RankFailure]:
+    """The failures among gathered records (None where a rank did not fail), by rank."""
+    return {r["rank"]: RankFailure(**r) for r in records if r is not None}
+
+
 def _status(rank: int, fn: Callable[[], Any]) -> tuple[dict[str, Any], BaseException | None]:
     try:
         return {"ok": True, "value": fn()}, None
@@ -74,13 +83,13 @@ def _status(rank: int, fn: Callable[[], Any]) -> tuple[dict[str, Any], BaseExcep
 
 
 def _failed(rank: int, exc: BaseException) -> dict[str, Any]:
-    return {"ok": False, "failure": dataclasses.asdict(RankFailure.of(rank, exc, socket.gethostname()))}
+    return {"ok": False, "failure": failure_record(rank, exc)}
 
 
 def settle(what: str, statuses: list[dict[str, Any]], rank: int, local: BaseException | None, *,
            own_error_first: bool = False) -> list[Any]:
     """Every rank's value, or the error all ranks raise (see :func:`agree`)."""
-    failures = {s["failure"]["rank"]: RankFailure(**s["failure"]) for s in statuses if not s["ok"]}
+    failures = failures_from([s.get("failure") for s in statuses if not s["ok"]])
     if not failures:
         return [s["value"] for s in statuses]
     if local is not None and (len(statuses) == 1 or (own_error_first and len(failures) == 1)):
@@ -106,13 +115,12 @@ def agree(group: Group, what: str, fn: Callable[[], Any], *, own_error_first: bo
     return settle(what, statuses, group.rank, local, own_error_first=own_error_first)
 
 
-async def agree_async(group: Group, what: str, fn: Callable[[], Any]) -> list[Any]:
-    """:func:`agree` on an event loop: ``fn`` is a coroutine function (awaited here) or a plain
-    function (run in a thread); the exchange of outcomes runs in a thread too."""
+async def agree_async(group: Group, what: str, work: Callable[[], Awaitable[Any]]) -> list[Any]:
+    """:func:`agree` on an event loop: ``work()`` is awaited here (blocking work is handed to a thread
+    by the caller, with ``asyncio.to_thread``); the exchange of outcomes runs in a thread."""
     local: BaseException | None = None
     try:
-        value = await fn() if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn)
-        status: dict[str, Any] = {"ok": True, "value": value}
+        status: dict[str, Any] = {"ok": True, "value": await work()}
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         local, status = exc, _failed(group.rank, exc)
     statuses = await asyncio.to_thread(group.all_gather, status) if group.world > 1 else [status]

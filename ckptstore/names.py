@@ -83,6 +83,12 @@ def remote_temporary(path: str) -> str:
     return f"{path}{TMP_MARK}{secrets.token_hex(4)}"
 
 
+def document_temporary(path: str) -> str:
+    """Where a RAM-tier document is written before its rename: one fixed name per process, opened
+    without following links, so a link planted there in a shared directory fails the write."""
+    return f"{path}.tmp-{os.getpid()}"
+
+
 def is_temporary(name: str) -> bool:
     return TMP_MARK in name.rsplit("/", 1)[-1]
 

@@ -22,9 +22,9 @@ from ckptstore.checkpoint.sharded import (
     BLOCK_SIZE,
     Directory,
     Group,
-    _build_manifest,
-    _collect,
-    _my_writes,
+    build_manifest,
+    collect,
+    my_writes,
     data_file,
     load_manifest,
     part_file,
@@ -133,14 +133,14 @@ def _load(tier: Any, step: int, like: dict[str, Any]) -> dict[str, Any]:
 class Saved:
     part: dict[str, Any]
     slot: int
-    local: Any  # what _collect made of the state (tree and tensor table)
+    local: Any  # what collect made of the state (tree and tensor table)
 
 
 def _save(env: Env, step: int, state: Any, *, commit: bool = True, use_async: bool = False,
           frozen: str | None = None) -> Saved:
     """The store's pipeline for one rank: stage (frozen keys first), checksum, put, commit."""
-    local = _collect(state, 0, encode_value)
-    mine = _my_writes(local, 1, 0)
+    local = collect(state, 0, encode_value)
+    mine = my_writes(local, 1, 0)
     is_frozen = [bool(frozen) and m.key.startswith(frozen) for m in mine]
     ordered = [m for m, f in zip(mine, is_frozen) if f] + [m for m, f in zip(mine, is_frozen) if not f]
     # As the store does: the slot is cut where the frozen entries end, so that entry starts a page.
@@ -154,7 +154,7 @@ def _save(env: Env, step: int, state: Any, *, commit: bool = True, use_async: bo
     snap = env.source.snapshot(staged, world=1, boxes={}, frozen_end=frozen_end)
     part = asyncio.run(env.tier.put(snap)) if use_async else env.tier.put_sync(snap)
     if commit:
-        manifest = _build_manifest(local.tree, local.tensors, [part], 1)
+        manifest = build_manifest(local.tree, local.tensors, [part], 1)
         manifest.meta.update(step=step, job="contract")
         if use_async:
             asyncio.run(env.tier.commit(step, manifest))
@@ -280,7 +280,7 @@ def test_a_step_is_committed_once_and_never_rewritten(env):
     saved = _save(env, 6, state)
     first = env.tier.manifest_sync(6).to_json_bytes()
     other = env.another()  # a second writer on the same root
-    second = _build_manifest(saved.local.tree, saved.local.tensors, [saved.part], 1)
+    second = build_manifest(saved.local.tree, saved.local.tensors, [saved.part], 1)
     second.meta["job"] = "the second writer"
     with pytest.raises(CheckpointError, match="already exists"):
         other.commit_sync(6, second)

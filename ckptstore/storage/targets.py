@@ -376,82 +376,6 @@ def write_bytes(target: Target, data: bytes, *, exclusive: bool = False) -> None
         raise
 
 
-def write_small_exclusive(target: Target, data: bytes) -> None:
-    """Create a small file holding ``data`` only if nothing is at ``target`` yet, atomically.
-
-    Of concurrent writers exactly one succeeds; the others get a CheckpointError and the winner's
-    bytes stay as they are. Atomic on local filesystems (a hard link never replaces) and on S3
-    (a conditional PUT); other fsspec stores have no conditional create, so there it is
-    check-then-write, which two writers racing within the same instant can both pass.
-    """
-    if target.fileobj is not None:
-        raise InvalidArgumentError(f"{target.display}: an exclusive create needs a path or URL, not a file object")
-    if target.path is not None:
-        _create_local_exclusive(target.path, target.display, data)
-        return
-
-    fs, path = target.fs, target.fspath
-    assert path is not None
-    try:
-        if s3.is_s3(fs):
-            s3.put_if_absent(fs, path, data)
-            return
-        fs.invalidate_cache(path)  # a cached listing must not hide a file another process wrote
-        exists = fs.exists(path)
-    except FileExistsError:
-        raise already_exists(target.display) from None
-    except OSError as exc:
-        raise storage_error(exc, "write", target.display, previous_kept=True) from None
-    if exists:
-        raise already_exists(target.display)
-    write_bytes(target, data)
-
-
-def _create_local_exclusive(path: str, display: str, data: bytes) -> None:
-    directory, base = os.path.split(path)
-    tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)  # the bytes are on disk before the name can appear
-        finally:
-            os.close(fd)
-        try:
-            # Unlike rename, link never replaces: it fails with EEXIST if anything holds the name,
-            # and the check and the creation are one step, so exactly one racing writer wins.
-            os.link(tmp, path)
-            crashpoint("manifest.linked", path)
-        except FileExistsError:
-            raise already_exists(display) from None
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-            _create_in_place(path, data)  # no hard links here (FAT, some FUSE and SMB mounts)
-    except FileExistsError:
-        raise already_exists(display) from None
-    except OSError as exc:
-        raise storage_error(exc, "write", display, previous_kept=os.path.exists(path)) from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    fsync_dir(directory)
-
-
-def _create_in_place(path: str, data: bytes) -> None:
-    """O_EXCL create is just as exclusive as link, but a crash mid-write leaves a short file there."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def open_sink(target: Target, tuning: WriteTuning | None = None, *, exclusive: bool = False) -> Sink:
     """``exclusive``: the commit fails with CheckpointExistsError, and replaces nothing, if something
     is at the destination already: atomically on local disks (link) and S3 (If-None-Match), by a
@@ -678,5 +602,4 @@ __all__ = [
     "storage_error",
     "transport_errors",
     "write_bytes",
-    "write_small_exclusive",
 ]
