@@ -26,7 +26,6 @@ import functools
 import json
 import mmap
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -44,28 +43,11 @@ SCHEMA = "ckptstore-bench/1"
 _ALIGN = 4096
 _PIECE = 64 << 20  # the state is cut into tensors of this size (a model's largest weights are of this order)
 _RAW_IO = 64 << 20  # bytes per call of the raw ceiling's reads and writes
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 LOCAL_CHUNKS = (1 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
 LOCAL_CONCURRENCY = (1, 2, 4)
 DURABLE_PARTS = (5 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20)
 DURABLE_CONCURRENCY = (1, 2, 4, 8)
 _TIE = 0.03  # settings within 3% of the fastest count as equal: the one using fewer resources wins
-
-
-def parse_size(text: str) -> int:
-    """``"1GiB"``, ``"64 MiB"``, ``"2.5GB"``, ``"4096"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise InvalidArgumentError(
-            f"cannot read {text!r} as a size: write a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, "
-            "GiB, TiB), e.g. 1GiB"
-        )
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise InvalidArgumentError(f"size {text!r} must be positive")
-    return n
 
 
 # ---------------------------------------------------------------------------------------- tuning
@@ -902,4 +884,4 @@ def plot(doc: dict[str, Any], path: str) -> bool:
     return True
 
 
-__all__ = ["BenchConfig", "drop_cache", "format_table", "load_tuning", "parse_size", "plot", "run_bench"]
+__all__ = ["BenchConfig", "drop_cache", "format_table", "load_tuning", "plot", "run_bench"]

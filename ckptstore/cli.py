@@ -437,9 +437,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import os
     import tempfile
 
-    from .bench import BenchConfig, format_table, parse_size, plot, run_bench
+    from ._units import parse_size
+    from .bench import BenchConfig, format_table, plot, run_bench
 
-    size = parse_size(args.size)
+    size = parse_size(args.size, "--size")
     any_target = args.ram or args.local or args.durable or args.peer
     local = args.local
     scratch = None
@@ -454,8 +455,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peer=args.peer,
         repeats=args.repeats,
         sweep=not args.no_sweep,
-        sweep_size=parse_size(args.sweep_size) if args.sweep_size else None,
-        state_size=parse_size(args.state_size) if args.state_size else None,
+        sweep_size=parse_size(args.sweep_size, "--sweep-size") if args.sweep_size else None,
+        state_size=parse_size(args.state_size, "--state-size") if args.state_size else None,
         ram_dir=args.ram_dir,
         progress=None,
     )

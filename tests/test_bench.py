@@ -14,7 +14,8 @@ import torch
 from conftest import assert_same, s3_keys
 
 from ckptstore import CheckpointStore, InvalidArgumentError
-from ckptstore.bench import load_tuning, parse_size
+from ckptstore._units import parse_size
+from ckptstore.bench import load_tuning
 from ckptstore.cli import main
 from ckptstore.storage.targets import WriteTuning
 
