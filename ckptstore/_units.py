@@ -1,7 +1,7 @@
-"""Byte sizes as people write them (``"5GB"``, ``"256MiB"``).
+"""Byte sizes as people write them (``"5GB"``, ``"256MiB"``) and as the tools print them.
 
-One parser, so that ``ckptstore bench --size`` and ``hf.export_safetensors(max_shard_size=)`` agree
-on what a unit means.
+One parser and one formatter, so that ``ckptstore bench --size``, ``hf.export_safetensors(max_shard_size=)``
+and every printed size agree on what a unit means.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .errors import InvalidArgumentError
 _SCALE = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*(\d*\.?\d+)\s*([a-zA-Z]*)\s*")
+_BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
 def parse_size(size: Any, what: str | None = None) -> int:
@@ -42,3 +43,13 @@ def parse_size(size: Any, what: str | None = None) -> int:
         raise InvalidArgumentError(f"{prefix}a size must be positive, not {size!r}")
     return max(1, int(number * _SCALE[unit]))
 
+
+def format_bytes(n: float) -> str:
+    """``4096`` -> ``"4 KiB"``, ``3 << 29`` -> ``"1.5 GiB"``: three significant digits of the largest
+    binary unit that keeps the number at 1 or more; under 1 KiB, whole bytes."""
+    for unit, scale in _BINARY:
+        if abs(n) >= scale:
+            value = n / scale
+            # From 100 up three digits are the whole number, and "g" would write 1000-1023 as 1e+03.
+            return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+    return f"{n:.0f} B"

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._units import format_bytes
 from .errors import InvalidArgumentError
 from .storage.targets import READ_PIECE, WriteTuning
 
@@ -793,15 +794,8 @@ def _run_peer(nbytes: int, repeats: int, log: Callable[[str], None]) -> dict[str
 
 # ---------------------------------------------------------------------------------------- reporting
 
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} B"
-
-
 def format_table(doc: dict[str, Any]) -> str:
-    lines = [f"ckptstore bench: {_fmt_bytes(doc['bytes'])} per operation, medians of {doc['repeats']} "
+    lines = [f"ckptstore bench: {format_bytes(doc['bytes'])} per operation, medians of {doc['repeats']} "
              f"(page cache: {doc.get('cache_drop') or 'not dropped'})"]
     header = f"  {'target':8s} {'op':9s} {'raw ceiling':34s} {'GB/s':>7s}   {'ckptstore':40s} {'GB/s':>7s} {'ratio':>6s}"
     lines.append(header)
@@ -813,12 +807,12 @@ def format_table(doc: dict[str, Any]) -> str:
     for target, sw in doc["sweep"].items():
         size_key = "chunk_bytes" if target == "local" else "part_bytes"
         rec = sw["recommended"]
-        lines.append(f"  sweep {target} ({_fmt_bytes(sw['bytes'])}): best {rec['GB_per_s']:.2f} GB/s with "
-                     f"{size_key.split('_')[0]} {_fmt_bytes(rec[size_key])} x {rec['concurrency']} in flight")
+        lines.append(f"  sweep {target} ({format_bytes(sw['bytes'])}): best {rec['GB_per_s']:.2f} GB/s with "
+                     f"{size_key.split('_')[0]} {format_bytes(rec[size_key])} x {rec['concurrency']} in flight")
         sizes = sorted({row[size_key] for row in sw["results"]})
         ks = sorted({row["concurrency"] for row in sw["results"]})
         grid = {(row[size_key], row["concurrency"]): row["GB_per_s"] for row in sw["results"]}
-        lines.append("    GB/s    " + "".join(f"{_fmt_bytes(s):>10s}" for s in sizes))
+        lines.append("    GB/s    " + "".join(f"{format_bytes(s):>10s}" for s in sizes))
         for k in ks:
             lines.append(f"    x{k:<6d} " + "".join(f"{grid[(s, k)]:10.3g}" for s in sizes))
     cost = doc["checkpoint_cost"]
@@ -826,7 +820,7 @@ def format_table(doc: dict[str, Any]) -> str:
     def sec(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.0f} s" if v >= 100 else f"{v:.3g} s"
 
-    lines.append(f"  checkpoint of {_fmt_bytes(cost['state_bytes'])}: blocks {sec(cost['blocking_s'])}, "
+    lines.append(f"  checkpoint of {format_bytes(cost['state_bytes'])}: blocks {sec(cost['blocking_s'])}, "
                  f"on local disk after {sec(cost['to_local_s'])}, durable after {sec(cost['to_durable_s'])}"
                  + (f", on a peer after {sec(cost['to_peer_s'])}" if cost.get("to_peer_s") is not None else ""))
     for note in doc.get("notes", []):
@@ -865,7 +859,7 @@ def plot(doc: dict[str, Any], path: str) -> bool:
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("GB/s")
     ax.set_yscale("log")
-    ax.set_title(f"{_fmt_bytes(doc['bytes'])}, medians of {doc['repeats']}")
+    ax.set_title(f"{format_bytes(doc['bytes'])}, medians of {doc['repeats']}")
     ax.legend(fontsize=8)
     for ax, (target, sw) in zip(axes[0][1:], sweeps):
         size_key = "chunk_bytes" if target == "local" else "part_bytes"
@@ -876,7 +870,7 @@ def plot(doc: dict[str, Any], path: str) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel(f"{size_key.split('_')[0]} size (MiB)")
         ax.set_ylabel("GB/s")
-        ax.set_title(f"{target} sweep ({_fmt_bytes(sw['bytes'])})")
+        ax.set_title(f"{target} sweep ({format_bytes(sw['bytes'])})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
