@@ -16,7 +16,8 @@ A sweep over write chunk size and writes in flight (local) and part size and par
 picks the settings that ``CheckpointStore(..., tuning=FILE)`` applies; the checkpoint cost of a
 given state size, extrapolated from the measured rates, is what ``ckptstore plan`` takes.
 
-Everything here imports lazily: the store only needs :func:`load_tuning`.
+The store reads the file this writes with :func:`ckptstore.storage.tuning.load_tuning` and never
+imports this module.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 
 from ._units import format_bytes
 from .errors import InvalidArgumentError
-from .storage.targets import READ_PIECE, WriteTuning
+from .storage.targets import WriteTuning
 
 SCHEMA = "ckptstore-bench/1"
 _ALIGN = 4096
@@ -49,78 +50,6 @@ LOCAL_CONCURRENCY = (1, 2, 4)
 DURABLE_PARTS = (5 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20)
 DURABLE_CONCURRENCY = (1, 2, 4, 8)
 _TIE = 0.03  # settings within 3% of the fastest count as equal: the one using fewer resources wins
-
-
-# ---------------------------------------------------------------------------------------- tuning
-
-_TUNING_KEYS = {
-    "local": {"chunk_bytes": "local_chunk_bytes", "concurrency": "local_concurrency"},
-    "durable": {"part_bytes": "s3_part_bytes", "concurrency": "s3_concurrency"},
-}
-_LIMITS = {
-    "local_chunk_bytes": (64 << 10, READ_PIECE, "between 64 KiB and 32 MiB (the engine hands the sink pieces of "
-                          "at most 32 MiB) and a multiple of 4096"),
-    "local_concurrency": (1, 64, "between 1 and 64 (more than the engine's I/O threads, 4-8, has no effect)"),
-    "s3_part_bytes": (5 << 20, 5 << 30, "between 5 MiB and 5 GiB (S3's limits)"),
-    "s3_concurrency": (1, 64, "between 1 and 64"),
-}
-
-
-def load_tuning(tuning: Any) -> WriteTuning:
-    """Read ``tuning=``: the path of a ``ckptstore bench --json`` file, or a dict shaped like its
-    ``"recommended"`` section (``{"local": {"chunk_bytes", "concurrency"}, "durable": {"part_bytes",
-    "concurrency"}}``; the whole bench document is accepted too). Raises InvalidArgumentError
-    naming the file and the field for anything else."""
-    where = "tuning"
-    if isinstance(tuning, (str, os.PathLike)):
-        where = f"tuning file {os.fspath(tuning)!r}"
-        try:
-            with open(tuning, encoding="utf-8") as fh:
-                tuning = json.load(fh)
-        except FileNotFoundError:
-            raise InvalidArgumentError(
-                f"{where} does not exist; write one with `ckptstore bench --json FILE`, or pass tuning=None"
-            ) from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidArgumentError(f"cannot read {where}: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(
-                f"{where} is not valid JSON ({exc}); write it with `ckptstore bench --json FILE`"
-            ) from None
-    if not isinstance(tuning, dict):
-        raise InvalidArgumentError(
-            f"{where} must be a bench JSON file path or a dict, not {type(tuning).__name__}"
-        )
-    if "recommended" in tuning:
-        tuning = tuning["recommended"]
-        if not isinstance(tuning, dict):
-            raise InvalidArgumentError(f"{where}: 'recommended' must be an object, not {type(tuning).__name__}")
-    unknown = sorted(set(tuning) - set(_TUNING_KEYS))
-    if unknown:
-        raise InvalidArgumentError(
-            f"{where}: unknown section(s) {unknown}; the sections are 'local' and 'durable' (as written by "
-            "`ckptstore bench --json`)"
-        )
-    values: dict[str, int | None] = {}
-    for section, keys in _TUNING_KEYS.items():
-        body = tuning.get(section)
-        if body is None:
-            continue
-        if not isinstance(body, dict):
-            raise InvalidArgumentError(f"{where}: '{section}' must be an object, not {type(body).__name__}")
-        bad = sorted(set(body) - set(keys))
-        if bad:
-            raise InvalidArgumentError(f"{where}: unknown key(s) {bad} in '{section}'; allowed: {sorted(keys)}")
-        for key, attr in keys.items():
-            value = body.get(key)
-            if value is None:
-                continue
-            low, high, rule = _LIMITS[attr]
-            if (not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high
-                    or (attr == "local_chunk_bytes" and value % _ALIGN)):
-                raise InvalidArgumentError(f"{where}: {section}.{key} must be an integer {rule}, not {value!r}")
-            values[attr] = value
-    return WriteTuning(**values)
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -878,4 +807,4 @@ def plot(doc: dict[str, Any], path: str) -> bool:
     return True
 
 
-__all__ = ["BenchConfig", "drop_cache", "format_table", "load_tuning", "plot", "run_bench"]
+__all__ = ["BenchConfig", "drop_cache", "format_table", "plot", "run_bench"]

@@ -146,7 +146,7 @@ def _write_tuning(tuning: Any) -> Any:
     before anything is created so a bad file fails the constructor with a clear error."""
     if tuning is None:
         return None
-    from ..bench import load_tuning
+    from ..storage.tuning import load_tuning
 
     return load_tuning(tuning)
 
