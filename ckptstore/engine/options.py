@@ -190,7 +190,7 @@ def _tuning(tuning: Any) -> WriteTuning | None:
     """``tuning=``: the settings ``ckptstore bench`` recommends (its JSON file, or a dict)."""
     if tuning is None:
         return None
-    from ..bench import load_tuning
+    from ..storage.tuning import load_tuning
 
     return load_tuning(tuning)
 
