@@ -39,6 +39,7 @@ from typing import Any
 
 from ._units import format_bytes
 from .errors import InvalidArgumentError
+from .names import segment_prefix
 from .storage.targets import WriteTuning
 
 SCHEMA = "ckptstore-bench/1"
@@ -210,10 +211,10 @@ class _Staged:
 
     def __init__(self, job: str, state: dict[str, Any], ram_dir: str) -> None:
         from .checkpoint.materialize import encode_value
-        from .checkpoint.sharded import BLOCK_SIZE, _collect
+        from .checkpoint.sharded import BLOCK_SIZE, collect
         from .tiers.ram import RamTier
 
-        self.local = _collect(state, 0, encode_value)
+        self.local = collect(state, 0, encode_value)
         self.items = [(key, t) for (key, _o, _s), t in self.local.items.items()]
         self.tier = RamTier(job, ram_dir=ram_dir, slots=2)
         self.step = 0
@@ -228,12 +229,12 @@ class _Staged:
 
     def persist(self, root: str, storage_options: dict[str, Any] | None, tuning: WriteTuning | None) -> str:
         """What the store's pipeline does per tier and step: this rank's files, then the manifest."""
-        from .checkpoint.sharded import _build_manifest
+        from .checkpoint.sharded import build_manifest
         from .tiers.directory import DirectoryTier
 
         target = DirectoryTier("bench", root, storage_options=storage_options, tuning=tuning)
         part = target.put_sync(self.snap)
-        target.commit_sync(self.snap.step, _build_manifest(self.local.tree, self.local.tensors, [part], 1))
+        target.commit_sync(self.snap.step, build_manifest(self.local.tree, self.local.tensors, [part], 1))
         return target.display(self.snap.step)
 
     def close(self) -> None:
@@ -577,7 +578,6 @@ def peer_rounds(store: Any, state: Any, rank: int, ram_dir: str, job: str, repea
     replica). Times are the slowest rank's. Returns (seconds per figure, bytes per rank, last step).
     Shared by ``ckptstore bench --peer`` and benchmarks/bench_peer.py."""
     import datetime
-    import glob
 
     import torch
     import torch.distributed as dist
@@ -587,10 +587,7 @@ def peer_rounds(store: Any, state: Any, rank: int, ram_dir: str, job: str, repea
         step += 1
         store.save(step, state).wait("peer")
     # Exactly what was sent: the size of the replica this rank holds (the other rank's staged bytes).
-    docs = []
-    for path in glob.glob(os.path.join(ram_dir, f"ckptstore-{job}-r{rank:05d}-peer*.json")):
-        with open(path) as fh:
-            docs.append(json.load(fh))
+    docs = [doc for _src, doc in store.peer.replicas()]
     if not docs or any(d["src"] != other for d in docs):
         raise RuntimeError(f"rank {rank} holds no replica of rank {other}: {docs}")
     nbytes = max(d["size"] for d in docs)
@@ -709,7 +706,7 @@ def _run_peer(nbytes: int, repeats: int, log: Callable[[str], None]) -> dict[str
     finally:
         shutil.rmtree(root, ignore_errors=True)
         for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
-            if name.startswith(f"ckptstore-{job}-"):
+            if name.startswith(segment_prefix(job)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join("/dev/shm", name))
     times, sent = out["times"], out["bytes"]

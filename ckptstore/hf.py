@@ -183,7 +183,7 @@ def export_step(store: CheckpointStore, directory: str | os.PathLike[str], *, ke
             raise CheckpointNotFoundError(f"job {store.job} has no checkpoint in any tier")
         step = found
     else:
-        store._restore_exact(state, step)
+        store.restore(state, step=step)
     weights = state[key]
     if not isinstance(weights, Mapping):
         raise InvalidArgumentError(f"step {step} of job {store.job}: {key!r} is {type(weights).__name__}, not a state dict")
@@ -271,7 +271,7 @@ def write_trainer_checkpoint(store: CheckpointStore, directory: str | os.PathLik
             raise CheckpointNotFoundError(f"job {store.job} has no checkpoint in any tier")
         step = found
     else:
-        store._restore_exact(state, step)
+        store.restore(state, step=step)
     directory = os.fspath(directory)
     export_safetensors(state["model"], directory, overwrite=True)
     state["rng"] = state["rng"].value

@@ -17,6 +17,7 @@ from ..errors import InvalidArgumentError
 from ..goodput.planner import parse_duration
 from ..names import valid_job
 from ..storage.targets import WriteTuning
+from ..storage.tuning import load_tuning
 
 POLICIES = ("block", "skip")
 SDC_MODES = ("off", "warn", "raise")
@@ -188,11 +189,7 @@ def _goodput(interval: Any, mtbf: Any, events: Any, sdc: Any, local: str | None)
 
 def _tuning(tuning: Any) -> WriteTuning | None:
     """``tuning=``: the settings ``ckptstore bench`` recommends (its JSON file, or a dict)."""
-    if tuning is None:
-        return None
-    from ..storage.tuning import load_tuning
-
-    return load_tuning(tuning)
+    return None if tuning is None else load_tuning(tuning)
 
 
 def _world(process_group: Any) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .._aio import run_sync
 from ..checkpoint.single_file import write_raw
 from ..collective import Group
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -123,14 +124,18 @@ class PeerTier(Tier):
     async def commit(self, step: int, manifest: Manifest) -> None:
         body = manifest.to_json_bytes()
         for src, slot, size, buf in self._received.pop(step, []):
-            await self.commit_replica(src, slot, step, size, body)
+            await self._publish(src, slot, step, size, body)
             if self.to_local:
                 await asyncio.to_thread(self._to_disk, step, src, buf)
                 await small.write(self._disk_target(step, MANIFEST), body)
         if self.to_local and self.keep is not None:
             await asyncio.to_thread(self._retain_disk)
 
-    async def commit_replica(self, src: int, slot: int, step: int, size: int, manifest: bytes) -> None:
+    def commit_replica(self, src: int, slot: int, step: int, size: int, manifest: bytes) -> None:
+        """Make a replica received into ``slot`` outside a store visible to restores."""
+        run_sync(self._publish(src, slot, step, size, manifest))
+
+    async def _publish(self, src: int, slot: int, step: int, size: int, manifest: bytes) -> None:
         """Make a received replica visible to restores (by rename, after the bytes)."""
         doc = {"format": RAM_FORMAT, "job": self.job, "rank": self.rank, "src": src, "step": step, "slot": slot,
                "size": size, "committed_unix": round(time.time(), 3), "extra": {"manifest": manifest.decode()}}
@@ -163,16 +168,16 @@ class PeerTier(Tier):
 
     # ------------------------------------------------------------------------------ reading
 
-    def _docs(self) -> list[tuple[int, dict[str, Any]]]:
-        """This rank's committed replicas: (source rank, document)."""
+    def replicas(self) -> list[tuple[int, dict[str, Any]]]:
+        """The replicas this rank holds, committed: (source rank, its document: ``step``, ``size``, ...)."""
         return [(seg.owner, doc) for seg, _path, doc in scan(self.job, self.ram_dir)
                 if seg.src is not None and seg.rank == self.rank]
 
     async def steps(self) -> list[int]:
-        return sorted({doc["step"] for _src, doc in self._docs()})
+        return sorted({doc["step"] for _src, doc in self.replicas()})
 
     async def manifest(self, step: int) -> Manifest:
-        for _src, doc in self._docs():
+        for _src, doc in self.replicas():
             if doc["step"] == step:
                 return parse_manifest(doc["extra"]["manifest"].encode(), where=self.display(step))
         raise CheckpointNotFoundError(f"{self.display(step)}: no replica of this step is held here")
@@ -182,7 +187,7 @@ class PeerTier(Tier):
             src = data_file_rank(rel)
             if src is None:
                 raise CorruptCheckpointError(f"{self.display(step)}: chunk file {rel!r} is not a replica's data file")
-            for owner, doc in self._docs():
+            for owner, doc in self.replicas():
                 if owner == src and doc["step"] == step:
                     path = self._name(src, doc["slot"], "bin")
                     return open_source(Target(display=path, path=path))
@@ -211,7 +216,7 @@ class PeerTier(Tier):
     # ------------------------------------------------------------------------------ removing
 
     async def remove(self, step: int) -> None:
-        for src, doc in self._docs():
+        for src, doc in self.replicas():
             if doc["step"] == step:
                 remove_file(self._name(src, doc["slot"], "json"))
 
