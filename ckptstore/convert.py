@@ -49,7 +49,6 @@ every source on the CPU (``map_location="cpu"``), so converting needs no GPU.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import io
@@ -75,6 +74,7 @@ from .errors import (
     StorageError,
     UnsupportedObjectError,
 )
+from .format.tree import npscalar_node, npscalar_value, numpy_dtype, plain_numpy
 from .storage.targets import fsync_dir
 
 FORMATS = ("ckptstore", "torch", "safetensors", "dcp")
@@ -83,7 +83,6 @@ SAFETENSORS_TREE_KEY = "ckptstore.tree"
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 _DCP_METADATA = ".metadata"
-_NUMPY_KINDS = frozenset("biufc")
 # safetensors' own dtype table when it has one (0.4+), else the dtypes every release knows.
 _SAFETENSORS_FALLBACK_DTYPES = (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -460,25 +459,15 @@ class _SafetensorsTree:
                 self.objects[obj] = t
             return t
         if tag == "$ndarray":
-            dt = self.numpy_dtype(node.get("dtype"))
+            dt = numpy_dtype(node.get("dtype"), self.bad)
             shape = tuple(node["shape"])
             raw = self.tensor(node["$ndarray"])
             if raw.dtype != torch.uint8 or raw.numel() != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
                 raise self.bad(f"array {node['$ndarray']!r} does not hold {shape} of {dt}", node["$ndarray"])
             return raw.numpy().copy().view(dt).reshape(shape)
         if tag == "$npscalar":
-            dt = self.numpy_dtype(node["$npscalar"])
-            return np.frombuffer(base64.b64decode(node["b64"]), dtype=dt)[0].copy()
+            return npscalar_value(node, self.bad)
         raise self.bad(f"metadata {SAFETENSORS_TREE_KEY!r} holds {tag}, which a safetensors export never writes")
-
-    def numpy_dtype(self, spec: Any) -> np.dtype:
-        try:
-            dt = np.dtype(spec) if isinstance(spec, str) else None
-        except TypeError:
-            dt = None
-        if dt is None or dt.kind not in _NUMPY_KINDS or dt.fields is not None:
-            raise self.bad(f"numpy dtype {spec!r} is not a plain numeric dtype")
-        return dt
 
 
 class _SafetensorsExport:
@@ -525,13 +514,11 @@ class _SafetensorsExport:
     def leaf(self, obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.tensor_leaf(obj, path)
-        if type(obj) is np.ndarray and obj.dtype.kind in _NUMPY_KINDS and obj.dtype.fields is None:
+        if type(obj) is np.ndarray and plain_numpy(obj.dtype):
             key = self.key_for(path, "#ndarray")
             self.flat[key] = torch.from_numpy(np.ascontiguousarray(obj).reshape(-1).view(np.uint8).copy())
             return {"$ndarray": key, "dtype": obj.dtype.str, "shape": list(obj.shape)}
-        if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
-            return {"$npscalar": obj.dtype.str, "b64": base64.b64encode(obj.tobytes()).decode("ascii")}
-        return None
+        return npscalar_node(obj)
 
     def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> Any:
         from .format.tree import format_path

@@ -20,9 +20,8 @@ import torch
 from ..errors import UnsupportedObjectError
 from ..format import codecs
 from ..format.dtypes import dtype_name, element_size
-from ..format.tree import Encoder, format_path
+from ..format.tree import Encoder, format_path, npscalar_node, plain_numpy
 
-_NUMPY_KINDS = frozenset("biufc")
 # Compressed tensors are cut into dim-0 slabs of about this many raw bytes, so chunks can be
 # encoded and decoded in parallel and no single zstd frame needs a huge buffer.
 COMPRESSED_CHUNK_BYTES = 16 << 20
@@ -123,11 +122,7 @@ class _Planner:
             return self.tensor_leaf(obj, path)
         if type(obj) is np.ndarray:
             return self.ndarray_leaf(obj, path)
-        if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
-            import base64
-
-            return {"$npscalar": obj.dtype.str, "b64": base64.b64encode(obj.tobytes()).decode("ascii")}
-        return None
+        return npscalar_node(obj)
 
     def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> Any:
         seen = self.tensors.get(id(t))
@@ -154,7 +149,7 @@ class _Planner:
         return node
 
     def ndarray_leaf(self, a: np.ndarray, path: list[Any]) -> Any:
-        if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
+        if not plain_numpy(a.dtype):
             return None
         data = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy())
         key = self.key_for(path)
