@@ -75,6 +75,7 @@ from .errors import (
     UnsupportedObjectError,
 )
 from .format.tree import npscalar_node, npscalar_value, numpy_dtype, plain_numpy
+from .planning.flatten import tensor_problem
 from .storage.targets import fsync_dir
 
 FORMATS = ("ckptstore", "torch", "safetensors", "dcp")
@@ -529,20 +530,12 @@ class _SafetensorsExport:
             # path too, so readers of the flat file find every path.
             self.flat[self.key_for(path)] = self.flat[seen["$tensor"]].clone()
             return seen
-        where = format_path(path)
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            problem = f"is a tensor subclass {type(t).__module__}.{type(t).__qualname__}"
-        elif t.layout != torch.strided or t.is_quantized or t.is_nested:
-            problem = f"is a {'quantized' if t.is_quantized else 'nested' if t.is_nested else t.layout} tensor"
-        elif t.device.type == "meta":
-            problem = "is a meta tensor, which has no data"
-        elif t.dtype not in self.dtypes:
+        problem = tensor_problem(t)
+        if problem is None and t.dtype not in self.dtypes:
             problem = f"has dtype {t.dtype}, which safetensors has no name for"
-        else:
-            problem = None
         if problem is not None:
             raise UnsupportedObjectError(
-                f"{where} {problem}; a safetensors file cannot hold it. Convert to ckptstore or torch format "
+                f"{format_path(path)} {problem}; a safetensors file cannot hold it. Convert to ckptstore or torch format "
                 "instead, or make it a plain dense tensor of a safetensors dtype first"
             )
         key = self.key_for(path)

@@ -128,7 +128,7 @@ class _Planner:
         seen = self.tensors.get(id(t))
         if seen is not None:
             return seen[1]
-        problem = _tensor_problem(t)
+        problem = tensor_problem(t)
         if problem is not None:
             if self.allow_pickle:
                 return None  # falls through to the pickle hook
@@ -237,7 +237,9 @@ class _Planner:
             node.update(flags)
 
 
-def _tensor_problem(t: torch.Tensor) -> str | None:
+def tensor_problem(t: torch.Tensor) -> str | None:
+    """Why ``t`` is not a plain dense tensor of a dtype the format names (None when it is), as a
+    phrase that follows the tensor's path; a writer for a narrower format checks its dtypes after."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return f"is a tensor subclass {type(t).__module__}.{type(t).__qualname__}"
     if t.layout != torch.strided:
@@ -246,10 +248,10 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
         return "is a quantized tensor"
     if t.is_nested:
         return "is a nested tensor"
-    if dtype_name(t.dtype) is None:
-        return f"has dtype {t.dtype}, which the format cannot store"
     if t.device.type == "meta":
         return "is a meta tensor, which has no data to save"
+    if dtype_name(t.dtype) is None:
+        return f"has dtype {t.dtype}, which the format cannot store"
     return None
 
 
