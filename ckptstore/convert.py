@@ -74,8 +74,8 @@ from .errors import (
     StorageError,
     UnsupportedObjectError,
 )
-from .format.tree import npscalar_node, npscalar_value, numpy_dtype, plain_numpy
-from .planning.flatten import tensor_problem
+from .format.tree import npscalar_value, numpy_dtype
+from .planning.flatten import LeafEncoder, tensor_problem
 from .storage.targets import fsync_dir
 
 FORMATS = ("ckptstore", "torch", "safetensors", "dcp")
@@ -471,16 +471,18 @@ class _SafetensorsTree:
         raise self.bad(f"metadata {SAFETENSORS_TREE_KEY!r} holds {tag}, which a safetensors export never writes")
 
 
-class _SafetensorsExport:
+class _SafetensorsExport(LeafEncoder):
     """Splits a state into the flat tensor dict and the tagged-JSON tree of everything else."""
 
+    # A flat reader would take an array's raw bytes under the array's own path for a tensor there.
+    ndarray_suffix = "#ndarray"
+
     def __init__(self) -> None:
+        super().__init__()
         self.flat: dict[str, torch.Tensor] = {}
-        self.nodes: dict[int, dict[str, Any]] = {}  # id(tensor) -> its node: one object stays one object
         self.views: dict[tuple[Any, ...], str] = {}  # identical views of one storage -> the first key
         self.storages: set[tuple[str, int]] = set()
         self.dtypes = _safetensors_dtypes()
-        self.next_obj = 0
 
     def run(self, state: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         from ._version import __version__
@@ -493,16 +495,6 @@ class _SafetensorsExport:
         }
         return self.flat, meta
 
-    def key_for(self, path: list[Any], suffix: str = "") -> str:
-        from .planning.flatten import escape_key
-
-        base = escape_key(path) + suffix
-        key, n = base, 1
-        while key in self.flat:
-            n += 1
-            key = f"{base}#{n}"
-        return key
-
     def refuse(self, obj: Any, path: list[Any]) -> Any:
         from .format.tree import format_path
 
@@ -512,24 +504,18 @@ class _SafetensorsExport:
             "dicts, sets, numpy arrays). Convert to ckptstore or torch format instead, or turn the value into one of those"
         )
 
-    def leaf(self, obj: Any, path: list[Any]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self.tensor_leaf(obj, path)
-        if type(obj) is np.ndarray and plain_numpy(obj.dtype):
-            key = self.key_for(path, "#ndarray")
-            self.flat[key] = torch.from_numpy(np.ascontiguousarray(obj).reshape(-1).view(np.uint8).copy())
-            return {"$ndarray": key, "dtype": obj.dtype.str, "shape": list(obj.shape)}
-        return npscalar_node(obj)
+    def add_bytes(self, key: str, data: torch.Tensor) -> None:
+        self.flat[key] = data
 
-    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> Any:
+    def tensor_again(self, node: dict[str, Any], path: list[Any]) -> dict[str, Any]:
+        # One node (it loads as one object), and its own copy under this path too, so readers of
+        # the flat file find every path.
+        self.flat[self.key_for(path)] = self.flat[node["$tensor"]].clone()
+        return node
+
+    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any]:
         from .format.tree import format_path
 
-        seen = self.nodes.get(id(t))
-        if seen is not None:
-            # The same object again: one node (it loads as one object), and its own copy under this
-            # path too, so readers of the flat file find every path.
-            self.flat[self.key_for(path)] = self.flat[seen["$tensor"]].clone()
-            return seen
         problem = tensor_problem(t)
         if problem is None and t.dtype not in self.dtypes:
             problem = f"has dtype {t.dtype}, which safetensors has no name for"
@@ -558,14 +544,8 @@ class _SafetensorsExport:
         else:
             data = torch.empty(data.shape, dtype=data.dtype)  # no elements: nothing to share
         self.flat[key] = data
-        node: dict[str, Any] = {"$tensor": data_key, "obj": self.next_obj}
-        self.next_obj += 1
-        if type(t) is torch.nn.Parameter:
-            node["param"] = True
-        if t.requires_grad:
-            node["requires_grad"] = True
-        self.nodes[id(t)] = node
-        return node
+        # No device: every tensor of the file is on the CPU, and so is everything convert reads.
+        return self.tensor_node(t, data_key, device=False)
 
 
 # ------------------------------------------------------------------------------------ DCP

@@ -97,14 +97,22 @@ def escape_key(path: list[Any]) -> str:
     return "/".join(_escape(p) for p in path) or "<root>"
 
 
-class _Planner:
-    def __init__(self, compression: str | None, allow_pickle: bool) -> None:
-        self.compression = compression
-        self.allow_pickle = allow_pickle
-        self.items: list[WriteItem] = []
-        self.pickled: list[str] = []
+class LeafEncoder:
+    """The leaf hook (see :class:`~ckptstore.format.tree.Encoder`) of every writer of a tree.
+
+    Which values are leaves, and how they are told apart, is decided here for all of them: a
+    tensor (the same object reached twice gets its first node again, so it loads as one object), a
+    plain numeric ndarray (its bytes become an entry the node names) and a numpy scalar (inline).
+    Entry keys come from the key path and never collide. What a new tensor becomes is the
+    subclass's :meth:`tensor_leaf`, and where entry bytes go its :meth:`add_bytes`.
+    """
+
+    ndarray_suffix = ""  # appended to an ndarray's key path to name its entry
+
+    def __init__(self) -> None:
         self.keys: set[str] = set()
-        # id(tensor) -> (tensor, leaf node, path); a tensor seen twice reuses its node (tied weights).
+        # id(tensor) -> (tensor, leaf node, path). Holding the tensor keeps its id from being
+        # reused by another object while the tree is encoded.
         self.tensors: dict[int, tuple[torch.Tensor, dict[str, Any], list[Any]]] = {}
         self.next_obj = 0
 
@@ -119,15 +127,56 @@ class _Planner:
 
     def leaf(self, obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self.tensor_leaf(obj, path)
+            seen = self.tensors.get(id(obj))
+            if seen is not None:
+                return self.tensor_again(seen[1], path)
+            node = self.tensor_leaf(obj, path)
+            if node is not None:
+                self.tensors[id(obj)] = (obj, node, path)
+            return node
         if type(obj) is np.ndarray:
-            return self.ndarray_leaf(obj, path)
+            if not plain_numpy(obj.dtype):
+                return None
+            data = torch.from_numpy(np.ascontiguousarray(obj).reshape(-1).view(np.uint8).copy())
+            key = self.key_for(path, self.ndarray_suffix)
+            self.add_bytes(key, data)
+            return {"$ndarray": key, "dtype": obj.dtype.str, "shape": list(obj.shape)}
         return npscalar_node(obj)
 
-    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> Any:
-        seen = self.tensors.get(id(t))
-        if seen is not None:
-            return seen[1]
+    def tensor_node(self, t: torch.Tensor, key: str | None, *, device: bool) -> dict[str, Any]:
+        """A new tensor object's node: ``obj`` numbers objects, so that one loads as one object."""
+        node: dict[str, Any] = {"$tensor": key, "obj": self.next_obj}
+        self.next_obj += 1
+        if type(t) is torch.nn.Parameter:
+            node["param"] = True
+        if t.requires_grad:
+            node["requires_grad"] = True
+        if device and t.device.type != "cpu":
+            node["device"] = str(t.device)
+        return node
+
+    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any] | None:
+        """The node of a tensor object not seen before, or None to leave it to the pickle hook."""
+        raise NotImplementedError
+
+    def tensor_again(self, node: dict[str, Any], path: list[Any]) -> dict[str, Any]:
+        """The node of a tensor object met again at ``path``; ``node`` is the one it got first."""
+        return node
+
+    def add_bytes(self, key: str, data: torch.Tensor) -> None:
+        """Store ``data`` (1-D uint8, stored as is) as the entry ``key``."""
+        raise NotImplementedError
+
+
+class _Planner(LeafEncoder):
+    def __init__(self, compression: str | None, allow_pickle: bool) -> None:
+        super().__init__()
+        self.compression = compression
+        self.allow_pickle = allow_pickle
+        self.items: list[WriteItem] = []
+        self.pickled: list[str] = []
+
+    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any] | None:
         problem = tensor_problem(t)
         if problem is not None:
             if self.allow_pickle:
@@ -137,24 +186,12 @@ class _Planner:
                 "or t.dequantize()), or pass allow_pickle=True to save it pickled (loading then needs "
                 "weights_only=False)."
             )
-        node: dict[str, Any] = {"$tensor": None, "obj": self.next_obj}
-        self.next_obj += 1
-        if type(t) is torch.nn.Parameter:
-            node["param"] = True
-        if t.requires_grad:
-            node["requires_grad"] = True
-        if t.device.type != "cpu":
-            node["device"] = str(t.device)
-        self.tensors[id(t)] = (t, node, path)
-        return node
+        # The entry key waits for finish(): whether the tensor gets its own entry or is a view of
+        # a shared one depends on the tensors not reached yet.
+        return self.tensor_node(t, None, device=True)
 
-    def ndarray_leaf(self, a: np.ndarray, path: list[Any]) -> Any:
-        if not plain_numpy(a.dtype):
-            return None
-        data = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy())
-        key = self.key_for(path)
+    def add_bytes(self, key: str, data: torch.Tensor) -> None:
         self.items.append(WriteItem(key, torch.uint8, (data.numel(),), data, "raw"))
-        return {"$ndarray": key, "dtype": a.dtype.str, "shape": list(a.shape)}
 
     def pickle_leaf(self, obj: Any, path: list[Any]) -> Any:
         try:
@@ -163,7 +200,7 @@ class _Planner:
             raise UnsupportedObjectError(f"{format_path(path)} cannot be pickled either: {exc}") from exc
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         key = self.key_for(path, "#pickle")
-        self.items.append(WriteItem(key, torch.uint8, (data.numel(),), data, "raw"))
+        self.add_bytes(key, data)
         self.pickled.append(key)
         return {"$pickle": key}
 
