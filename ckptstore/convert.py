@@ -74,7 +74,7 @@ from .errors import (
     StorageError,
     UnsupportedObjectError,
 )
-from .format.tree import npscalar_value, numpy_dtype
+from .format.tree import Decoder, Encoder, format_path, npscalar_value, numpy_dtype
 from .planning.flatten import LeafEncoder, tensor_problem
 from .storage.targets import fsync_dir
 
@@ -295,7 +295,6 @@ def _read_sharded(url: str, so: dict[str, Any] | None) -> tuple[Any, list[str]]:
     from .checkpoint.memory import alloc_bytes
     from .checkpoint.sharded import Directory, read_manifest
     from .format.dtypes import dtype_from_name
-    from .format.tree import Decoder
 
     directory = Directory(url, so)
     manifest = read_manifest(directory)
@@ -342,8 +341,6 @@ _DROP = object()
 
 def _strip_per_rank(obj: Any, path: list[Any], dropped: list[str], per_rank_type: type) -> Any:
     """Remove PerRank values: dict entries are deleted, list and tuple items become None."""
-    from .format.tree import format_path
-
     if isinstance(obj, per_rank_type):
         dropped.append(format_path(path))
         return _DROP
@@ -430,8 +427,6 @@ class _SafetensorsTree:
         self.used: set[str] = set()
 
     def build(self, tree: Any) -> Any:
-        from .format.tree import Decoder
-
         return Decoder(self.resolve, self.where).decode(tree)
 
     def bad(self, msg: str, key: str | None = None) -> CorruptCheckpointError:
@@ -486,7 +481,6 @@ class _SafetensorsExport(LeafEncoder):
 
     def run(self, state: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         from ._version import __version__
-        from .format.tree import Encoder
 
         tree = Encoder(self.leaf, self.refuse).encode(state)
         meta = {
@@ -496,8 +490,6 @@ class _SafetensorsExport(LeafEncoder):
         return self.flat, meta
 
     def refuse(self, obj: Any, path: list[Any]) -> Any:
-        from .format.tree import format_path
-
         raise UnsupportedObjectError(
             f"{format_path(path)} is a {type(obj).__module__}.{type(obj).__qualname__}, which a safetensors file "
             "cannot hold (it holds tensors, and the rest of the tree as JSON: numbers, strings, bytes, lists, tuples, "
@@ -514,8 +506,6 @@ class _SafetensorsExport(LeafEncoder):
         return node
 
     def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any]:
-        from .format.tree import format_path
-
         problem = tensor_problem(t)
         if problem is None and t.dtype not in self.dtypes:
             problem = f"has dtype {t.dtype}, which safetensors has no name for"
@@ -699,8 +689,6 @@ def _dcp_terminal(value: Any) -> bool:
 
 def _dcp_losses(state: Any) -> list[str]:
     """What writing ``state`` as DCP will change, from a walk of the state (one example path each)."""
-    from .format.tree import format_path
-
     found: dict[str, str] = {}
     storages: dict[tuple[str, int], str] = {}
 
