@@ -75,7 +75,7 @@ from .errors import (
     UnsupportedObjectError,
 )
 from .format.tree import Decoder, Encoder, format_path, npscalar_value, numpy_dtype
-from .planning.flatten import LeafEncoder, tensor_problem
+from .planning.flatten import LeafEncoder, cpu_values, tensor_problem
 from .storage.targets import fsync_dir
 
 FORMATS = ("ckptstore", "torch", "safetensors", "dcp")
@@ -515,10 +515,7 @@ class _SafetensorsExport(LeafEncoder):
                 "instead, or make it a plain dense tensor of a safetensors dtype first"
             )
         key = self.key_for(path)
-        data = t.detach()
-        if data.device.type != "cpu":
-            data = data.cpu()
-        data = data.resolve_conj().resolve_neg()
+        data = cpu_values(t)
         data_key = key
         storage = data.untyped_storage()
         if storage.nbytes() and data.numel():

@@ -28,8 +28,9 @@ COMPRESSED_CHUNK_BYTES = 16 << 20
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's elements in C order as a contiguous 1-D uint8 CPU tensor (a copy only when unavoidable)."""
+def cpu_values(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, on the CPU, with its lazy conjugate and negative bits applied, so that its
+    memory holds the values it reads as (``t``'s own storage whenever that already does)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -37,6 +38,12 @@ def contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    return t
+
+
+def contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements in C order as a contiguous 1-D uint8 CPU tensor (a copy only when unavoidable)."""
+    t = cpu_values(t)
     if not t.is_contiguous():
         # Copy through a same-size integer view: torch has no copy kernel for sub-byte dtypes
         # (int4, uint1..7) and warns when it touches complex32.
