@@ -91,7 +91,7 @@ def settle(what: str, statuses: list[dict[str, Any]], rank: int, local: BaseExce
     """Every rank's value, or the error all ranks raise (see :func:`agree`)."""
     failures = failures_from([s.get("failure") for s in statuses if not s["ok"]])
     if not failures:
-        return [s["value"] for s in statuses]
+        return [s.get("value") for s in statuses]
     if local is not None and (len(statuses) == 1 or (own_error_first and len(failures) == 1)):
         raise local  # this rank's own error, as raised: it alone failed, and it says best what and where
     if own_error_first and local is None:

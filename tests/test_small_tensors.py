@@ -195,7 +195,7 @@ def test_paused_calls_nest_across_threads():
 
 
 def test_store_save_and_restore_pause_the_collector(tmp_path, monkeypatch, job):
-    from ckptstore.engine import store as store_module
+    from ckptstore.engine import restore as store_module
 
     state = {f"t{i}": torch.tensor([float(i)]) for i in range(2_000)}
     with ckptstore.CheckpointStore(job, local=str(tmp_path / "local")) as store:

@@ -36,7 +36,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from .._aio import LoopThread
@@ -59,8 +58,9 @@ from ..storage import s3
 from ..tiers.base import Snapshot, Tier
 from ..tiers.directory import DirectoryTier
 from ..tiers.peer import PeerTier
-from ..tiers.ram import Layout, RamTier, Staged
+from ..tiers.ram import Layout, RamTier
 from ..train_state import TrainState
+from .job import StepJob
 from .options import StoreOptions
 from .replicas import ReplicaCheck
 from .retention import Retention
@@ -102,34 +102,6 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else ", ".join(f"{t}={'done' if self.done(t) else 'pending'}" for t in TIERS)
         return f"SaveHandle(step={self.step}, {state})"
-
-
-@dataclass
-class StepJob:
-    """One step on its way through the pipeline."""
-
-    step: int
-    futures: dict[str, concurrent.futures.Future | None] = field(default_factory=dict)  # tier -> committed there
-    staged: Staged | None = None
-    error: BaseException | None = None  # staging failed: the pipeline still runs, so every rank learns of it
-    tree: Any = None
-    tensors: dict[str, Any] = field(default_factory=dict)
-    digest: str = ""
-    boxes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    frozen_end: int = 0
-    snap: Snapshot | None = None
-    replicate: bool = False
-    promote: bool = False
-    # Done once nothing reads the staged slot any more (the next save into it waits for this).
-    slot_free: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    local_part: dict[str, Any] | None = None  # this rank's part in the local tier, once committed there
-    durable_data: Any = None  # the local files mapped read-only, what the promotion reads instead of the slot
-    parts: list[dict[str, Any]] = field(default_factory=list)  # every rank's RAM part, after the gather
-    shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
-    check: set[str] = field(default_factory=set)  # keys staged only to compare replicas (sdc), never written
-    live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)
-    replicated: dict[str, tuple] = field(default_factory=dict)  # key -> (offsets, sizes, kind) of replicated boxes
-    sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)
 
 
 Place = tuple["concurrent.futures.Future[None] | None", "concurrent.futures.Future[None]"]
@@ -225,9 +197,11 @@ class Pipeline:
         items: list[tuple[str, Any]] = []
         frozen_count = 0
         breaks: frozenset[int] = frozenset()
+        slot = self.ram.next_slot
         try:
             items, frozen_count, breaks = self._collect(job, state)
-            busy = not self._slot_free(self.ram.next_slot)
+            slot = self.ram.next_slot  # the number of slots is known now
+            busy = not self._slot_free(slot)
         except Exception as exc:  # noqa: BLE001 - in a group every rank must reach the vote first
             error = exc
         busy, plan = self._vote(step, error, busy, plan, pending)
@@ -237,8 +211,8 @@ class Pipeline:
             log.warning("ckptstore: step %d skipped: the previous snapshots are still being persisted", step)
             self.tracker.event("skip", step=step)
             return SaveHandle(step, {}, skipped=True)
-        waited = self._wait_for_slot(self.ram.next_slot)
-        self._stage(job, items, frozen_count, breaks)
+        waited = self._wait_for_slot(slot)
+        self._stage(job, slot, items, frozen_count, breaks)
         self.last_step = step
         self._saves += 1
         job.promote = self.durable is not None and self._saves % self.options.durable.every == 0
@@ -342,11 +316,12 @@ class Pipeline:
             concurrent.futures.wait(holders)
         return time.perf_counter() - t0
 
-    def _stage(self, job: StepJob, items: list[tuple[str, Any]], frozen_count: int, breaks: frozenset[int]) -> None:
+    def _stage(self, job: StepJob, slot: int, items: list[tuple[str, Any]], frozen_count: int,
+               breaks: frozenset[int]) -> None:
         refresh = (self._saves + 1) % self.options.refresh_every == 0
         may_skip = frozenset() if refresh else frozenset(k for k, _ in items[:frozen_count])
         try:
-            job.staged = self.ram.stage(job.step, items, may_skip=may_skip, breaks=breaks)
+            job.staged = self.ram.stage(job.step, items, may_skip=may_skip, breaks=breaks, slot=slot)
         except BaseException as exc:
             job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
             if self.world == 1:

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.manifest import Manifest
 from ..goodput import sdc
 from ..planning.flatten import contiguous_bytes
-
-if TYPE_CHECKING:
-    from .pipeline import StepJob
+from .job import StepJob
 
 log = logging.getLogger("ckptstore")
 

@@ -29,7 +29,6 @@ from ..collective import StoreGroups, store_groups
 from ..errors import CheckpointError, InvalidArgumentError
 from ..goodput.tracker import GoodputTracker
 from ..planning.placement import node_of_ranks, replica_holders, replicas_held
-from ..tiers.base import Tier
 from ..tiers.directory import DirectoryTier
 from ..tiers.peer import PeerTier
 from ..tiers.ram import RamTier
@@ -306,17 +305,6 @@ class CheckpointStore:
         self.close()
 
     # ------------------------------------------------------------------------------ what it is
-
-    @property
-    def tiers(self) -> dict[str, Tier]:
-        """The tiers this store writes, by name (``ram`` always; ``local``, ``peer``, ``durable`` when on)."""
-        out: dict[str, Tier] = {}
-        for name, tier in (("ram", self.ram), ("local", self.local), ("durable", self.durable)):
-            if tier is not None:
-                out[name] = tier
-        if self.options.peer.replicas and self.peer is not None:
-            out["peer"] = self.peer
-        return out
 
     @property
     def last_step(self) -> int | None:

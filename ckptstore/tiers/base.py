@@ -104,8 +104,10 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     async def put(self, snap: Snapshot) -> dict[str, Any]:
-        """Store this rank's bytes of ``snap``; return its part: ``{"chunks": {key: [chunk json]},
-        "bytes": n, ...}`` with the files and offsets as this tier holds them."""
+        """Store this rank's bytes of ``snap``; return its part, which goes into the step's manifest:
+        ``rank``, ``host``, ``pid``, ``bytes`` (what the part holds), ``written_bytes`` (what this put
+        wrote; less when unchanged regions were reused), ``timings`` (seconds per stage), and
+        ``chunks`` (key -> chunk tables, with the files and offsets as this tier holds them)."""
 
     @abc.abstractmethod
     async def commit(self, step: int, manifest: Manifest) -> None:

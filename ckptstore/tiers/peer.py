@@ -65,7 +65,6 @@ class PeerTier(Tier):
         self.group, self.local_root, self.to_local, self.keep = group, local_root, to_local and local_root is not None, keep
         self.send_to, self.hold_for = list(send_to or []), list(hold_for or [])
         self._segments: dict[tuple[int, int], Slot] = {}  # (source rank, slot) -> segment
-        self._next: dict[int, int] = {}
         self._received: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}  # step -> (src, slot, size, bytes)
 
     def _name(self, src: int, slot: int, ext: str, holder: int | None = None) -> str:
@@ -101,18 +100,16 @@ class PeerTier(Tier):
 
     def replica_buffer(self, src: int, size: int) -> tuple[int, torch.Tensor]:
         """A segment to receive rank ``src``'s next snapshot into: of two, the one not holding the
-        newest committed replica (so a transfer cut short never costs the last good copy)."""
-        slot = self._next.get(src)
-        if slot is None:
-            held = []
-            for k in (0, 1):
-                try:
-                    step = read_doc(self._name(src, k, "json")).get("step", -1)
-                except (OSError, CorruptCheckpointError):
-                    step = -1
-                held.append((step if type(step) is int else -1, k))
-            slot = min(held)[1]
-        self._next[src] = 1 - slot
+        newest committed replica, so a transfer cut short (or never committed) never costs the last
+        good copy. Decided from the committed documents at every call, not by taking turns."""
+        held = []
+        for k in (0, 1):
+            try:
+                step = read_doc(self._name(src, k, "json")).get("step", -1)
+            except (OSError, CorruptCheckpointError):
+                step = -1
+            held.append((step if type(step) is int else -1, k))
+        slot = min(held)[1]
         remove_file(self._name(src, slot, "json"))
         seg = self._segments.get((src, slot))
         if seg is None or seg.size != size:

@@ -159,10 +159,13 @@ class RamTier(Tier):
         self._slot_sums: dict[int, dict[str, Any]] = {}
         self._streams: dict[Any, Any] = {}
         self._slots: dict[int, Slot] = {}
-        # Stage next into a slot other than the one holding the newest committed snapshot, so a
-        # crash while staging never destroys the newest RAM copy (after a restart too).
+        # Staging never goes into the slot holding this rank's newest committed snapshot (unless
+        # there is only one slot), so a crash while staging, or a save that never commits, never
+        # destroys the newest RAM copy (after a restart too).
         mine = self._docs(rank)
-        self._next = (max(mine, key=lambda d: d["step"])["slot"] + 1) % slots if mine else 0
+        newest = max(mine, key=lambda d: d["step"]) if mine else None
+        self._newest: tuple[int, int] | None = (newest["step"], newest["slot"]) if newest else None
+        self._next = (newest["slot"] + 1) % slots if newest else 0
         # Per slot: the layout it holds and, per key, the identity of the source tensor it copied
         # (storage pointer, version counter, shape, strides, dtype) -- the basis of skipping.
         self._layout_sig: dict[int, str] = {}
@@ -176,8 +179,12 @@ class RamTier(Tier):
 
     @property
     def next_slot(self) -> int:
-        """The slot the next :meth:`stage` copies into."""
-        return self._next
+        """The slot the next :meth:`stage` copies into: the next in turn, passing over the one that
+        holds this rank's newest committed snapshot."""
+        index = self._next
+        if self.nslots > 1 and self._newest is not None and index == self._newest[1]:
+            index = (index + 1) % self.nslots
+        return index
 
     def _name(self, slot: int, ext: str, rank: int | None = None) -> str:
         return os.path.join(self.ram_dir, segment(self.job, self.rank if rank is None else rank, slot, ext))
@@ -197,7 +204,7 @@ class RamTier(Tier):
 
     def stage(
         self, step: int, items: list[tuple[str, torch.Tensor]], *, may_skip: frozenset[str] = frozenset(),
-        breaks: frozenset[int] = frozenset(),
+        breaks: frozenset[int] = frozenset(), slot: int | None = None,
     ) -> Staged:
         """Copy ``items`` into the next slot; the blocking part of a save. Returns what was staged.
 
@@ -205,17 +212,20 @@ class RamTier(Tier):
         the same version counter (frozen weights in fine-tuning). This is opt-in because writes
         through ``.data``, numpy views or DLPack change a tensor without bumping its version
         counter: the caller decides which tensors are truly frozen and refreshes them now and then
-        (an empty ``may_skip`` copies everything). ``breaks``: see :meth:`Layout.of`.
+        (an empty ``may_skip`` copies everything). ``breaks``: see :meth:`Layout.of`. ``slot``: the
+        slot to stage into, as :attr:`next_slot` named it to a caller that waited for it to be free.
 
         The slot's previous manifest is removed first, so a crash mid-copy never leaves a
         committed-looking snapshot with half-overwritten bytes.
         """
         layout = Layout.of(items, breaks)
-        index = self._next
-        self._next = (self._next + 1) % self.nslots
+        index = self.next_slot if slot is None else slot
+        self._next = (index + 1) % self.nslots
+        if self._newest is not None and self._newest[1] == index:
+            self._newest = None  # one slot only: its snapshot goes now
         remove_file(self._name(index, "json"))
         self._by_step = {s: st for s, st in self._by_step.items() if st.slot != index}
-        slot = self._slot(index, layout.total)
+        segment = self._slot(index, layout.total)
         if self._layout_sig.get(index) != layout.signature:
             self._sources[index] = {}  # another layout (or a new segment): nothing in the slot is reusable
             self._slot_sums.pop(index, None)
@@ -234,7 +244,7 @@ class RamTier(Tier):
                 if e.nbytes:
                     # Device tensors on the side stream's device copy asynchronously into the
                     # pinned slot; everything else is an ordinary synchronous copy.
-                    slot.view(e).copy_(src.detach(), non_blocking=stream is not None and src.device == stream.device)
+                    segment.view(e).copy_(src.detach(), non_blocking=stream is not None and src.device == stream.device)
                     copied += e.nbytes
                 held[key] = identity
         if stream is not None:
@@ -299,6 +309,8 @@ class RamTier(Tier):
             "extra": extra or {},
         }
         await write_doc(self._name(staged.slot, "json"), doc)
+        if self._newest is None or staged.step >= self._newest[0]:
+            self._newest = (staged.step, staged.slot)
 
     def commit_staged(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
         """Commit a staged snapshot outside a store (its manifest, if any, in ``extra``)."""
