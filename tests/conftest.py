@@ -20,6 +20,9 @@ import torch
 
 from ckptstore.format import container
 
+# The tier contract suite lives in the package; its assertions get pytest's detailed messages too.
+pytest.register_assert_rewrite("ckptstore.testing")
+
 # --------------------------------------------------------------------------------------------
 # Tensor and tree comparison
 # --------------------------------------------------------------------------------------------
