@@ -53,6 +53,17 @@ class TestRamTier(TierContract):
             yield env
 
 
+class TestRamTierOfTwoSlots(TierContract):
+    """The default of a store: with two slots, a save that never commits must still not cost the
+    newest committed snapshot (staging passes over its slot)."""
+
+    @pytest.fixture
+    def env(self) -> Iterator[TierEnv]:
+        ram = RamTier(_job(), ram_dir=SHM, slots=2)
+        with TierEnv(ram, source=ram, keeps=2) as env:
+            yield env
+
+
 # ------------------------------------------------------------------------------------ directories
 
 
@@ -239,13 +250,6 @@ class TestPeerTier(TierContract):
     def env(self) -> Iterator[PeerEnv]:
         with PeerEnv() as env:
             yield env
-
-    # PeerTier.replica_buffer picks the slot not holding the newest committed replica only on its
-    # first call; later calls alternate, so after a put that was never committed the next put
-    # receives into (and first uncommits) the slot of the newest committed replica.
-    @pytest.mark.xfail(strict=True, reason="peer.py replica_buffer alternates slots blindly after its first choice")
-    def test_a_failed_put_never_costs_the_newest_committed_step(self, env: TierEnv) -> None:
-        super().test_a_failed_put_never_costs_the_newest_committed_step(env)
 
     def test_the_source_holds_no_replica_and_the_holder_holds_exactly_the_source(self, env: PeerEnv) -> None:
         state = {"w": torch.arange(1000.0)}

@@ -162,14 +162,18 @@ class RamTier(Tier):
         # Staging never goes into the slot holding this rank's newest committed snapshot (unless
         # there is only one slot), so a crash while staging, or a save that never commits, never
         # destroys the newest RAM copy (after a restart too).
-        mine = self._docs(rank)
-        newest = max(mine, key=lambda d: d["step"]) if mine else None
-        self._newest: tuple[int, int] | None = (newest["step"], newest["slot"]) if newest else None
-        self._next = (newest["slot"] + 1) % slots if newest else 0
+        self._newest: tuple[int, int] | None = None  # (step, slot)
+        self._find_newest()
+        self._next = (self._newest[1] + 1) % slots if self._newest else 0
         # Per slot: the layout it holds and, per key, the identity of the source tensor it copied
         # (storage pointer, version counter, shape, strides, dtype) -- the basis of skipping.
         self._layout_sig: dict[int, str] = {}
         self._sources: dict[int, dict[str, tuple]] = {}
+
+    def _find_newest(self) -> None:
+        mine = self._docs(self.rank)
+        newest = max(mine, key=lambda d: d["step"]) if mine else None
+        self._newest = (newest["step"], newest["slot"]) if newest else None
 
     def set_slots(self, slots: int) -> None:
         """Use ``slots`` staging slots (fixed at a store's first save, from its RAM budget)."""
@@ -449,6 +453,7 @@ class RamTier(Tier):
         for doc in self._docs(self.rank):
             if doc["step"] == step:
                 remove_file(self._name(doc["slot"], "json"))
+        self._find_newest()
 
     def display(self, step: int) -> str:
         return f"RAM tier {self.ram_dir} (job {self.job}, step {step})"
