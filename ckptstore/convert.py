@@ -74,7 +74,7 @@ from .errors import (
     StorageError,
     UnsupportedObjectError,
 )
-from .format.tree import Decoder, Encoder, format_path, npscalar_value, numpy_dtype
+from .format.tree import Decoder, Encoder, format_path, grad_flags, npscalar_value, numpy_dtype
 from .planning.flatten import LeafEncoder, cpu_values, tensor_problem
 from .storage.targets import fsync_dir
 
@@ -447,10 +447,7 @@ class _SafetensorsTree:
             if key in self.used:
                 t = t.view(t.shape)  # another tensor object viewing the same storage (tied weights)
             self.used.add(key)
-            if node.get("param"):
-                t = torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
-            elif node.get("requires_grad"):
-                t.requires_grad_(True)
+            t = grad_flags(t, node, lambda message: self.bad(message, key))
             if obj is not None:
                 self.objects[obj] = t
             return t

@@ -19,7 +19,7 @@ from .._buffers import byte_view
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
-from ..format.tree import Decoder, npscalar_value, numpy_dtype, parse_device
+from ..format.tree import Decoder, grad_flags, npscalar_value, numpy_dtype, parse_device
 from ..planning.flatten import plan as make_plan
 from ..storage.targets import FileObjectSink, FileObjectSource, Source
 from .single_file import open_container, read_entries, write_container
@@ -104,12 +104,7 @@ class _Materializer:
         if obj_id in self.objects:
             return self.objects[obj_id]
         tensor = self.tensor(node) if tag == "$tensor" else self.view(node)
-        if (node.get("param") or node.get("requires_grad")) and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise self.bad(f"{node[tag]!r} is a {tensor.dtype} tensor marked as requiring gradients", node[tag])
-        if node.get("param"):
-            tensor = torch.nn.Parameter(tensor, requires_grad=bool(node.get("requires_grad")))
-        elif node.get("requires_grad"):
-            tensor.requires_grad_(True)
+        tensor = grad_flags(tensor, node, lambda message: self.bad(message, node[tag]))
         if obj_id is not None:
             self.objects[obj_id] = tensor
         return tensor

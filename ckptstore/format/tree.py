@@ -76,6 +76,20 @@ def npscalar_value(node: dict[str, Any], bad: Callable[[str], Exception]) -> Any
     return np.frombuffer(base64.b64decode(node["b64"]), dtype=dt)[0].copy()
 
 
+def grad_flags(tensor: torch.Tensor, node: dict[str, Any], bad: Callable[[str], Exception]) -> torch.Tensor:
+    """``tensor`` as a ``$tensor``/``$view`` node's ``param`` and ``requires_grad`` flags say: an
+    nn.Parameter, or a tensor requiring gradients. Raises ``bad(message)`` for flags its dtype
+    cannot take (only floating-point and complex tensors require gradients)."""
+    param, grad = node.get("param"), node.get("requires_grad")
+    if (param or grad) and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise bad(f"{node.get('$tensor', node.get('$view'))!r} is a {tensor.dtype} tensor marked as requiring gradients")
+    if param:
+        return torch.nn.Parameter(tensor, requires_grad=bool(grad))
+    if grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
 def _float(value: float) -> Any:
     if math.isfinite(value):
         return value

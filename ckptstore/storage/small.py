@@ -56,23 +56,7 @@ async def write(target: Target, data: bytes, *, exclusive: bool = False, tmp: st
     if target.path is None:
         await asyncio.to_thread(_remote_write, target, data, exclusive)
         return
-    path = target.path
-    private, tmp = tmp is not None, tmp or local_temporary(path)
-    try:
-        await _write_tmp(tmp, data, private, crashpoints=path, durable=durable)
-        if exclusive:
-            await _link_into_place(tmp, path)
-        else:
-            await aiofiles.os.replace(tmp, path)
-    except FileExistsError:
-        raise already_exists(target.display) from None
-    except OSError as exc:
-        raise storage_error(exc, "write", target.display, previous_kept=os.path.exists(path)) from None
-    finally:
-        await _unlink_quietly(tmp)
-    crashpoint("file.renamed", path)
-    if durable:
-        await _fsync_dir(os.path.dirname(path))
+    await _local_write(target, data, exclusive=exclusive, tmp=tmp, durable=durable, commit_point=False)
 
 
 async def create(target: Target, data: bytes) -> None:
@@ -86,18 +70,35 @@ async def create(target: Target, data: bytes) -> None:
     if target.path is None:
         await asyncio.to_thread(_remote_create, target, data)
         return
-    path, tmp = target.path, local_temporary(target.path)
+    await _local_write(target, data, exclusive=True, tmp=None, durable=True, commit_point=True)
+
+
+async def _local_write(target: Target, data: bytes, *, exclusive: bool, tmp: str | None, durable: bool,
+                       commit_point: bool) -> None:
+    """The bytes go to a temporary name and are fsynced before their name appears, by link
+    (exclusive) or rename. A commit point (a manifest) names one crash point, between its link and
+    the removal of the temporary name; other files name theirs around the write and the rename."""
+    assert target.path is not None
+    path = target.path
+    private, tmp = tmp is not None, tmp or local_temporary(path)
     try:
-        await _write_tmp(tmp, data, False)  # the bytes are on disk before the name can appear
-        await _link_into_place(tmp, path)
-        crashpoint("manifest.linked", path)
+        await _write_tmp(tmp, data, private, crashpoints=None if commit_point else path, durable=durable)
+        if exclusive:
+            await _link_into_place(tmp, path)
+        else:
+            await aiofiles.os.replace(tmp, path)
+        if commit_point:
+            crashpoint("manifest.linked", path)
     except FileExistsError:
         raise already_exists(target.display) from None
     except OSError as exc:
         raise storage_error(exc, "write", target.display, previous_kept=os.path.exists(path)) from None
     finally:
         await _unlink_quietly(tmp)
-    await _fsync_dir(os.path.dirname(path))
+    if not commit_point:
+        crashpoint("file.renamed", path)
+    if durable:
+        await _fsync_dir(os.path.dirname(path))
 
 
 def write_small_exclusive(target: Target, data: bytes) -> None:
