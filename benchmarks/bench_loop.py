@@ -1,4 +1,4 @@
-"""Step-time overhead of checkpointing a training loop with CheckpointStore (issue 4's end-to-end
+"""Step-time overhead of checkpointing a training loop with CheckpointStore (the end-to-end
 figure): the same loop with and without ``store.save`` every ``--every`` steps, same process, same run.
 
 Design (a 2-core CPU box with no GPU; the whole script takes ~4-5 minutes):

@@ -676,7 +676,6 @@ def _peer_rank(rank: int, init_file: str, nbytes: int, repeats: int, root: str, 
 def _run_peer(nbytes: int, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
     import multiprocessing
 
-    # No "-peer" in the job name: the store tells replicas from its own segments by that substring.
     job = f"benchrepl-{uuid.uuid4().hex[:8]}"
     root = tempfile.mkdtemp(prefix=f"{job}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     result = os.path.join(root, "result.json")
