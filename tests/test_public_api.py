@@ -31,6 +31,7 @@ EXPECTED_ALL = [
     "UnknownProtocolError",
     "UnsupportedFormatVersionError",
     "UnsupportedObjectError",
+    "CollectiveError",
 ]
 
 EXCEPTIONS = [n for n in EXPECTED_ALL if n.endswith("Error")]
