@@ -24,7 +24,7 @@ import json, os, resource, sys, torch
 torch.set_num_threads(2)
 import ckptstore
 # Import what the loads import lazily, so module memory is not counted as staging memory.
-import torch.distributed.checkpoint, torch.distributed.tensor, ckptstore.engine.sharded
+import torch.distributed.checkpoint, torch.distributed.tensor, ckptstore.checkpoint.sharded
 kind, path, budget, layout = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 # "same": destinations laid out like the saved chunks (read straight into them, no staging);
 # "transposed": column-major destinations, so every byte goes through the staging buffer.

@@ -223,8 +223,6 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from ckptstore._local_s3 import start_local_s3
 
-    # No "-peer" in job names: the store tells its own RAM segments from replicas by that substring of
-    # the file name (engine/store.py, CheckpointStore._kind), so it would report own-RAM reads as "peer".
     job = f"benchpeer-{uuid.uuid4().hex[:8]}"
     root = f"/dev/shm/{job}-bench"
     work = tempfile.mkdtemp(prefix=f"{job}-")

@@ -2,7 +2,7 @@
 
 A synthetic model of ``--tensors`` 2-D tensors on a 1-D mesh of ``--ranks`` ranks: most are Shard(0)
 (row counts chosen so that many split unevenly and some leave ranks empty), about ``--replicated``
-of them (default 10%) are replicated on every rank. Phases, as engine/sharded.py runs them:
+of them (default 10%) are replicated on every rank. Phases, as checkpoint/sharded.py runs them:
 
 - build: every rank's ItemMeta list (shard_box per tensor per rank). One rank builds only its own
   list; the total here is what all ranks do together, the per-rank figure is total / ranks;

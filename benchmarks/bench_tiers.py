@@ -19,8 +19,8 @@ import uuid
 import torch
 
 from ckptstore._local_s3 import start_local_s3
-from ckptstore.engine.materialize import encode_value
-from ckptstore.engine.sharded import BLOCK_SIZE, _build_manifest, _collect
+from ckptstore.checkpoint.materialize import encode_value
+from ckptstore.checkpoint.sharded import BLOCK_SIZE, build_manifest, collect
 from ckptstore.tiers.directory import DirectoryTier
 from ckptstore.tiers.ram import RamTier
 
@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     state = make_state(args.layers)
-    local_state = _collect(state, 0, encode_value)
+    local_state = collect(state, 0, encode_value)
     items = [(key, t) for (key, _o, _s), t in local_state.items.items()]
     job = f"bench-{uuid.uuid4().hex[:8]}"
     tier = RamTier(job)
@@ -49,7 +49,7 @@ def main() -> None:
         """What the store's pipeline does per tier and step: this rank's files, then the manifest."""
         target = DirectoryTier("bench", root, storage_options=storage_options)
         part = target.put_sync(snap)
-        target.commit_sync(snap.step, _build_manifest(local_state.tree, local_state.tensors, [part], 1))
+        target.commit_sync(snap.step, build_manifest(local_state.tree, local_state.tensors, [part], 1))
     slot_bytes = tier._slots[staged.slot].buffer[: staged.layout.total]
     n = staged.layout.total
     blob = slot_bytes.numpy()

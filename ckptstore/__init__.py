@@ -20,6 +20,8 @@ Public API (everything else is private and may change)::
     handle = store.save(step, state)      # a SaveHandle: handle.wait("ram" | "local" | "peer" | "durable")
     store.should_save(step)               # under interval= (seconds, or "auto" with mtbf=): checkpoint now?
     step = store.restore(state)           # newest sound step, in place; None when there is none
+    store.restore(state, step=step)       # exactly that step, or CheckpointNotFoundError
+    store.latest_step()                   # the newest step any tier holds (collective), without loading it
     store.close()
 
     ckptstore.TrainState(*, model=None, optimizer=None, scheduler=None, scaler=None, loader=None,
@@ -28,7 +30,12 @@ Public API (everything else is private and may change)::
                                world_size=None, drop_last=True)
     ckptstore.ResumableLoader(dataset, sampler, **dataloader_kwargs)  # exact position, any world size
 
-plus the exception tree rooted at :class:`CheckpointError` (see ``ckptstore.errors``).
+plus the exception tree rooted at :class:`CheckpointError` (see ``ckptstore.errors``); an
+operation of every rank that failed on some raises a :class:`CollectiveError` carrying each rank's
+failure (of their class too, when they share one).
+
+``ckptstore.testing.TierContract`` is the contract suite every tier runs; a third-party tier
+subclasses it (needs pytest).
 
 Adapters, imported on first use (``ckptstore.dcp`` works after ``import ckptstore``)::
 
@@ -46,6 +53,7 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CollectiveError,
     CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,
@@ -80,6 +88,7 @@ __all__ = [
     "UnknownProtocolError",
     "UnsupportedFormatVersionError",
     "UnsupportedObjectError",
+    "CollectiveError",
 ]
 
 

@@ -25,7 +25,6 @@ def require(module: str, extra: str, what: str) -> Any:
 
 def next_step(store: Any) -> int:
     """The step after the newest one ``store`` saved or restored; a store that has done neither
-    first learns the newest step its tiers hold (a restart must not reuse a committed step)."""
-    if store._last_step is None:
-        store.restore({})
-    return 0 if store._last_step is None else store._last_step + 1
+    asks its tiers for the newest step they hold (a restart must not reuse a committed step)."""
+    last = store.last_step if store.last_step is not None else store.latest_step()
+    return 0 if last is None else last + 1

@@ -16,7 +16,8 @@ A sweep over write chunk size and writes in flight (local) and part size and par
 picks the settings that ``CheckpointStore(..., tuning=FILE)`` applies; the checkpoint cost of a
 given state size, extrapolated from the measured rates, is what ``ckptstore plan`` takes.
 
-Everything here imports lazily: the store only needs :func:`load_tuning`.
+The store reads the file this writes with :func:`ckptstore.storage.tuning.load_tuning` and never
+imports this module.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import functools
 import json
 import mmap
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -37,107 +37,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._units import format_bytes
 from .errors import InvalidArgumentError
-from .storage.targets import READ_PIECE, WriteTuning
+from .names import segment_prefix
+from .storage.targets import WriteTuning
 
 SCHEMA = "ckptstore-bench/1"
 _ALIGN = 4096
 _PIECE = 64 << 20  # the state is cut into tensors of this size (a model's largest weights are of this order)
 _RAW_IO = 64 << 20  # bytes per call of the raw ceiling's reads and writes
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 LOCAL_CHUNKS = (1 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
 LOCAL_CONCURRENCY = (1, 2, 4)
 DURABLE_PARTS = (5 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20)
 DURABLE_CONCURRENCY = (1, 2, 4, 8)
 _TIE = 0.03  # settings within 3% of the fastest count as equal: the one using fewer resources wins
-
-
-def parse_size(text: str) -> int:
-    """``"1GiB"``, ``"64 MiB"``, ``"2.5GB"``, ``"4096"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise InvalidArgumentError(
-            f"cannot read {text!r} as a size: write a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, "
-            "GiB, TiB), e.g. 1GiB"
-        )
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise InvalidArgumentError(f"size {text!r} must be positive")
-    return n
-
-
-# ---------------------------------------------------------------------------------------- tuning
-
-_TUNING_KEYS = {
-    "local": {"chunk_bytes": "local_chunk_bytes", "concurrency": "local_concurrency"},
-    "durable": {"part_bytes": "s3_part_bytes", "concurrency": "s3_concurrency"},
-}
-_LIMITS = {
-    "local_chunk_bytes": (64 << 10, READ_PIECE, "between 64 KiB and 32 MiB (the engine hands the sink pieces of "
-                          "at most 32 MiB) and a multiple of 4096"),
-    "local_concurrency": (1, 64, "between 1 and 64 (more than the engine's I/O threads, 4-8, has no effect)"),
-    "s3_part_bytes": (5 << 20, 5 << 30, "between 5 MiB and 5 GiB (S3's limits)"),
-    "s3_concurrency": (1, 64, "between 1 and 64"),
-}
-
-
-def load_tuning(tuning: Any) -> WriteTuning:
-    """Read ``tuning=``: the path of a ``ckptstore bench --json`` file, or a dict shaped like its
-    ``"recommended"`` section (``{"local": {"chunk_bytes", "concurrency"}, "durable": {"part_bytes",
-    "concurrency"}}``; the whole bench document is accepted too). Raises InvalidArgumentError
-    naming the file and the field for anything else."""
-    where = "tuning"
-    if isinstance(tuning, (str, os.PathLike)):
-        where = f"tuning file {os.fspath(tuning)!r}"
-        try:
-            with open(tuning, encoding="utf-8") as fh:
-                tuning = json.load(fh)
-        except FileNotFoundError:
-            raise InvalidArgumentError(
-                f"{where} does not exist; write one with `ckptstore bench --json FILE`, or pass tuning=None"
-            ) from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidArgumentError(f"cannot read {where}: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(
-                f"{where} is not valid JSON ({exc}); write it with `ckptstore bench --json FILE`"
-            ) from None
-    if not isinstance(tuning, dict):
-        raise InvalidArgumentError(
-            f"{where} must be a bench JSON file path or a dict, not {type(tuning).__name__}"
-        )
-    if "recommended" in tuning:
-        tuning = tuning["recommended"]
-        if not isinstance(tuning, dict):
-            raise InvalidArgumentError(f"{where}: 'recommended' must be an object, not {type(tuning).__name__}")
-    unknown = sorted(set(tuning) - set(_TUNING_KEYS))
-    if unknown:
-        raise InvalidArgumentError(
-            f"{where}: unknown section(s) {unknown}; the sections are 'local' and 'durable' (as written by "
-            "`ckptstore bench --json`)"
-        )
-    values: dict[str, int | None] = {}
-    for section, keys in _TUNING_KEYS.items():
-        body = tuning.get(section)
-        if body is None:
-            continue
-        if not isinstance(body, dict):
-            raise InvalidArgumentError(f"{where}: '{section}' must be an object, not {type(body).__name__}")
-        bad = sorted(set(body) - set(keys))
-        if bad:
-            raise InvalidArgumentError(f"{where}: unknown key(s) {bad} in '{section}'; allowed: {sorted(keys)}")
-        for key, attr in keys.items():
-            value = body.get(key)
-            if value is None:
-                continue
-            low, high, rule = _LIMITS[attr]
-            if (not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high
-                    or (attr == "local_chunk_bytes" and value % _ALIGN)):
-                raise InvalidArgumentError(f"{where}: {section}.{key} must be an integer {rule}, not {value!r}")
-            values[attr] = value
-    return WriteTuning(**values)
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -297,11 +210,11 @@ class _Staged:
     """A state of ``nbytes`` staged once in a RAM tier, as the store's pipeline hands it to a tier."""
 
     def __init__(self, job: str, state: dict[str, Any], ram_dir: str) -> None:
-        from .engine.materialize import encode_value
-        from .engine.sharded import BLOCK_SIZE, _collect
+        from .checkpoint.materialize import encode_value
+        from .checkpoint.sharded import BLOCK_SIZE, collect
         from .tiers.ram import RamTier
 
-        self.local = _collect(state, 0, encode_value)
+        self.local = collect(state, 0, encode_value)
         self.items = [(key, t) for (key, _o, _s), t in self.local.items.items()]
         self.tier = RamTier(job, ram_dir=ram_dir, slots=2)
         self.step = 0
@@ -316,12 +229,12 @@ class _Staged:
 
     def persist(self, root: str, storage_options: dict[str, Any] | None, tuning: WriteTuning | None) -> str:
         """What the store's pipeline does per tier and step: this rank's files, then the manifest."""
-        from .engine.sharded import _build_manifest
+        from .checkpoint.sharded import build_manifest
         from .tiers.directory import DirectoryTier
 
         target = DirectoryTier("bench", root, storage_options=storage_options, tuning=tuning)
         part = target.put_sync(self.snap)
-        target.commit_sync(self.snap.step, _build_manifest(self.local.tree, self.local.tensors, [part], 1))
+        target.commit_sync(self.snap.step, build_manifest(self.local.tree, self.local.tensors, [part], 1))
         return target.display(self.snap.step)
 
     def close(self) -> None:
@@ -665,7 +578,6 @@ def peer_rounds(store: Any, state: Any, rank: int, ram_dir: str, job: str, repea
     replica). Times are the slowest rank's. Returns (seconds per figure, bytes per rank, last step).
     Shared by ``ckptstore bench --peer`` and benchmarks/bench_peer.py."""
     import datetime
-    import glob
 
     import torch
     import torch.distributed as dist
@@ -675,10 +587,7 @@ def peer_rounds(store: Any, state: Any, rank: int, ram_dir: str, job: str, repea
         step += 1
         store.save(step, state).wait("peer")
     # Exactly what was sent: the size of the replica this rank holds (the other rank's staged bytes).
-    docs = []
-    for path in glob.glob(os.path.join(ram_dir, f"ckptstore-{job}-r{rank:05d}-peer*.json")):
-        with open(path) as fh:
-            docs.append(json.load(fh))
+    docs = [doc for _src, doc in store.peer.replicas()]
     if not docs or any(d["src"] != other for d in docs):
         raise RuntimeError(f"rank {rank} holds no replica of rank {other}: {docs}")
     nbytes = max(d["size"] for d in docs)
@@ -767,7 +676,6 @@ def _peer_rank(rank: int, init_file: str, nbytes: int, repeats: int, root: str, 
 def _run_peer(nbytes: int, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
     import multiprocessing
 
-    # No "-peer" in the job name: the store tells replicas from its own segments by that substring.
     job = f"benchrepl-{uuid.uuid4().hex[:8]}"
     root = tempfile.mkdtemp(prefix=f"{job}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     result = os.path.join(root, "result.json")
@@ -797,7 +705,7 @@ def _run_peer(nbytes: int, repeats: int, log: Callable[[str], None]) -> dict[str
     finally:
         shutil.rmtree(root, ignore_errors=True)
         for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
-            if name.startswith(f"ckptstore-{job}-"):
+            if name.startswith(segment_prefix(job)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join("/dev/shm", name))
     times, sent = out["times"], out["bytes"]
@@ -811,15 +719,8 @@ def _run_peer(nbytes: int, repeats: int, log: Callable[[str], None]) -> dict[str
 
 # ---------------------------------------------------------------------------------------- reporting
 
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} B"
-
-
 def format_table(doc: dict[str, Any]) -> str:
-    lines = [f"ckptstore bench: {_fmt_bytes(doc['bytes'])} per operation, medians of {doc['repeats']} "
+    lines = [f"ckptstore bench: {format_bytes(doc['bytes'])} per operation, medians of {doc['repeats']} "
              f"(page cache: {doc.get('cache_drop') or 'not dropped'})"]
     header = f"  {'target':8s} {'op':9s} {'raw ceiling':34s} {'GB/s':>7s}   {'ckptstore':40s} {'GB/s':>7s} {'ratio':>6s}"
     lines.append(header)
@@ -831,12 +732,12 @@ def format_table(doc: dict[str, Any]) -> str:
     for target, sw in doc["sweep"].items():
         size_key = "chunk_bytes" if target == "local" else "part_bytes"
         rec = sw["recommended"]
-        lines.append(f"  sweep {target} ({_fmt_bytes(sw['bytes'])}): best {rec['GB_per_s']:.2f} GB/s with "
-                     f"{size_key.split('_')[0]} {_fmt_bytes(rec[size_key])} x {rec['concurrency']} in flight")
+        lines.append(f"  sweep {target} ({format_bytes(sw['bytes'])}): best {rec['GB_per_s']:.2f} GB/s with "
+                     f"{size_key.split('_')[0]} {format_bytes(rec[size_key])} x {rec['concurrency']} in flight")
         sizes = sorted({row[size_key] for row in sw["results"]})
         ks = sorted({row["concurrency"] for row in sw["results"]})
         grid = {(row[size_key], row["concurrency"]): row["GB_per_s"] for row in sw["results"]}
-        lines.append("    GB/s    " + "".join(f"{_fmt_bytes(s):>10s}" for s in sizes))
+        lines.append("    GB/s    " + "".join(f"{format_bytes(s):>10s}" for s in sizes))
         for k in ks:
             lines.append(f"    x{k:<6d} " + "".join(f"{grid[(s, k)]:10.3g}" for s in sizes))
     cost = doc["checkpoint_cost"]
@@ -844,7 +745,7 @@ def format_table(doc: dict[str, Any]) -> str:
     def sec(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.0f} s" if v >= 100 else f"{v:.3g} s"
 
-    lines.append(f"  checkpoint of {_fmt_bytes(cost['state_bytes'])}: blocks {sec(cost['blocking_s'])}, "
+    lines.append(f"  checkpoint of {format_bytes(cost['state_bytes'])}: blocks {sec(cost['blocking_s'])}, "
                  f"on local disk after {sec(cost['to_local_s'])}, durable after {sec(cost['to_durable_s'])}"
                  + (f", on a peer after {sec(cost['to_peer_s'])}" if cost.get("to_peer_s") is not None else ""))
     for note in doc.get("notes", []):
@@ -883,7 +784,7 @@ def plot(doc: dict[str, Any], path: str) -> bool:
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("GB/s")
     ax.set_yscale("log")
-    ax.set_title(f"{_fmt_bytes(doc['bytes'])}, medians of {doc['repeats']}")
+    ax.set_title(f"{format_bytes(doc['bytes'])}, medians of {doc['repeats']}")
     ax.legend(fontsize=8)
     for ax, (target, sw) in zip(axes[0][1:], sweeps):
         size_key = "chunk_bytes" if target == "local" else "part_bytes"
@@ -894,7 +795,7 @@ def plot(doc: dict[str, Any], path: str) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel(f"{size_key.split('_')[0]} size (MiB)")
         ax.set_ylabel("GB/s")
-        ax.set_title(f"{target} sweep ({_fmt_bytes(sw['bytes'])})")
+        ax.set_title(f"{target} sweep ({format_bytes(sw['bytes'])})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -902,4 +803,4 @@ def plot(doc: dict[str, Any], path: str) -> bool:
     return True
 
 
-__all__ = ["BenchConfig", "drop_cache", "format_table", "load_tuning", "parse_size", "plot", "run_bench"]
+__all__ = ["BenchConfig", "drop_cache", "format_table", "plot", "run_bench"]

@@ -9,20 +9,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ._units import format_bytes
 from ._version import __version__
 from .errors import CheckpointError
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def _open(url: str, storage_options: dict[str, Any] | None):
-    from .engine.inspect import open_any
+    from .checkpoint.inspect import open_any
 
     return open_any(url, storage_options)
 
@@ -50,7 +43,7 @@ def _progress(total: int, desc: str):
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .engine.inspect import summary
+    from .checkpoint.inspect import summary
 
     if getattr(args, "timings", False):
         return cmd_timings(args)
@@ -64,10 +57,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     print(f"{info['location']}: ckptstore {info['layout']} checkpoint, format {info['format_version']} ({info['writer']})")
-    size = f", file {_human(info['file_bytes'])}" if info["file_bytes"] is not None else ""
+    size = f", file {format_bytes(info['file_bytes'])}" if info["file_bytes"] is not None else ""
     print(
-        f"  {info['num_tensors']} tensors in {info['num_chunks']} chunks, {_human(info['tensor_bytes'])} of tensor data, "
-        f"{_human(info['stored_bytes'])} stored{size}"
+        f"  {info['num_tensors']} tensors in {info['num_chunks']} chunks, "
+        f"{format_bytes(info['tensor_bytes'])} of tensor data, {format_bytes(info['stored_bytes'])} stored{size}"
     )
     if info["layout"] == "sharded":
         print(f"  saved by {info['world_size']} ranks:")
@@ -76,7 +69,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             t = r.get("timings", {})
             flag = "  <- straggler (over 2x the median write time)" if r["rank"] in slow else ""
             print(
-                f"    rank {r['rank']:5d} on {r.get('host', '?')}: wrote {_human(r.get('bytes', 0))}, "
+                f"    rank {r['rank']:5d} on {r.get('host', '?')}: wrote {format_bytes(r.get('bytes', 0))}, "
                 f"plan {t.get('plan_s', 0):.3f} s, write {t.get('write_s', 0):.3f} s{flag}"
             )
     if info["top_level_keys"] is not None:
@@ -89,14 +82,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
         split = ",".join(map(str, t["split_dims"])) or "-"
         print(
-            f"  {t['key']:{width}s}  {t['dtype']:14s} {shape:20s} {_human(t['bytes']):>12s} {t['chunks']:6d} "
+            f"  {t['key']:{width}s}  {t['dtype']:14s} {shape:20s} {format_bytes(t['bytes']):>12s} {t['chunks']:6d} "
             f"{t['codec']:6s} {split}"
         )
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .engine.inspect import scan
+    from .checkpoint.inspect import scan
 
     opened = _open(args.url, args.storage_options)
     try:
@@ -111,7 +104,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             where = f"{b.file} " if b.file else ""
             print(f"  tensor {b.key!r} chunk {b.index} ({where}bytes {b.offset}..{b.offset + b.length}): {b.problem}")
         return 1
-    print(f"{args.url}: sound ({checked} chunks, {_human(total)} checked)")
+    print(f"{args.url}: sound ({checked} chunks, {format_bytes(total)} checked)")
     return 0
 
 
@@ -123,9 +116,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from .engine.inspect import open_any
-    from .engine.materialize import decode_value
-    from .engine.reshard import reshard
+    from .checkpoint.inspect import open_any
+    from .checkpoint.materialize import decode_value
+    from .checkpoint.reshard import reshard
 
     opened = open_any(args.src, args.storage_options)
     total = opened.manifest.total_bytes
@@ -141,7 +134,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             decode_per_rank=decode_value,
         )
     layout = "one single-file checkpoint" if args.ranks == 1 else f"{args.ranks} even Shard(0) ranks"
-    print(f"{args.dst}: {report['tensors']} tensors, {_human(report['bytes'])}, laid out for {layout}")
+    print(f"{args.dst}: {report['tensors']} tensors, {format_bytes(report['bytes'])}, laid out for {layout}")
     if report["dropped_per_rank"]:
         print(f"  per-rank values dropped (their ranks do not exist at this size): {', '.join(report['dropped_per_rank'])}")
     return 0
@@ -159,7 +152,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
     )
     print(
-        f"{args.dst}: {report['dst_format']} ({report['tensors']} tensors, {_human(report['bytes'])}) "
+        f"{args.dst}: {report['dst_format']} ({report['tensors']} tensors, {format_bytes(report['bytes'])}) "
         f"from {report['src_format']} {args.src}"
     )
     for note in report.get("notes", []):
@@ -174,8 +167,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _newest_step(url: str, storage_options: dict[str, Any] | None) -> str:
     """``url`` when it is a checkpoint; the newest committed step under it when it is a tier's root."""
-    from .engine.inspect import is_sharded
-    from .engine.sharded import MANIFEST, Directory
+    from .checkpoint.inspect import is_sharded
+    from .checkpoint.sharded import MANIFEST, Directory
 
     if not is_sharded(url, storage_options):
         return url
@@ -437,9 +430,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import os
     import tempfile
 
-    from .bench import BenchConfig, format_table, parse_size, plot, run_bench
+    from ._units import parse_size
+    from .bench import BenchConfig, format_table, plot, run_bench
 
-    size = parse_size(args.size)
+    size = parse_size(args.size, "--size")
     any_target = args.ram or args.local or args.durable or args.peer
     local = args.local
     scratch = None
@@ -454,8 +448,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peer=args.peer,
         repeats=args.repeats,
         sweep=not args.no_sweep,
-        sweep_size=parse_size(args.sweep_size) if args.sweep_size else None,
-        state_size=parse_size(args.state_size) if args.state_size else None,
+        sweep_size=parse_size(args.sweep_size, "--sweep-size") if args.sweep_size else None,
+        state_size=parse_size(args.state_size, "--state-size") if args.state_size else None,
         ram_dir=args.ram_dir,
         progress=None,
     )

@@ -49,7 +49,6 @@ every source on the CPU (``map_location="cpu"``), so converting needs no GPU.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import io
@@ -75,6 +74,8 @@ from .errors import (
     StorageError,
     UnsupportedObjectError,
 )
+from .format.tree import Decoder, Encoder, format_path, grad_flags, npscalar_value, numpy_dtype
+from .planning.flatten import LeafEncoder, cpu_values, tensor_problem
 from .storage.targets import fsync_dir
 
 FORMATS = ("ckptstore", "torch", "safetensors", "dcp")
@@ -83,7 +84,6 @@ SAFETENSORS_TREE_KEY = "ckptstore.tree"
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 _DCP_METADATA = ".metadata"
-_NUMPY_KINDS = frozenset("biufc")
 # safetensors' own dtype table when it has one (0.4+), else the dtypes every release knows.
 _SAFETENSORS_FALLBACK_DTYPES = (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -150,7 +150,7 @@ def detect_format(src: str, storage_options: dict[str, Any] | None = None) -> st
 
 
 def _detect_directory(url: str, target: Any, storage_options: dict[str, Any] | None) -> str:
-    from .engine.sharded import MANIFEST, Directory, read_manifest
+    from .checkpoint.sharded import MANIFEST, Directory, read_manifest
 
     directory = Directory(url, storage_options if "://" in url else None)
     if directory.exists(MANIFEST):
@@ -292,10 +292,9 @@ def _read_single(url: str, so: dict[str, Any] | None, allow_pickle: bool) -> Any
 def _read_sharded(url: str, so: dict[str, Any] | None) -> tuple[Any, list[str]]:
     """Assemble a sharded checkpoint in this process: a state of full tensors, one per manifest entry."""
     from .api.sharded import PerRank, load_sharded
-    from .engine.memory import alloc_bytes
-    from .engine.sharded import Directory, read_manifest
+    from .checkpoint.memory import alloc_bytes
+    from .checkpoint.sharded import Directory, read_manifest
     from .format.dtypes import dtype_from_name
-    from .format.tree import Decoder
 
     directory = Directory(url, so)
     manifest = read_manifest(directory)
@@ -342,8 +341,6 @@ _DROP = object()
 
 def _strip_per_rank(obj: Any, path: list[Any], dropped: list[str], per_rank_type: type) -> Any:
     """Remove PerRank values: dict entries are deleted, list and tuple items become None."""
-    from .format.tree import format_path
-
     if isinstance(obj, per_rank_type):
         dropped.append(format_path(path))
         return _DROP
@@ -430,8 +427,6 @@ class _SafetensorsTree:
         self.used: set[str] = set()
 
     def build(self, tree: Any) -> Any:
-        from .format.tree import Decoder
-
         return Decoder(self.resolve, self.where).decode(tree)
 
     def bad(self, msg: str, key: str | None = None) -> CorruptCheckpointError:
@@ -452,49 +447,37 @@ class _SafetensorsTree:
             if key in self.used:
                 t = t.view(t.shape)  # another tensor object viewing the same storage (tied weights)
             self.used.add(key)
-            if node.get("param"):
-                t = torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
-            elif node.get("requires_grad"):
-                t.requires_grad_(True)
+            t = grad_flags(t, node, lambda message: self.bad(message, key))
             if obj is not None:
                 self.objects[obj] = t
             return t
         if tag == "$ndarray":
-            dt = self.numpy_dtype(node.get("dtype"))
+            dt = numpy_dtype(node.get("dtype"), self.bad)
             shape = tuple(node["shape"])
             raw = self.tensor(node["$ndarray"])
             if raw.dtype != torch.uint8 or raw.numel() != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
                 raise self.bad(f"array {node['$ndarray']!r} does not hold {shape} of {dt}", node["$ndarray"])
             return raw.numpy().copy().view(dt).reshape(shape)
         if tag == "$npscalar":
-            dt = self.numpy_dtype(node["$npscalar"])
-            return np.frombuffer(base64.b64decode(node["b64"]), dtype=dt)[0].copy()
+            return npscalar_value(node, self.bad)
         raise self.bad(f"metadata {SAFETENSORS_TREE_KEY!r} holds {tag}, which a safetensors export never writes")
 
-    def numpy_dtype(self, spec: Any) -> np.dtype:
-        try:
-            dt = np.dtype(spec) if isinstance(spec, str) else None
-        except TypeError:
-            dt = None
-        if dt is None or dt.kind not in _NUMPY_KINDS or dt.fields is not None:
-            raise self.bad(f"numpy dtype {spec!r} is not a plain numeric dtype")
-        return dt
 
-
-class _SafetensorsExport:
+class _SafetensorsExport(LeafEncoder):
     """Splits a state into the flat tensor dict and the tagged-JSON tree of everything else."""
 
+    # A flat reader would take an array's raw bytes under the array's own path for a tensor there.
+    ndarray_suffix = "#ndarray"
+
     def __init__(self) -> None:
+        super().__init__()
         self.flat: dict[str, torch.Tensor] = {}
-        self.nodes: dict[int, dict[str, Any]] = {}  # id(tensor) -> its node: one object stays one object
         self.views: dict[tuple[Any, ...], str] = {}  # identical views of one storage -> the first key
         self.storages: set[tuple[str, int]] = set()
         self.dtypes = _safetensors_dtypes()
-        self.next_obj = 0
 
     def run(self, state: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         from ._version import __version__
-        from .format.tree import Encoder
 
         tree = Encoder(self.leaf, self.refuse).encode(state)
         meta = {
@@ -503,66 +486,33 @@ class _SafetensorsExport:
         }
         return self.flat, meta
 
-    def key_for(self, path: list[Any], suffix: str = "") -> str:
-        from .planning.flatten import escape_key
-
-        base = escape_key(path) + suffix
-        key, n = base, 1
-        while key in self.flat:
-            n += 1
-            key = f"{base}#{n}"
-        return key
-
     def refuse(self, obj: Any, path: list[Any]) -> Any:
-        from .format.tree import format_path
-
         raise UnsupportedObjectError(
             f"{format_path(path)} is a {type(obj).__module__}.{type(obj).__qualname__}, which a safetensors file "
             "cannot hold (it holds tensors, and the rest of the tree as JSON: numbers, strings, bytes, lists, tuples, "
             "dicts, sets, numpy arrays). Convert to ckptstore or torch format instead, or turn the value into one of those"
         )
 
-    def leaf(self, obj: Any, path: list[Any]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self.tensor_leaf(obj, path)
-        if type(obj) is np.ndarray and obj.dtype.kind in _NUMPY_KINDS and obj.dtype.fields is None:
-            key = self.key_for(path, "#ndarray")
-            self.flat[key] = torch.from_numpy(np.ascontiguousarray(obj).reshape(-1).view(np.uint8).copy())
-            return {"$ndarray": key, "dtype": obj.dtype.str, "shape": list(obj.shape)}
-        if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
-            return {"$npscalar": obj.dtype.str, "b64": base64.b64encode(obj.tobytes()).decode("ascii")}
-        return None
+    def add_bytes(self, key: str, data: torch.Tensor) -> None:
+        self.flat[key] = data
 
-    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> Any:
-        from .format.tree import format_path
+    def tensor_again(self, node: dict[str, Any], path: list[Any]) -> dict[str, Any]:
+        # One node (it loads as one object), and its own copy under this path too, so readers of
+        # the flat file find every path.
+        self.flat[self.key_for(path)] = self.flat[node["$tensor"]].clone()
+        return node
 
-        seen = self.nodes.get(id(t))
-        if seen is not None:
-            # The same object again: one node (it loads as one object), and its own copy under this
-            # path too, so readers of the flat file find every path.
-            self.flat[self.key_for(path)] = self.flat[seen["$tensor"]].clone()
-            return seen
-        where = format_path(path)
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            problem = f"is a tensor subclass {type(t).__module__}.{type(t).__qualname__}"
-        elif t.layout != torch.strided or t.is_quantized or t.is_nested:
-            problem = f"is a {'quantized' if t.is_quantized else 'nested' if t.is_nested else t.layout} tensor"
-        elif t.device.type == "meta":
-            problem = "is a meta tensor, which has no data"
-        elif t.dtype not in self.dtypes:
+    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any]:
+        problem = tensor_problem(t)
+        if problem is None and t.dtype not in self.dtypes:
             problem = f"has dtype {t.dtype}, which safetensors has no name for"
-        else:
-            problem = None
         if problem is not None:
             raise UnsupportedObjectError(
-                f"{where} {problem}; a safetensors file cannot hold it. Convert to ckptstore or torch format "
+                f"{format_path(path)} {problem}; a safetensors file cannot hold it. Convert to ckptstore or torch format "
                 "instead, or make it a plain dense tensor of a safetensors dtype first"
             )
         key = self.key_for(path)
-        data = t.detach()
-        if data.device.type != "cpu":
-            data = data.cpu()
-        data = data.resolve_conj().resolve_neg()
+        data = cpu_values(t)
         data_key = key
         storage = data.untyped_storage()
         if storage.nbytes() and data.numel():
@@ -578,14 +528,8 @@ class _SafetensorsExport:
         else:
             data = torch.empty(data.shape, dtype=data.dtype)  # no elements: nothing to share
         self.flat[key] = data
-        node: dict[str, Any] = {"$tensor": data_key, "obj": self.next_obj}
-        self.next_obj += 1
-        if type(t) is torch.nn.Parameter:
-            node["param"] = True
-        if t.requires_grad:
-            node["requires_grad"] = True
-        self.nodes[id(t)] = node
-        return node
+        # No device: every tensor of the file is on the CPU, and so is everything convert reads.
+        return self.tensor_node(t, data_key, device=False)
 
 
 # ------------------------------------------------------------------------------------ DCP
@@ -739,8 +683,6 @@ def _dcp_terminal(value: Any) -> bool:
 
 def _dcp_losses(state: Any) -> list[str]:
     """What writing ``state`` as DCP will change, from a walk of the state (one example path each)."""
-    from .format.tree import format_path
-
     found: dict[str, str] = {}
     storages: dict[tuple[str, int], str] = {}
 

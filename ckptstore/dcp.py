@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ._adapters import next_step
-from .engine.sharded import GlobalBox
+from .checkpoint.sharded import GlobalBox
 from .engine.store import CheckpointStore, SaveHandle
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, UnsupportedObjectError
 from .format.dtypes import dtype_from_name, dtype_name
@@ -159,7 +159,7 @@ class Writer(StorageWriter):
             failure: BaseException = exc
         # Every rank needs the whole job's structure (its own pieces are a part of it); the gather
         # is also where a failure on one rank reaches the others, so nobody waits in store.save.
-        everyone = store._fg.all_gather({"error": error, "step": step, "described": described})
+        everyone = store.all_gather({"error": error, "step": step, "described": described})
         errors = [e["error"] for e in everyone if e["error"]]
         if errors:
             if error is not None and store.world == 1:
@@ -254,7 +254,7 @@ class Reader(StorageReader):
                 raise CheckpointNotFoundError(f"job {self.store.job} has no checkpoint in any tier")
         else:
             step = self._want
-            self.store._restore_exact(state, step)
+            self.store.restore(state, step=step)
         meta = state[_META]
         if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
             raise CheckpointError(
@@ -306,7 +306,7 @@ class Reader(StorageReader):
                 target = torch.empty(sizes, dtype=dtype)
             boxes[fqn] = GlobalBox(target, lo, tuple(t["size"]), dtype)
             spans[fqn] = (lo, sizes)
-        self.store._restore_exact({_DATA: boxes}, self.step)
+        self.store.restore({_DATA: boxes}, step=self.step)
         for fqn, items in by_key.items():
             box = boxes[fqn]
             assert box.tensor is not None

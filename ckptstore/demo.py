@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .names import segment_prefix
+
 WIDTH = 1024
 SAMPLES = 512
 BATCH = 16
@@ -235,7 +237,7 @@ def run_demo(directory: str | None = None, mib: int = 64, use_s3: bool = True, s
                 "floor_s": floor, "reach_s": reach, "dir": work}
     finally:
         for name in os.listdir("/dev/shm"):
-            if name.startswith(f"ckptstore-{job}-"):
+            if name.startswith(segment_prefix(job)):
                 os.unlink(os.path.join("/dev/shm", name))
         if s3 is not None:
             s3.stop()

@@ -16,15 +16,26 @@ working when ckptstore replaces ``torch.save``/``torch.load``::
     ├── UnknownProtocolError         (also ValueError)         fsspec protocol unknown or not installed
     ├── StorageError                 (also OSError)            the destination failed: full, read-only, denied
     ├── CheckpointExistsError        (also FileExistsError)    another writer committed that step first
-    └── InvalidArgumentError         (also ValueError)         an argument that cannot work (mmap on a stream, ...)
+    ├── InvalidArgumentError         (also ValueError)         an argument that cannot work (mmap on a stream, ...)
+    └── CollectiveError                                        an operation of every rank failed on some of them
+        └── BackgroundError                                    the background pipeline failed (raised at the next call)
 
 Each message says what was wrong, where, and what to do about it.
+
+A :class:`CollectiveError` carries ``failures``, one :class:`RankFailure` (exception class, message,
+host, location) per rank that failed. When every failing rank failed with the same class, the
+error is an instance of that class too: a StorageError on two ranks reaches every rank as an
+error that is both a CollectiveError and a StorageError, so ``except StorageError`` still works.
+A failure of the background pipeline reaches the trainer the same way, with its original class.
 """
 
 from __future__ import annotations
 
+import builtins as _builtins
 import errno as _errno
 import pickle as _pickle
+from dataclasses import dataclass as _dataclass
+from typing import Any as _Any
 
 __all__ = [
     "CheckpointError",
@@ -38,6 +49,8 @@ __all__ = [
     "StorageError",
     "CheckpointExistsError",
     "InvalidArgumentError",
+    "CollectiveError",
+    "RankFailure",
 ]
 
 
@@ -124,3 +137,119 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 class InvalidArgumentError(CheckpointError, ValueError):
     """An argument that cannot work, for example ``mmap=True`` on an in-memory stream."""
+
+
+# Attributes of the classes above that a rebuilt error carries over (the file, the tensor, the errno).
+_ATTRS = ("location", "key", "errno")
+
+
+@_dataclass(frozen=True)
+class RankFailure:
+    """How one rank failed: its exception's class (``module.QualName``), message, host and location."""
+
+    rank: int
+    type: str
+    message: str
+    host: str = ""
+    location: str | None = None
+    key: str | None = None
+    errno: int | None = None
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException, host: str = "") -> RankFailure:
+        kind = type(exc)
+        return cls(rank, f"{kind.__module__}.{kind.__qualname__}", str(exc), host,
+                   *(_plain(getattr(exc, a, None)) for a in _ATTRS))
+
+    def describe(self) -> str:
+        where = f"rank {self.rank} ({self.host})" if self.host else f"rank {self.rank}"
+        return f"{where}: {self.message}"
+
+
+def _plain(value: _Any) -> _Any:
+    return value if value is None or isinstance(value, (str, int)) else str(value)
+
+
+class CollectiveError(CheckpointError):
+    """An operation that every rank runs together failed on some ranks.
+
+    ``failures`` maps each failing rank to its :class:`RankFailure`. Raised by every rank, so no
+    rank is left waiting in a collective; see the module docstring for the class it also takes on.
+    """
+
+    failures: dict[int, RankFailure]
+    _carried: type[BaseException] | None = None  # the class a mixed subclass takes on (see carrying)
+
+    def __init__(self, message: str, failures: dict[int, RankFailure] | None = None, **attrs: _Any) -> None:
+        # One argument: OSError's constructor (StorageError's base) keeps it as the message.
+        super().__init__(message)
+        self.failures = dict(failures or {})
+        for name in _ATTRS:
+            setattr(self, name, attrs.get(name))
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class BackgroundError(CollectiveError):
+    """A failure of the background pipeline (hashing, committing, persisting, promoting a step),
+    raised to the trainer at its next ``save``, ``wait`` or ``close``, with its original class."""
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def carrying(base: type[CollectiveError], cls: type[BaseException] | None) -> type[CollectiveError]:
+    """``base`` mixed with ``cls`` (an instance is both), or ``base`` itself when they cannot mix."""
+    if cls is None or issubclass(base, cls):
+        return base
+    if not issubclass(cls, Exception):
+        return base  # KeyboardInterrupt and the like are never rebuilt
+    key = (base, cls)
+    if key not in _MIXED:
+        try:
+            _MIXED[key] = type(cls.__name__, (base, cls), {"__module__": cls.__module__, "_carried": cls})
+        except TypeError:  # incompatible layouts (a C extension's exception): the base alone
+            _MIXED[key] = base
+    return _MIXED[key]
+
+
+def class_named(name: str) -> type[BaseException] | None:
+    """The exception class ``module.QualName`` of a failure another rank reported: only
+    ckptstore's own classes and builtins are looked up (nothing is imported on a peer's word)."""
+    module, _, qualname = name.rpartition(".")
+    if module == __name__:
+        cls = globals().get(qualname)
+    elif module == "builtins":
+        cls = getattr(_builtins, qualname, None)
+    else:
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
+
+
+def collective_error(message: str, failures: dict[int, RankFailure], *, base: type[CollectiveError] = CollectiveError,
+                     local: BaseException | None = None) -> CollectiveError:
+    """The error every rank raises for ``failures``: of their common class when they share one
+    (``local``, this rank's own exception, gives the class when it is not ckptstore's or a builtin)."""
+    kinds = {f.type for f in failures.values()}
+    cls = None
+    if len(kinds) == 1:
+        (kind,) = kinds
+        if local is not None and f"{type(local).__module__}.{type(local).__qualname__}" == kind:
+            cls = type(local)
+        else:
+            cls = class_named(kind)
+    first = min(failures.values(), key=lambda f: f.rank) if failures else None
+    attrs = {a: getattr(first, a) for a in _ATTRS} if first is not None and len(kinds) == 1 else {}
+    return carrying(base, cls)(message, failures, **attrs)
+
+
+def background_error(step: int, exc: BaseException) -> CollectiveError:
+    """What the trainer sees of a background failure of ``step``: the original's class, message,
+    location and per-rank failures, under a message that says which step failed."""
+    failures = getattr(exc, "failures", None) or {0: RankFailure.of(0, exc)}
+    cls = type(exc)._carried if isinstance(exc, CollectiveError) else type(exc)
+    attrs = {a: getattr(exc, a, None) for a in _ATTRS}
+    err = carrying(BackgroundError, cls)(f"an earlier background save (step {step}) failed: {exc}", failures, **attrs)
+    err.__cause__ = exc
+    return err

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from ._adapters import require
-from .engine.sharded import PerRank
+from ._units import parse_size
+from .checkpoint.sharded import PerRank
 from .engine.store import CheckpointStore
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, UnsupportedObjectError
 
@@ -50,24 +51,10 @@ __all__ = ["export_safetensors", "import_safetensors", "export_step", "Checkpoin
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-          "TIB": 2**40}
 
 
 def _st() -> Any:
     return require("safetensors.torch", "safetensors", "ckptstore.hf safetensors export/import")
-
-
-def parse_size(size: int | str) -> int:
-    """``5_000_000_000``, ``"5GB"`` (10**9) or ``"4GiB"`` (2**30) in bytes, as Hugging Face reads them."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        if size < 1:
-            raise InvalidArgumentError(f"max_shard_size must be positive, not {size}")
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
-    if not m:
-        raise InvalidArgumentError(f"max_shard_size={size!r}: use bytes as an int, or a string such as '5GB' or '500MiB'")
-    return max(1, int(float(m.group(1)) * _UNITS[m.group(2)]))
 
 
 def export_safetensors(state_dict: Mapping[str, torch.Tensor], directory: str | os.PathLike[str], *,
@@ -77,7 +64,7 @@ def export_safetensors(state_dict: Mapping[str, torch.Tensor], directory: str | 
     stay. An existing ``model.safetensors`` or index is refused unless ``overwrite=True``; then the
     new files replace the old ones and old shards that the new index does not name are removed."""
     st = _st()
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size, "max_shard_size")
     directory = os.fspath(directory)
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"export_safetensors needs a mapping of names to tensors, not {type(state_dict).__name__}")
@@ -196,7 +183,7 @@ def export_step(store: CheckpointStore, directory: str | os.PathLike[str], *, ke
             raise CheckpointNotFoundError(f"job {store.job} has no checkpoint in any tier")
         step = found
     else:
-        store._restore_exact(state, step)
+        store.restore(state, step=step)
     weights = state[key]
     if not isinstance(weights, Mapping):
         raise InvalidArgumentError(f"step {step} of job {store.job}: {key!r} is {type(weights).__name__}, not a state dict")
@@ -284,7 +271,7 @@ def write_trainer_checkpoint(store: CheckpointStore, directory: str | os.PathLik
             raise CheckpointNotFoundError(f"job {store.job} has no checkpoint in any tier")
         step = found
     else:
-        store._restore_exact(state, step)
+        store.restore(state, step=step)
     directory = os.fspath(directory)
     export_safetensors(state["model"], directory, overwrite=True)
     state["rng"] = state["rng"].value

@@ -117,7 +117,7 @@ class TieredCheckpointIO(_Base):
                 f"{store.job!r}; build the store with job={pointer['job']!r} to resume it"
             )
         state: dict[str, Any] = {k: None for k in pointer["keys"]}
-        store._restore_exact(state, int(pointer["step"]))
+        store.restore(state, step=int(pointer["step"]))
         return state
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .engine.sharded import PerRank
+from .checkpoint.sharded import PerRank
 from .errors import CheckpointError, InvalidArgumentError
 
 _VERSION = 1

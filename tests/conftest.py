@@ -20,36 +20,15 @@ import torch
 
 from ckptstore.format import container
 
+# The tier contract suite lives in the package; its assertions get pytest's detailed messages too.
+pytest.register_assert_rewrite("ckptstore.testing")
+from ckptstore.testing import assert_tensor_identical, tensor_bytes  # noqa: E402, F401 - after the registration; tests import both from here
+
 # --------------------------------------------------------------------------------------------
 # Tensor and tree comparison
 # --------------------------------------------------------------------------------------------
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The logical elements of ``t`` (row-major order) as a flat contiguous uint8 tensor.
-
-    Works for every dtype (including the sub-byte shell dtypes that have no copy kernel, and
-    complex32), for 0-d, empty, non-contiguous and expanded tensors: the tensor is first
-    reinterpreted as a same-sized integer dtype (a view that is legal for any strides), then copied.
-    """
-    t = t.detach()
-    size = t.dtype.itemsize
-    same_size_int = _INT_OF_SIZE.get(size)  # None for complex128, which has a copy kernel of its own
-    if same_size_int is not None and t.dtype != same_size_int:
-        t = t.view(same_size_int)
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_tensor_identical(actual: Any, expected: torch.Tensor, where: str = "tensor") -> None:
-    assert type(actual) is type(expected), f"{where}: type {type(actual)} != {type(expected)}"
-    assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
-    assert actual.shape == expected.shape, f"{where}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert actual.device == expected.device, f"{where}: device {actual.device} != {expected.device}"
-    assert actual.requires_grad == expected.requires_grad, f"{where}: requires_grad differs"
-    a, e = tensor_bytes(actual), tensor_bytes(expected)
-    assert torch.equal(a, e), f"{where}: bytes differ (first at {int((a != e).nonzero()[0])})"
+# The bitwise comparisons are the package's own (ckptstore.testing), shared with the tier contract suite.
 
 
 def _same_float(a: float, b: float) -> bool:

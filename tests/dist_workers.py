@@ -358,13 +358,13 @@ def peer_hang_job(rank: int, world: int, name: str, ram_root: str, local_root: s
     state = {"w": torch.full((1000,), float(rank))}
     store.save(1, state).wait("peer")
     if rank == 1:
-        real = store.ram.replica_buffer
+        real = store.peer.replica_buffer
 
         def stuck(src: int, size: int):
             time.sleep(8)  # a peer that hangs
             return real(src, size)
 
-        store.ram.replica_buffer = stuck  # type: ignore[method-assign]
+        store.peer.replica_buffer = stuck  # type: ignore[method-assign]
     t0 = time.perf_counter()
     second = store.save(2, state)
     if rank == 0:

@@ -98,7 +98,7 @@ def save_job(job: str, local: str) -> None:
         fut = dcp.async_save(_state({"w": 1, "big": 0}, zeros=False, scale=2), storage_writer=Writer(store))
         fut.result()
         # Without checkpoint_id the step follows the newest one.
-        assert store._last_step == 6
+        assert store.last_step == 6
 
 
 def load_job(job: str, local: str, layout: dict, step: int | None, scale: int) -> None:

@@ -105,7 +105,7 @@ def test_pointer_errors_and_plain_checkpoint_files(tmp_path, job):
         io.remove_checkpoint(tmp_path / "a.ckpt")
         assert not (tmp_path / "a.ckpt").exists()
         io.teardown()  # a store passed in stays open: its owner closes it
-        store.save(store._last_step + 1, {"x": torch.zeros(1)})
+        store.save(store.last_step + 1, {"x": torch.zeros(1)})
     with pytest.raises(ckptstore.InvalidArgumentError, match="needs a CheckpointStore"):
         TieredCheckpointIO("/tmp/ckpt")  # type: ignore[arg-type]
 

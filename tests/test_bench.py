@@ -14,9 +14,10 @@ import torch
 from conftest import assert_same, s3_keys
 
 from ckptstore import CheckpointStore, InvalidArgumentError
-from ckptstore.bench import load_tuning, parse_size
+from ckptstore._units import parse_size
 from ckptstore.cli import main
 from ckptstore.storage.targets import WriteTuning
+from ckptstore.storage.tuning import load_tuning
 
 
 def test_bench_cli_measures_ram_local_and_durable_and_writes_json_and_png(tmp_path, s3, capsys):

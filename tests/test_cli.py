@@ -46,7 +46,7 @@ def test_verify_sound_file_exits_0(tmp_path, capsys):
 
 def test_verify_lists_the_damaged_chunk_and_exits_1(tmp_path, capsys):
     path = _saved(tmp_path)
-    info = ckptstore.engine.single_file.open_container(
+    info = ckptstore.checkpoint.single_file.open_container(
         ckptstore.storage.targets.open_source(ckptstore.storage.targets.resolve(str(path)))
     )
     chunk = info.manifest.tensors["model/b"].chunks[0]

@@ -176,6 +176,17 @@ def test_safetensors_file_is_flat_contiguous_and_unshared(tmp_path):
     assert back["view"].data_ptr() != back["bf16"].data_ptr() and back["view"].is_contiguous()
 
 
+def test_a_safetensors_tree_marking_an_int_tensor_as_trainable_is_refused(tmp_path):
+    """The tree in the metadata is data: flags an integer tensor cannot take mean a damaged or
+    crafted file (CorruptCheckpointError naming it), never torch's RuntimeError from requires_grad_."""
+    path = name(tmp_path, "safetensors")
+    for flags in ({"requires_grad": True}, {"param": True, "requires_grad": True}):
+        tree = {"ids": {"$tensor": "ids", **flags}}
+        safetensors.torch.save_file({"ids": torch.arange(4)}, path, metadata={SAFETENSORS_TREE_KEY: json.dumps(tree)})
+        with pytest.raises(ckptstore.CorruptCheckpointError, match=r"'ids' is a torch.int64 tensor marked as requiring"):
+            convert(path, name(tmp_path, "ckptstore"), "ckptstore")
+
+
 def test_same_tensor_object_twice_stays_one_object(tmp_path):
     t = torch.arange(6.0)
     state = {"a": t, "b": [t, {"c": t}], "p": nn.Parameter(torch.ones(2))}

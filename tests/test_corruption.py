@@ -179,7 +179,7 @@ def test_a_failed_read_returns_only_after_every_other_read_has_stopped():
     import threading
     import time
 
-    from ckptstore.engine.single_file import map_all
+    from ckptstore.checkpoint.single_file import map_all
 
     landed: list[int] = []
     started = threading.Event()

@@ -19,7 +19,8 @@ from conftest import assert_same, s3_keys, s3_object_bytes, s3_pending_uploads
 import ckptstore
 from ckptstore import CheckpointError, CheckpointExistsError, InvalidArgumentError, StorageError
 from ckptstore.storage import s3 as s3mod
-from ckptstore.storage.targets import FsspecSink, open_sink, resolve, write_small_exclusive
+from ckptstore.storage.small import write_small_exclusive
+from ckptstore.storage.targets import FsspecSink, open_sink, resolve
 
 TAKEN = "already exists: another writer committed this step first"
 

@@ -821,7 +821,7 @@ def test_created_files_and_directories_are_owner_only(tmp_path, job, umask):
         with ckptstore.CheckpointStore(job, local=str(tmp_path / "x" / "local"), ram_dir=str(ram_dir)) as store:
             store.save(1, _state()).wait("local")
             store.save(2, _state()).wait("local")
-        from ckptstore.engine.reshard import reshard
+        from ckptstore.checkpoint.reshard import reshard
 
         reshard(str(tmp_path / "a" / "b" / "sharded"), str(tmp_path / "r" / "resharded"), 2)
     finally:
@@ -837,11 +837,11 @@ def test_created_files_and_directories_are_owner_only(tmp_path, job, umask):
 
 @pytest.mark.parametrize("umask", [0o000, 0o022])
 def test_peer_replica_segments_are_owner_only(tmp_path, job, umask):
-    from ckptstore.tiers.ram import RamTier
+    from ckptstore.tiers.peer import PeerTier
 
     old = os.umask(umask)
     try:
-        tier = RamTier(job, rank=0, ram_dir=str(tmp_path))
+        tier = PeerTier(job, rank=0, ram_dir=str(tmp_path))
         slot, buf = tier.replica_buffer(1, 8192)
         buf.fill_(7)
         tier.commit_replica(1, slot, 5, 8192, b"{}")

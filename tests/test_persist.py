@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ckptstore
+from ckptstore.checkpoint.materialize import encode_value
+from ckptstore.checkpoint.sharded import BLOCK_SIZE, build_manifest, collect
 from ckptstore.cli import main
-from ckptstore.engine.materialize import encode_value
-from ckptstore.engine.sharded import BLOCK_SIZE, _build_manifest, _collect
 from ckptstore.tiers.directory import DirectoryTier
 from ckptstore.tiers.ram import RamTier
 
@@ -38,14 +38,14 @@ def _state():
 
 def _stage_and_persist(tier, state, root, step=7):
     """What the store's pipeline does for one rank: stage, checksum, put, commit with a manifest."""
-    local = _collect(state, 0, encode_value)
+    local = collect(state, 0, encode_value)
     items = [(key, t) for (key, _o, _s), t in local.items.items()]
     staged = tier.stage(step, items)
     tier.checksums(staged, block_size=BLOCK_SIZE)
     snap = tier.snapshot(staged, 1, {})
     directory = DirectoryTier("local", str(root))
     part = directory.put_sync(snap)
-    manifest = _build_manifest(local.tree, local.tensors, [part], 1)
+    manifest = build_manifest(local.tree, local.tensors, [part], 1)
     directory.commit_sync(step, manifest)
     return manifest
 

@@ -31,6 +31,7 @@ EXPECTED_ALL = [
     "UnknownProtocolError",
     "UnsupportedFormatVersionError",
     "UnsupportedObjectError",
+    "CollectiveError",
 ]
 
 EXCEPTIONS = [n for n in EXPECTED_ALL if n.endswith("Error")]
@@ -187,11 +188,12 @@ def test_checkpoint_store_signature():
         ("durable_timeout_s", P.KEYWORD_ONLY, None),
         ("tuning", P.KEYWORD_ONLY, None),
     ]
-    assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == ["close", "restore", "save",
-                                                                                     "should_save"]
+    assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == [
+        "all_gather", "close", "last_step", "latest_step", "plan", "restore", "save", "should_save", "skipped"]
     assert _shape(ckptstore.CheckpointStore.restore) == [
         ("self", P.POSITIONAL_OR_KEYWORD, P.empty),
         ("state", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("step", P.KEYWORD_ONLY, None),
         ("per_rank", P.KEYWORD_ONLY, "error"),
     ]
     assert [n for n in dir(ckptstore.SaveHandle) if not n.startswith("_")] == ["done", "wait"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ckptstore
+from ckptstore.checkpoint.reshard import reshard
 from ckptstore.cli import main
-from ckptstore.engine.reshard import reshard
 
 
 def _state() -> dict:

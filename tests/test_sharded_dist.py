@@ -44,7 +44,7 @@ def _assert_reference(state: dict) -> None:
 def test_four_ranks_shard0_reload_on_2_3_and_1_process(tmp_path):
     url = str(tmp_path / "ckpt")
     _spawn(4, "save_job", tmp_path, url=url, mesh_shape=[4], layouts=ONE_D_SHARD0)
-    manifest = ckptstore.engine.sharded.read_manifest(ckptstore.engine.sharded.Directory(url, None))
+    manifest = ckptstore.checkpoint.sharded.read_manifest(ckptstore.checkpoint.sharded.Directory(url, None))
     assert manifest.meta["world_size"] == 4
     assert len(manifest.tensors["big"].chunks) == 4
     assert len(manifest.tensors["plain"].chunks) == 1, "a replicated tensor is written once"

@@ -61,7 +61,7 @@ class FakeMesh:
 
 
 def ck(placements) -> list[tuple]:
-    """torch placement objects -> ckptstore's tuples (what engine/sharded.py's _placements does)."""
+    """torch placement objects -> ckptstore's tuples (what checkpoint/sharded.py's _placements does)."""
     out = []
     for p in placements:
         if isinstance(p, Shard):

@@ -15,7 +15,7 @@ from conftest import assert_tensor_identical, container_layout
 
 import ckptstore
 from ckptstore import CorruptCheckpointError
-from ckptstore.engine.single_file import BATCH_BYTES, SMALL_ALIGN, SMALL_BYTES
+from ckptstore.checkpoint.single_file import BATCH_BYTES, SMALL_ALIGN, SMALL_BYTES
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.complex128, torch.bool, torch.int8, torch.uint8, torch.int64]
 
@@ -195,7 +195,7 @@ def test_paused_calls_nest_across_threads():
 
 
 def test_store_save_and_restore_pause_the_collector(tmp_path, monkeypatch, job):
-    from ckptstore.engine import store as store_module
+    from ckptstore.engine import restore as store_module
 
     state = {f"t{i}": torch.tensor([float(i)]) for i in range(2_000)}
     with ckptstore.CheckpointStore(job, local=str(tmp_path / "local")) as store:

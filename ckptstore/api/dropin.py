@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from .._gc import gc_paused
-from ..engine.materialize import MapLocation, load_container
-from ..engine.single_file import write_container
+from ..checkpoint.materialize import MapLocation, load_container
+from ..checkpoint.single_file import write_container
 from ..errors import (
     CorruptCheckpointError,
     InvalidArgumentError,

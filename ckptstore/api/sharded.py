@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from .._gc import gc_paused
-from ..engine import sharded as _engine
-from ..engine.materialize import decode_value, encode_value
-from ..engine.sharded import PerRank
+from ..checkpoint import sharded as _engine
+from ..checkpoint.materialize import decode_value, encode_value
+from ..checkpoint.sharded import PerRank
 from ..train_state import TrainState
 
 

@@ -1,1 +1,2 @@
-"""Execution: carrying out plans against storage (single-file containers now; the pipeline later)."""
+"""The tiered asynchronous engine: CheckpointStore and the parts it is made of (options, the
+pipeline and its lanes, restore selection, retention, the cross-node exchange)."""

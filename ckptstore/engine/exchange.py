@@ -6,8 +6,8 @@ resharded load reads from many). After a crash every file of a step usually stil
 node: in that node's RAM segments, its local directory, or a peer replica. So a restore runs, per
 candidate step, as one collective round:
 
-1. each rank lists what its node can serve for the step (the *inventory*: file name -> opener),
-   and whether it has the step's manifest;
+1. each rank asks its node-local tiers what its node holds of the step (the *inventory*: file
+   name -> copies, each with its tier and an opener), and whether it has the step's manifest;
 2. a rank with no manifest gets it from the lowest rank that has one;
 3. each rank plans the chunks its state needs (the same planning a load does), asks an owner for
    each chunk of a file its node lacks, and the owners send the bytes (gloo point-to-point on the
@@ -20,33 +20,43 @@ candidate step, as one collective round:
 from __future__ import annotations
 
 import logging
-import os
-import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
-from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
-from ..planning.sharding import intersect
-from ..storage.targets import Source, Target, open_source
-from ..tiers.ram import read_doc, usable_doc
-from .sharded import MANIFEST, Decoder, Group, _fill, _LoadCtx, _SavedRef
+from ..collective import Group
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatVersionError
+from ..format.manifest import Manifest, parse_manifest
+from ..storage.targets import Source
+from ..tiers.base import Held, Tier
 
 log = logging.getLogger("ckptstore")
-_SEG = re.compile(r"^ckptstore-(?P<job>.+)-r(?P<rank>\d{5})-(?:peer(?P<src>\d{5})-)?s(?P<slot>\d+)\.json$")
 
 
 class Inventory:
     """What this rank's node holds of one step: data files by name, and a manifest if any."""
 
     def __init__(self) -> None:
-        self.files: dict[str, list[tuple[str, Callable[[], Source]]]] = {}  # name -> [(where, opener)]
+        self.files: dict[str, list[Held]] = {}
         self.manifest: bytes | None = None
         self.parsed: Manifest | None = None  # self.manifest, parsed once (10^5 entries take seconds)
         self.unsupported: UnsupportedFormatVersionError | None = None  # a copy only a newer reader reads
+
+    @classmethod
+    def of(cls, tiers: Sequence[Tier], step: int) -> Inventory:
+        """What the node-local ``tiers`` hold of ``step`` on this node, in the order given (the first
+        readable manifest copy is kept, and files are opened in that order of preference)."""
+        inv = cls()
+        for tier in tiers:
+            held = tier.holdings(step)
+            for copy in held.files:
+                inv.files.setdefault(copy.file, []).append(copy)
+            for body, where in held.manifests:
+                inv.offer_manifest(body, where)
+        return inv
 
     def offer_manifest(self, body: bytes, where: str) -> None:
         """Keep the first copy of the step's manifest that validates (its own checksum included):
@@ -65,106 +75,21 @@ class Inventory:
             return
         self.manifest, self.parsed = body, parsed
 
-    def add(self, name: str, where: str, opener: Callable[[], Source]) -> None:
-        self.files.setdefault(name, []).append((where, opener))
-
     def names(self, excluded: set[str]) -> list[str]:
-        return sorted(n for n, copies in self.files.items() if any(w not in excluded for w, _ in copies))
+        return sorted(n for n, copies in self.files.items() if any(c.where not in excluded for c in copies))
 
-    def open(self, name: str, excluded: set[str]) -> tuple[str, Source] | None:
-        for where, opener in self.files.get(name, []):
-            if where not in excluded:
-                return where, opener()
+    def open(self, name: str, excluded: set[str]) -> tuple[Held, Source] | None:
+        for copy in self.files.get(name, []):
+            if copy.where not in excluded:
+                return copy, copy.open()
         return None
 
 
-def node_inventory(job: str, ram_dir: str, local_root: str | None, step: int) -> Inventory:
-    """RAM segments and peer replicas of ``job`` in ``ram_dir`` and the local step directory."""
-    inv = Inventory()
-    for m, path, doc in _job_docs(job, ram_dir):
-        if doc.get("step") != step or "manifest" not in doc.get("extra", doc):
-            continue
-        seg = path[:-5] + ".bin"
-        if not os.path.exists(seg) or os.path.islink(seg) or os.path.getsize(seg) != doc.get("size"):
-            continue
-        src = int(m.group("src") or m.group("rank"))
-        inv.add(f"data/rank-{src:05d}.bin", seg, _opener(seg))
-        manifest = doc.get("extra", doc)["manifest"]
-        inv.offer_manifest(manifest.encode() if isinstance(manifest, str) else manifest, path)
-    for step_dir in ([os.path.join(local_root, f"step-{step:012d}"), os.path.join(local_root, "peer", f"step-{step:012d}")]
-                     if local_root is not None else []):
-        if os.path.exists(os.path.join(step_dir, MANIFEST)):
-            data = os.path.join(step_dir, "data")
-            for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
-                # Never a symbolic link: the writers make none, and one could point anywhere.
-                if name.endswith(".bin") and not name.startswith(".") and not os.path.islink(os.path.join(data, name)):
-                    path = os.path.join(data, name)
-                    inv.add(f"data/{name}", path, _opener(path))
-            manifest_path = os.path.join(step_dir, MANIFEST)
-            if inv.manifest is None and not os.path.islink(manifest_path):
-                if os.path.getsize(manifest_path) > max_manifest_bytes():
-                    log.warning("ckptstore: %s is over the manifest size cap; not using it", manifest_path)
-                    continue
-                with open(manifest_path, "rb") as fh:
-                    inv.offer_manifest(fh.read(), manifest_path)
-    return inv
-
-
-def _job_docs(job: str, ram_dir: str) -> list[tuple[re.Match[str], str, dict[str, Any]]]:
-    """The readable RAM-tier manifests of ``job`` in ``ram_dir``: own slots and peer replicas."""
-    try:
-        names = sorted(os.listdir(ram_dir))
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        m = _SEG.match(name)
-        if m is None or m.group("job") != job:
-            continue
-        path = os.path.join(ram_dir, name)
-        try:
-            doc = read_doc(path)
-        except (OSError, CorruptCheckpointError):
-            continue  # being rewritten, or damaged: not a usable copy
-        if usable_doc(doc):
-            out.append((m, path, doc))
-    return out
-
-
-def _opener(path: str) -> Callable[[], Source]:
-    return lambda: open_source(Target(display=path, path=path))
-
-
-def needed_chunks(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, int, int]]:
-    """The (file, offset, length) of every chunk a load of ``state`` will read (whole chunks).
-
-    Runs the load's own planning walk; non-tensor leaves of ``state`` are already replaced by the
-    saved values, as the load that follows does anyway.
-    """
-    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
-    ctx = _LoadCtx(manifest, plan_only=True)
-    with torch.no_grad():
-        _fill(state, saved, [], ctx, top=True)
-    out: set[tuple[str, int, int]] = set()
-    for target in ctx.targets:
-        entry = manifest.tensors[target.key]
-        for c in entry.chunks:
-            if c.file is not None and (not c.sizes or intersect(target.box, (c.offsets, c.sizes)) is not None):
-                out.add((c.file, c.offset, c.length))
-    if int(manifest.meta.get("world_size", 1)) == world:
-        for _wrapper, key, _path in ctx.per_rank:
-            per = manifest.tensors.get(f"{key}#rank{rank:05d}")
-            for c in per.chunks if per is not None else []:
-                if c.file is not None:
-                    out.add((c.file, c.offset, c.length))
-    return sorted(out)
-
-
 class FetchedSource(Source):
-    """Chunks of one file received from other ranks, served from memory."""
+    """Chunks of one file received from rank ``owner``, served from memory."""
 
-    def __init__(self, display: str) -> None:
-        self.display, self.size = display, 0
+    def __init__(self, owner: int, display: str) -> None:
+        self.owner, self.display, self.size = owner, display, 0
         self.ranges: list[tuple[int, torch.Tensor]] = []
 
     def add(self, offset: int, data: torch.Tensor) -> None:
@@ -190,8 +115,7 @@ def get_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
 
         holder = has.index(True)
         box = [body if group.rank == holder else None]
-        src = dist.get_global_rank(group.pg, holder) if group.pg is not None else holder
-        dist.broadcast_object_list(box, src=src, group=group.pg)
+        dist.broadcast_object_list(box, src=group.global_rank(holder), group=group.pg)
         body = box[0]
     assert body is not None
     if body is inv.manifest and inv.parsed is not None:
@@ -212,7 +136,6 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: list[tuple[str, i
     on ``p2p``, a group that carries nothing else: gloo's collectives number their messages with
     tags of the same space, so point-to-point messages still in flight on a collective group could
     be taken for a collective's."""
-    import torch.distributed as dist
 
     mine = set(inv.names(excluded))
     remote = [w for w in wanted if w[0] not in mine]
@@ -237,13 +160,12 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: list[tuple[str, i
     for requester, owner, name, offset, length in plan:
         if requester == group.rank:
             buf = torch.empty(length, dtype=torch.uint8)
-            recvs.append((name, owner, dist.irecv(buf, group=p2p.pg, group_src=owner, tag=tag)))
-            fetched.setdefault(name, FetchedSource(f"rank {owner}'s copy of {display}/{name}")).add(offset, buf)
+            assert p2p.pg is not None  # a plan names other ranks only in a group
+            recvs.append((name, owner, p2p.pg.recv([buf], owner, tag)))
+            fetched.setdefault(name, FetchedSource(owner, f"rank {owner}'s copy of {display}/{name}")).add(offset, buf)
         elif owner == group.rank:
             serve.append((requester, name, offset, length))
     if serve:
-        import threading
-
         threading.Thread(target=_serve, args=(p2p, inv, excluded, serve, tag), daemon=True,
                          name="ckptstore-serve").start()
     # Wait in helper threads rather than wait(timeout): a gloo receive that times out closes the
@@ -267,8 +189,6 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: list[tuple[str, i
 
 class _Waiter:
     def __init__(self, work: Any) -> None:
-        import threading
-
         self.done = threading.Event()
         self.error: Exception | None = None
         threading.Thread(target=self._run, args=(work,), daemon=True, name="ckptstore-recv").start()
@@ -282,8 +202,6 @@ class _Waiter:
 
 
 def _serve(group: Group, inv: Inventory, excluded: set[str], serve: list[tuple[int, str, int, int]], tag: int) -> None:
-    import torch.distributed as dist
-
     works = []
     try:
         for requester, name, offset, length in serve:
@@ -297,7 +215,8 @@ def _serve(group: Group, inv: Inventory, excluded: set[str], serve: list[tuple[i
                     torch.empty(0, dtype=torch.uint8))
             finally:
                 source.close()
-            works.append((data, dist.isend(data, group=group.pg, group_dst=requester, tag=tag)))
+            assert group.pg is not None
+            works.append((data, group.pg.send([data], requester, tag)))
         for _data, work in works:
             if work is not None:
                 work.wait()
@@ -316,16 +235,3 @@ def _agree_plan(group: Group, plan: list[tuple[int, int, str, int, int]]) -> lis
         return plan
     mine = [p for p in plan if p[0] == group.rank]
     return sorted(p for lst in group.all_gather(mine) for p in lst)
-
-
-def node_steps(job: str, ram_dir: str, local_root: str | None) -> set[int]:
-    """Every step of ``job`` this node holds anything of (RAM segments, replicas, local steps)."""
-    steps: set[int] = set()
-    for _m, _path, doc in _job_docs(job, ram_dir):
-        if isinstance(doc.get("step"), int):
-            steps.add(doc["step"])
-    for root in [local_root, os.path.join(local_root, "peer")] if local_root is not None else []:
-        for name in os.listdir(root) if os.path.isdir(root) else []:
-            if name.startswith("step-") and name[5:].isdigit() and os.path.exists(os.path.join(root, name, MANIFEST)):
-                steps.add(int(name[5:]))
-    return steps

@@ -5,7 +5,9 @@ Plain JSON values stand for themselves: ``null``, ``true``/``false``, strings, i
 arrays (Python lists) and objects (dicts whose keys are all strings not starting with ``$``).
 Everything else is an object whose *first* key starts with ``$`` (the tag); docs/format.md lists
 every tag. The tags ``$tensor``, ``$view``, ``$ndarray``, ``$pickle`` (which refer to
-entries of the manifest's ``tensors`` table) and ``$npscalar`` are resolved by the caller.
+entries of the manifest's ``tensors`` table) and ``$npscalar`` are resolved by the caller; what a
+numpy value must be to have a ``$ndarray``/``$npscalar`` node, and how ``$npscalar`` is spelled,
+is decided here once for every writer and reader of the tree.
 
 No tag ever names code to run: a namedtuple is rebuilt from its field names, and from the class
 only when that class is already imported (no import is triggered by loading).
@@ -20,12 +22,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedObjectError
 from .dtypes import NAME_TO_DTYPE, dtype_name
 
 _SAFE_INT = 2**53
+# bool, signed, unsigned, float, complex: the numpy kinds whose bytes alone (with the dtype string)
+# are the value. Strings, objects, datetimes and structured dtypes would need more than that.
+_NUMPY_KINDS = frozenset("biufc")
 RESOLVED_TAGS = frozenset({"$tensor", "$view", "$ndarray", "$pickle", "$npscalar", "$per_rank"})
 
 LeafHook = Callable[[Any, list], "Any | None"]
@@ -39,6 +45,49 @@ def format_path(path: list[Any]) -> str:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+def plain_numpy(dtype: np.dtype) -> bool:
+    """Whether values of a numpy dtype are stored as their dtype string and raw bytes."""
+    return dtype.kind in _NUMPY_KINDS and dtype.fields is None
+
+
+def npscalar_node(obj: Any) -> dict[str, str] | None:
+    """The ``$npscalar`` node of a numeric numpy scalar; None for anything else."""
+    if isinstance(obj, np.generic) and plain_numpy(obj.dtype):
+        return {"$npscalar": obj.dtype.str, "b64": _b64(obj.tobytes())}
+    return None
+
+
+def numpy_dtype(spec: Any, bad: Callable[[str], Exception]) -> np.dtype:
+    """The numpy dtype a ``$ndarray``/``$npscalar`` node names; raises ``bad(message)`` unless it is plain numeric."""
+    try:
+        dt = np.dtype(spec) if isinstance(spec, str) else None
+    except TypeError:
+        dt = None
+    if dt is None or not plain_numpy(dt):
+        raise bad(f"numpy dtype {spec!r} is not a plain numeric dtype")
+    return dt
+
+
+def npscalar_value(node: dict[str, Any], bad: Callable[[str], Exception]) -> Any:
+    """The numpy scalar an ``$npscalar`` node holds."""
+    dt = numpy_dtype(node["$npscalar"], bad)
+    return np.frombuffer(base64.b64decode(node["b64"]), dtype=dt)[0].copy()
+
+
+def grad_flags(tensor: torch.Tensor, node: dict[str, Any], bad: Callable[[str], Exception]) -> torch.Tensor:
+    """``tensor`` as a ``$tensor``/``$view`` node's ``param`` and ``requires_grad`` flags say: an
+    nn.Parameter, or a tensor requiring gradients. Raises ``bad(message)`` for flags its dtype
+    cannot take (only floating-point and complex tensors require gradients)."""
+    param, grad = node.get("param"), node.get("requires_grad")
+    if (param or grad) and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise bad(f"{node.get('$tensor', node.get('$view'))!r} is a {tensor.dtype} tensor marked as requiring gradients")
+    if param:
+        return torch.nn.Parameter(tensor, requires_grad=bool(grad))
+    if grad:
+        tensor.requires_grad_(True)
+    return tensor
 
 
 def _float(value: float) -> Any:

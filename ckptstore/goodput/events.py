@@ -14,12 +14,13 @@ The log is one JSON object per line, appended and fsynced by rank 0 of a store c
 - ``tick``: ``step``, written at most once a minute from ``should_save``: how far a run got before it died;
 - ``close``: the store was closed cleanly.
 
-Writes go through one background thread, so the training loop never waits for an fsync, and they
-never raise: a log that cannot be written costs a warning, never a save.
+Writes go through an event loop (the store's own), so the training loop never waits for an fsync, and
+they never raise: a log that cannot be written costs a warning, never a save.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -28,46 +29,65 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiofiles
+import aiofiles.os
+
+from .._aio import LoopThread
+from ..names import EVENTS_FILE
+
+_fsync = aiofiles.os.wrap(os.fsync)
 log = logging.getLogger("ckptstore")
-EVENTS_FILE = "events.jsonl"
 
 
 class EventLog:
-    """Append-only JSON lines, fsynced one by one from a thread of their own."""
+    """Append-only JSON lines, fsynced one by one on an event loop (the store's, or one of the log's
+    own), through aiofiles: the caller never waits for a write, and writes keep their order."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, loop: LoopThread | None = None) -> None:
         self.path = path
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptstore-events")
+        self._own = loop is None
+        self._loop = loop or LoopThread("ckptstore-events")
+        self._lock: asyncio.Lock | None = None  # created on the loop, at the first write
+        self._pending: set[concurrent.futures.Future[None]] = set()
         self._warned = False
+        self._closed = False
 
     def write(self, event: str, **fields: Any) -> None:
+        if self._closed:
+            return
         record = {"t": round(time.time(), 6), "event": event, "pid": os.getpid(), **fields}
         line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
-        try:
-            self._pool.submit(self._append, line)
-        except RuntimeError:  # closed
-            pass
+        future = self._loop.submit(self._append(line))
+        self._pending = {f for f in self._pending if not f.done()} | {future}
 
-    def _append(self, line: bytes) -> None:
-        try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    async def _append(self, line: bytes) -> None:
+        # Coroutines start in the order they were submitted; the lock keeps their writes in it.
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
             try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            if not self._warned:
-                self._warned = True
-                log.warning("ckptstore: cannot write the event log %s (goodput accounting misses events; saves go on): "
-                            "%s", self.path, exc)
+                await aiofiles.os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                async with aiofiles.open(self.path, "ab") as fh:
+                    await fh.write(line)
+                    await fh.flush()
+                    await _fsync(fh.fileno())
+            except OSError as exc:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("ckptstore: cannot write the event log %s (goodput accounting misses events; saves "
+                                "go on): %s", self.path, exc)
 
     def flush(self) -> None:
-        self._pool.submit(lambda: None).result()
+        """Wait until every record written so far is on disk (or failed)."""
+        concurrent.futures.wait(list(self._pending))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        if self._own:
+            self._loop.close()
 
 
 def events_path(root: str) -> str:

@@ -20,17 +20,17 @@ import torch
 from ..errors import UnsupportedObjectError
 from ..format import codecs
 from ..format.dtypes import dtype_name, element_size
-from ..format.tree import Encoder, format_path
+from ..format.tree import Encoder, format_path, npscalar_node, plain_numpy
 
-_NUMPY_KINDS = frozenset("biufc")
 # Compressed tensors are cut into dim-0 slabs of about this many raw bytes, so chunks can be
 # encoded and decoded in parallel and no single zstd frame needs a huge buffer.
 COMPRESSED_CHUNK_BYTES = 16 << 20
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's elements in C order as a contiguous 1-D uint8 CPU tensor (a copy only when unavoidable)."""
+def cpu_values(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, on the CPU, with its lazy conjugate and negative bits applied, so that its
+    memory holds the values it reads as (``t``'s own storage whenever that already does)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -38,6 +38,12 @@ def contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    return t
+
+
+def contiguous_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements in C order as a contiguous 1-D uint8 CPU tensor (a copy only when unavoidable)."""
+    t = cpu_values(t)
     if not t.is_contiguous():
         # Copy through a same-size integer view: torch has no copy kernel for sub-byte dtypes
         # (int4, uint1..7) and warns when it touches complex32.
@@ -98,14 +104,22 @@ def escape_key(path: list[Any]) -> str:
     return "/".join(_escape(p) for p in path) or "<root>"
 
 
-class _Planner:
-    def __init__(self, compression: str | None, allow_pickle: bool) -> None:
-        self.compression = compression
-        self.allow_pickle = allow_pickle
-        self.items: list[WriteItem] = []
-        self.pickled: list[str] = []
+class LeafEncoder:
+    """The leaf hook (see :class:`~ckptstore.format.tree.Encoder`) of every writer of a tree.
+
+    Which values are leaves, and how they are told apart, is decided here for all of them: a
+    tensor (the same object reached twice gets its first node again, so it loads as one object), a
+    plain numeric ndarray (its bytes become an entry the node names) and a numpy scalar (inline).
+    Entry keys come from the key path and never collide. What a new tensor becomes is the
+    subclass's :meth:`tensor_leaf`, and where entry bytes go its :meth:`add_bytes`.
+    """
+
+    ndarray_suffix = ""  # appended to an ndarray's key path to name its entry
+
+    def __init__(self) -> None:
         self.keys: set[str] = set()
-        # id(tensor) -> (tensor, leaf node, path); a tensor seen twice reuses its node (tied weights).
+        # id(tensor) -> (tensor, leaf node, path). Holding the tensor keeps its id from being
+        # reused by another object while the tree is encoded.
         self.tensors: dict[int, tuple[torch.Tensor, dict[str, Any], list[Any]]] = {}
         self.next_obj = 0
 
@@ -120,20 +134,57 @@ class _Planner:
 
     def leaf(self, obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self.tensor_leaf(obj, path)
+            seen = self.tensors.get(id(obj))
+            if seen is not None:
+                return self.tensor_again(seen[1], path)
+            node = self.tensor_leaf(obj, path)
+            if node is not None:
+                self.tensors[id(obj)] = (obj, node, path)
+            return node
         if type(obj) is np.ndarray:
-            return self.ndarray_leaf(obj, path)
-        if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
-            import base64
+            if not plain_numpy(obj.dtype):
+                return None
+            data = torch.from_numpy(np.ascontiguousarray(obj).reshape(-1).view(np.uint8).copy())
+            key = self.key_for(path, self.ndarray_suffix)
+            self.add_bytes(key, data)
+            return {"$ndarray": key, "dtype": obj.dtype.str, "shape": list(obj.shape)}
+        return npscalar_node(obj)
 
-            return {"$npscalar": obj.dtype.str, "b64": base64.b64encode(obj.tobytes()).decode("ascii")}
-        return None
+    def tensor_node(self, t: torch.Tensor, key: str | None, *, device: bool) -> dict[str, Any]:
+        """A new tensor object's node: ``obj`` numbers objects, so that one loads as one object."""
+        node: dict[str, Any] = {"$tensor": key, "obj": self.next_obj}
+        self.next_obj += 1
+        if type(t) is torch.nn.Parameter:
+            node["param"] = True
+        if t.requires_grad:
+            node["requires_grad"] = True
+        if device and t.device.type != "cpu":
+            node["device"] = str(t.device)
+        return node
 
-    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> Any:
-        seen = self.tensors.get(id(t))
-        if seen is not None:
-            return seen[1]
-        problem = _tensor_problem(t)
+    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any] | None:
+        """The node of a tensor object not seen before, or None to leave it to the pickle hook."""
+        raise NotImplementedError
+
+    def tensor_again(self, node: dict[str, Any], path: list[Any]) -> dict[str, Any]:
+        """The node of a tensor object met again at ``path``; ``node`` is the one it got first."""
+        return node
+
+    def add_bytes(self, key: str, data: torch.Tensor) -> None:
+        """Store ``data`` (1-D uint8, stored as is) as the entry ``key``."""
+        raise NotImplementedError
+
+
+class _Planner(LeafEncoder):
+    def __init__(self, compression: str | None, allow_pickle: bool) -> None:
+        super().__init__()
+        self.compression = compression
+        self.allow_pickle = allow_pickle
+        self.items: list[WriteItem] = []
+        self.pickled: list[str] = []
+
+    def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any] | None:
+        problem = tensor_problem(t)
         if problem is not None:
             if self.allow_pickle:
                 return None  # falls through to the pickle hook
@@ -142,24 +193,12 @@ class _Planner:
                 "or t.dequantize()), or pass allow_pickle=True to save it pickled (loading then needs "
                 "weights_only=False)."
             )
-        node: dict[str, Any] = {"$tensor": None, "obj": self.next_obj}
-        self.next_obj += 1
-        if type(t) is torch.nn.Parameter:
-            node["param"] = True
-        if t.requires_grad:
-            node["requires_grad"] = True
-        if t.device.type != "cpu":
-            node["device"] = str(t.device)
-        self.tensors[id(t)] = (t, node, path)
-        return node
+        # The entry key waits for finish(): whether the tensor gets its own entry or is a view of
+        # a shared one depends on the tensors not reached yet.
+        return self.tensor_node(t, None, device=True)
 
-    def ndarray_leaf(self, a: np.ndarray, path: list[Any]) -> Any:
-        if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
-            return None
-        data = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy())
-        key = self.key_for(path)
+    def add_bytes(self, key: str, data: torch.Tensor) -> None:
         self.items.append(WriteItem(key, torch.uint8, (data.numel(),), data, "raw"))
-        return {"$ndarray": key, "dtype": a.dtype.str, "shape": list(a.shape)}
 
     def pickle_leaf(self, obj: Any, path: list[Any]) -> Any:
         try:
@@ -168,7 +207,7 @@ class _Planner:
             raise UnsupportedObjectError(f"{format_path(path)} cannot be pickled either: {exc}") from exc
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         key = self.key_for(path, "#pickle")
-        self.items.append(WriteItem(key, torch.uint8, (data.numel(),), data, "raw"))
+        self.add_bytes(key, data)
         self.pickled.append(key)
         return {"$pickle": key}
 
@@ -242,7 +281,9 @@ class _Planner:
             node.update(flags)
 
 
-def _tensor_problem(t: torch.Tensor) -> str | None:
+def tensor_problem(t: torch.Tensor) -> str | None:
+    """Why ``t`` is not a plain dense tensor of a dtype the format names (None when it is), as a
+    phrase that follows the tensor's path; a writer for a narrower format checks its dtypes after."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return f"is a tensor subclass {type(t).__module__}.{type(t).__qualname__}"
     if t.layout != torch.strided:
@@ -251,10 +292,10 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
         return "is a quantized tensor"
     if t.is_nested:
         return "is a nested tensor"
-    if dtype_name(t.dtype) is None:
-        return f"has dtype {t.dtype}, which the format cannot store"
     if t.device.type == "meta":
         return "is a meta tensor, which has no data to save"
+    if dtype_name(t.dtype) is None:
+        return f"has dtype {t.dtype}, which the format cannot store"
     return None
 
 

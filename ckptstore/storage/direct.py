@@ -19,7 +19,7 @@ import threading
 
 ALIGN = 4096
 BOUNCE_BYTES = 16 << 20
-BOUNCE_COUNT = 4  # one per I/O thread (engine/single_file.py IO_THREADS on small machines)
+BOUNCE_COUNT = 4  # one per I/O thread (checkpoint/single_file.py IO_THREADS on small machines)
 # CKPTSTORE_DIRECT_IO=0 turns it off (every write then goes through the page cache).
 ENABLED = os.environ.get("CKPTSTORE_DIRECT_IO", "1") != "0" and hasattr(os, "O_DIRECT")
 

@@ -12,9 +12,9 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import errno
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from .._faults import crashpoint
 from ..errors import InvalidArgumentError, StorageError
-from .targets import Sink, storage_error, transport_errors
+from .base import Sink, storage_error, transport_errors
 
 T = TypeVar("T")
 
@@ -99,20 +99,21 @@ def single_retry_layer(fs: Any) -> None:
         fs.retries = 1
 
 
-# The deadline of the work running in this thread (a durable promotion): monotonic time and what
+# The deadline of the work running in this context (a durable promotion): monotonic time and what
 # for. S3 requests are cut when it passes, so a promotion cannot outlive it by more than the one
-# metadata request (HEAD, LIST) in flight, itself bounded by the retry attempts and timeouts.
-_deadline = threading.local()
+# metadata request (HEAD, LIST) in flight, itself bounded by the retry attempts and timeouts. A
+# context variable: the pipeline's coroutines set it, and the threads they hand blocking calls to
+# (asyncio.to_thread) run in a copy of their context.
+_deadline: contextvars.ContextVar[tuple[float, str] | None] = contextvars.ContextVar("ckptstore_deadline", default=None)
 
 
 @contextlib.contextmanager
 def deadline(at: float | None, what: str) -> Iterator[None]:
-    previous = getattr(_deadline, "value", None)
-    _deadline.value = None if at is None else (at, what)
+    token = _deadline.set(None if at is None else (at, what))
     try:
         yield
     finally:
-        _deadline.value = previous
+        _deadline.reset(token)
 
 
 def run_with_deadline(at: float | None, what: str, fn: Callable[..., T], *args: Any) -> T:
@@ -121,7 +122,7 @@ def run_with_deadline(at: float | None, what: str, fn: Callable[..., T], *args: 
 
 
 def current_deadline() -> tuple[float, str] | None:
-    return getattr(_deadline, "value", None)
+    return _deadline.get()
 
 
 def _past_deadline(limit: tuple[float, str], display: str) -> StorageError:
@@ -249,7 +250,7 @@ class S3Sink(Sink):
         self.checksum_algorithm: str | None = None
         self.in_flight: collections.deque[tuple[int, concurrent.futures.Future[Any]]] = collections.deque()
         self.parts: list[dict[str, Any]] = []
-        self.deadline = current_deadline()  # taken here: all calls below run in this thread
+        self.deadline = current_deadline()  # taken here: its part uploads run on s3fs's loop, outside this context
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -347,7 +348,7 @@ class S3Sink(Sink):
         except BaseException as exc:
             self.abort()
             if isinstance(exc, FileExistsError) or _error_code(exc) == "PreconditionFailed":
-                from .targets import already_exists
+                from .base import already_exists
 
                 raise already_exists(self.display) from None
             raise

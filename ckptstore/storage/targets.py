@@ -15,7 +15,6 @@ import os
 import secrets
 import stat
 import threading
-from dataclasses import dataclass
 from typing import IO, Any, Union
 
 import fsspec
@@ -23,30 +22,30 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .._faults import crashpoint
 from ..errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     InvalidArgumentError,
     NotACheckpointError,
-    StorageError,
     UnknownProtocolError,
 )
-from . import direct
+from . import direct, s3
+from .base import (
+    READ_ATTEMPTS,
+    ShortRead,
+    Sink,
+    Source,
+    Target,
+    WriteTuning,
+    already_exists,
+    body_cut_errors,
+    scatter,
+    storage_error,
+    transport_errors,
+)
 
 FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
 
 # Reads larger than this are cut into pieces so several threads can fill one big tensor.
 READ_PIECE = 32 << 20
-
-
-@dataclass(frozen=True)
-class Target:
-    """A resolved location: exactly one of ``path`` (local), ``fs``+``fspath`` or ``fileobj`` is set."""
-
-    display: str
-    path: str | None = None
-    fs: Any = None
-    fspath: str | None = None
-    fileobj: Any = None
 
 
 def _install_hint(protocol: str) -> str:
@@ -71,7 +70,6 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
             return Target(display=s, path=os.path.abspath(s))
         protocol = s.split("://", 1)[0]
         if protocol in ("s3", "s3a"):
-            from . import s3
 
             storage_options = s3.with_retry_defaults(storage_options)
         try:
@@ -86,7 +84,6 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
             raise
         if isinstance(fs, LocalFileSystem):
             return Target(display=s, path=os.path.abspath(fspath))
-        from . import s3
 
         s3.single_retry_layer(fs)
         return Target(display=s, fs=fs, fspath=fspath)
@@ -98,94 +95,6 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
     raise InvalidArgumentError(
         f"f must be a path, an os.PathLike, a binary file object or an fsspec URL, not {type(f).__name__}"
     )
-
-
-_TRANSPORT: tuple[type[BaseException], ...] | None = None
-
-
-def transport_errors() -> tuple[type[BaseException], ...]:
-    """What a failed request to a remote filesystem raises: OSError, and the HTTP stack's own errors
-    that fsspec implementations let through (botocore's connection errors, aiohttp's)."""
-    global _TRANSPORT
-    if _TRANSPORT is None:
-        found: list[type[BaseException]] = [OSError]
-        with contextlib.suppress(ImportError):
-            from botocore.exceptions import BotoCoreError
-
-            found.append(BotoCoreError)
-        with contextlib.suppress(ImportError):
-            from aiohttp import ClientError
-
-            found.append(ClientError)
-        _TRANSPORT = tuple(found)
-    return _TRANSPORT
-
-
-_CUT: tuple[type[BaseException], ...] | None = None
-# A response whose body is cut off after it began (a reset mid-transfer) is invisible to botocore's
-# retries, which end when the response headers arrive: the reader asks again, this many times in all.
-READ_ATTEMPTS = 3
-
-
-def body_cut_errors() -> tuple[type[BaseException], ...]:
-    global _CUT
-    if _CUT is None:
-        found: list[type[BaseException]] = []
-        with contextlib.suppress(ImportError):
-            from aiohttp import ClientPayloadError
-
-            found.append(ClientPayloadError)
-        with contextlib.suppress(ImportError):
-            from botocore.exceptions import IncompleteReadError, ResponseStreamingError
-
-            found += [IncompleteReadError, ResponseStreamingError]
-        _CUT = tuple(found)
-    return _CUT
-
-
-def storage_error(exc: BaseException, action: str, where: str, *, previous_kept: bool = False) -> StorageError:
-    code = getattr(exc, "errno", None)
-    tail = " The previous file at that path is untouched." if previous_kept else ""
-    if code == errno.ENOSPC or code == errno.EDQUOT:
-        hint = "no space left on the device; free space or choose another destination."
-    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
-        hint = "the destination is read-only or not writable by this user; choose another destination."
-    elif code == errno.ENOENT:
-        hint = "its directory does not exist; create it first."
-    elif code == errno.EISDIR:
-        hint = "that path is a directory; give a file name."
-    else:
-        hint = f"{getattr(exc, 'strerror', None) or exc}."
-    return StorageError(f"cannot {action} {where}: {hint}{tail}", errno=code)
-
-
-class Sink:
-    """Sequential writer with commit/abort; offsets are relative to where the container starts.
-
-    A sink with ``positional = True`` also accepts :meth:`write_at` from several threads at once
-    and :meth:`skip_to`, so independent regions can be written in parallel.
-    """
-
-    positional = False
-
-    def write_at(self, offset: int, data: bytes | memoryview) -> None:
-        raise NotImplementedError
-
-    def skip_to(self, offset: int) -> None:
-        raise NotImplementedError
-
-    def write(self, data: bytes | memoryview) -> None:
-        raise NotImplementedError
-
-    def tell(self) -> int:
-        raise NotImplementedError
-
-    def commit(self, header: bytes) -> None:
-        """Make the written bytes visible at the destination; ``header`` replaces the first bytes if possible."""
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        raise NotImplementedError
 
 
 class LocalSink(Sink):
@@ -467,109 +376,6 @@ def write_bytes(target: Target, data: bytes, *, exclusive: bool = False) -> None
         raise
 
 
-def already_exists(display: str) -> CheckpointExistsError:
-    return CheckpointExistsError(
-        f"{display} already exists: another writer committed this step first; the existing file is untouched. "
-        "Load that checkpoint, or write this one under a new step.",
-        location=display,
-    )
-
-
-_already_exists = already_exists
-
-
-def write_small_exclusive(target: Target, data: bytes) -> None:
-    """Create a small file holding ``data`` only if nothing is at ``target`` yet, atomically.
-
-    Of concurrent writers exactly one succeeds; the others get a CheckpointError and the winner's
-    bytes stay as they are. Atomic on local filesystems (a hard link never replaces) and on S3
-    (a conditional PUT); other fsspec stores have no conditional create, so there it is
-    check-then-write, which two writers racing within the same instant can both pass.
-    """
-    if target.fileobj is not None:
-        raise InvalidArgumentError(f"{target.display}: an exclusive create needs a path or URL, not a file object")
-    if target.path is not None:
-        _create_local_exclusive(target.path, target.display, data)
-        return
-    from . import s3
-
-    fs, path = target.fs, target.fspath
-    assert path is not None
-    try:
-        if s3.is_s3(fs):
-            s3.put_if_absent(fs, path, data)
-            return
-        fs.invalidate_cache(path)  # a cached listing must not hide a file another process wrote
-        exists = fs.exists(path)
-    except FileExistsError:
-        raise _already_exists(target.display) from None
-    except OSError as exc:
-        raise storage_error(exc, "write", target.display, previous_kept=True) from None
-    if exists:
-        raise _already_exists(target.display)
-    write_bytes(target, data)
-
-
-def _create_local_exclusive(path: str, display: str, data: bytes) -> None:
-    directory, base = os.path.split(path)
-    tmp = os.path.join(directory, f".{base}.ckptstore-tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)  # the bytes are on disk before the name can appear
-        finally:
-            os.close(fd)
-        try:
-            # Unlike rename, link never replaces: it fails with EEXIST if anything holds the name,
-            # and the check and the creation are one step, so exactly one racing writer wins.
-            os.link(tmp, path)
-            crashpoint("manifest.linked", path)
-        except FileExistsError:
-            raise _already_exists(display) from None
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-            _create_in_place(path, data)  # no hard links here (FAT, some FUSE and SMB mounts)
-    except FileExistsError:
-        raise _already_exists(display) from None
-    except OSError as exc:
-        raise storage_error(exc, "write", display, previous_kept=os.path.exists(path)) from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    fsync_dir(directory)
-
-
-def _create_in_place(path: str, data: bytes) -> None:
-    """O_EXCL create is just as exclusive as link, but a crash mid-write leaves a short file there."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@dataclass(frozen=True)
-class WriteTuning:
-    """Tuned bulk-write settings (``CheckpointStore(tuning=...)``, measured by ``ckptstore bench``).
-
-    ``local_chunk_bytes``/``local_concurrency``: size of one write call and writes at once to a
-    local file; ``s3_part_bytes``/``s3_concurrency``: multipart part size and parts in flight to
-    S3. None leaves a setting at its default (for S3: the environment, then 4 parts of 8 MiB).
-    """
-
-    local_chunk_bytes: int | None = None
-    local_concurrency: int | None = None
-    s3_part_bytes: int | None = None
-    s3_concurrency: int | None = None
-
-
 def open_sink(target: Target, tuning: WriteTuning | None = None, *, exclusive: bool = False) -> Sink:
     """``exclusive``: the commit fails with CheckpointExistsError, and replaces nothing, if something
     is at the destination already: atomically on local disks (link) and S3 (If-None-Match), by a
@@ -584,60 +390,12 @@ def open_sink(target: Target, tuning: WriteTuning | None = None, *, exclusive: b
             raise InvalidArgumentError(f"{target.display}: an exclusive create needs a path or URL, not a file object")
         return FileObjectSink(target.fileobj, target.display)
     assert target.fspath is not None
-    from . import s3
 
     if s3.is_s3(target.fs):
         upload = s3.upload_settings(tuning)
         if upload is not None:
             return s3.S3Sink(target.fs, target.fspath, target.display, upload, exclusive=exclusive)
     return FsspecSink(target.fs, target.fspath, target.display, exclusive)
-
-
-def scatter(data: bytes | memoryview, bufs: list[memoryview]) -> None:
-    """Copy ``data`` into ``bufs`` in order, each taking the next len(buf) bytes."""
-    pos = 0
-    for b in bufs:
-        b[:] = data[pos : pos + len(b)]
-        pos += len(b)
-
-
-class Source:
-    """Random-access reader over one container; ``start`` is where the container begins."""
-
-    display: str
-    size: int  # bytes available from the container start to the end of the file
-    parallel: bool = False
-    local_path: str | None = None
-
-    def read(self, offset: int, length: int) -> bytes:
-        if offset < 0 or length < 0 or offset + length > self.size:
-            # Before allocating: a damaged or crafted length must not become a huge buffer.
-            raise _ShortRead(offset, length, max(0, self.size - offset))
-        buf = bytearray(length)
-        self.readinto(offset, memoryview(buf))
-        return bytes(buf)
-
-    def readinto(self, offset: int, out: memoryview) -> None:
-        raise NotImplementedError
-
-    def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
-        return [self.read(o, n) for o, n in ranges]
-
-    def readv_into(self, offset: int, bufs: list[memoryview]) -> None:
-        """Fill ``bufs`` in order from the consecutive bytes at ``offset`` (one read of their total)."""
-        scatter(self.read(offset, sum(len(b) for b in bufs)), bufs)
-
-    def close(self) -> None:
-        pass
-
-    def finish(self, end: int) -> None:
-        """Called after a successful load; ``end`` is the container's end offset."""
-
-
-class _ShortRead(Exception):
-    def __init__(self, offset: int, wanted: int, got: int) -> None:
-        super().__init__(f"wanted {wanted} bytes at offset {offset}, the file ends after {got}")
-        self.offset, self.wanted, self.got = offset, wanted, got
 
 
 _IOV_MAX = 1024  # Linux UIO_MAXIOV: preadv takes at most this many buffers per call
@@ -684,7 +442,7 @@ class LocalSource(Source):
             except OSError as exc:
                 raise storage_error(exc, "read", self.display) from None
             if n == 0:
-                raise _ShortRead(offset, total, done)
+                raise ShortRead(offset, total, done)
             done += n
 
     def readv_into(self, offset: int, bufs: list[memoryview]) -> None:
@@ -736,7 +494,7 @@ class FileObjectSource(Source):
                     n = len(chunk)
                     out[done : done + n] = chunk
                 if not n:
-                    raise _ShortRead(offset, len(out), done)
+                    raise ShortRead(offset, len(out), done)
                 done += n
 
     def finish(self, end: int) -> None:
@@ -771,7 +529,7 @@ class FsspecSource(Source):
         if length == 0:
             return b""
         if offset + length > self.size:
-            raise _ShortRead(offset, length, max(0, self.size - offset))
+            raise ShortRead(offset, length, max(0, self.size - offset))
         for attempt in range(READ_ATTEMPTS):
             try:
                 data = self.fs.cat_file(self.path, start=offset, end=offset + length)
@@ -782,7 +540,7 @@ class FsspecSource(Source):
             except transport_errors() as exc:
                 raise storage_error(exc, "read", self.display) from None
         if len(data) != length:
-            raise _ShortRead(offset, length, len(data))
+            raise ShortRead(offset, length, len(data))
         return bytes(data)
 
     def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
@@ -790,7 +548,7 @@ class FsspecSource(Source):
             return super().read_many(ranges)
         for o, n in ranges:
             if o + n > self.size:
-                raise _ShortRead(o, n, max(0, self.size - o))
+                raise ShortRead(o, n, max(0, self.size - o))
         try:
             # One batched call: s3fs issues the ranged GETs concurrently on its own event loop.
             out = self.fs.cat_ranges([self.path] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges])
@@ -802,7 +560,7 @@ class FsspecSource(Source):
             if isinstance(data, Exception):
                 raise storage_error(data, "read", self.display)
             if len(data) != n:
-                raise _ShortRead(o, n, len(data))
+                raise ShortRead(o, n, len(data))
         return [bytes(d) for d in out]
 
 
@@ -815,4 +573,33 @@ def open_source(target: Target) -> Source:
     return FsspecSource(target.fs, target.fspath, target.display)
 
 
-ShortRead = _ShortRead
+
+# The storage layer's interfaces (storage/base.py) are re-exported: callers resolve and open
+# through this module, and name what they get from it.
+__all__ = [
+    "READ_ATTEMPTS",
+    "READ_PIECE",
+    "FileLike",
+    "FileObjectSink",
+    "FileObjectSource",
+    "FsspecSink",
+    "FsspecSource",
+    "LocalSink",
+    "LocalSource",
+    "ShortRead",
+    "Sink",
+    "Source",
+    "Target",
+    "WriteTuning",
+    "already_exists",
+    "body_cut_errors",
+    "fsync_dir",
+    "makedirs_private",
+    "open_sink",
+    "open_source",
+    "resolve",
+    "scatter",
+    "storage_error",
+    "transport_errors",
+    "write_bytes",
+]

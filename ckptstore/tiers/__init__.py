@@ -1,1 +1,2 @@
-"""Storage tiers of the asynchronous engine (issue 4): RAM now; local, peer and durable to come."""
+"""The tiers of the engine, each meeting one contract (base.py): RAM staging slots (ram.py), the
+local and durable directories (directory.py) and peer replicas on other nodes (peer.py)."""

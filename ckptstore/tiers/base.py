@@ -1,32 +1,54 @@
-"""The one interface every tier implements (RAM, local directory, durable URL).
+"""The one contract every tier meets: RAM, local directory, peer replicas, durable URL, and any
+third-party tier (ckptstore.testing ships the suite that checks it).
 
 A tier stores *this rank's* part of a staged snapshot (``put``) and later, once every rank's part
-is in, the step's global manifest (``commit``). Only committed steps are listed, loaded or kept:
-a step whose manifest is missing is not a checkpoint, whatever bytes it left behind. The pipeline
-in engine/store.py drives tiers through this interface only, and tests/test_tier_contract.py runs
-one contract suite against every implementation.
+is in, the step's global manifest (``commit``). Only committed steps are listed, loaded or kept: a
+step whose manifest is missing is not a checkpoint, whatever bytes it left behind.
 
-The methods are coroutines because the pipeline is an asyncio loop; the blocking work (file
-writes, fsync, fsspec calls) runs in the loop's executor, so one slow tier never stalls another.
-fsspec's sync API already runs s3fs on fsspec's own I/O loop, so calling it from executor threads
-gives the same concurrency as its async API without tying our loop to fsspec's.
+The methods are coroutines, run on the store's event loop: small files go through aiofiles
+(storage/small.py), bulk bytes through threads of their own. Each has a synchronous mirror
+(``put_sync``, ``steps_sync``, ...) for code that has no loop: the CLI, a restore on the trainer's
+thread, tests.
+
+What a tier can do is declared in :class:`Capabilities`, never found out by its class: the
+engine asks ``tier.capabilities.node_local`` where it would otherwise ask "is this the local
+directory?". A restore asks every node-local tier what its node holds of a step (``holdings``)
+and fetches what a rank's node lacks from the nodes that have it.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
+from .._aio import run_sync
 from ..format.manifest import Manifest
 from ..storage.targets import Source
 
-T = TypeVar("T")
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a tier offers, as the engine relies on it.
+
+    ``node_local``: it holds only what the ranks of this node wrote or received, so a restore asks
+    each node what it holds (``holdings``) and moves bytes between nodes; a tier without it is
+    reachable from every rank (``opener``). ``exclusive_commit``: ``commit`` is a conditional create,
+    so of two writers of one step exactly one commits and the other gets CheckpointExistsError.
+    ``reuses_unchanged``: a region the caller declared frozen is kept by link or server-side copy
+    while its checksums are unchanged, so bytes written follow what changed. ``collective``:
+    ``put`` and ``commit`` exchange data between ranks, so every rank of the store calls them for
+    the same step at the same time (in one order). ``sweeps``: a crash can leave debris that
+    ``sweep`` removes at start-up."""
+
+    node_local: bool = False
+    exclusive_commit: bool = False
+    reuses_unchanged: bool = False
+    collective: bool = False
+    sweeps: bool = False
 
 
 @dataclass
@@ -42,7 +64,7 @@ class Snapshot:
     step: int
     rank: int
     world: int
-    data: torch.Tensor
+    data: Any  # a uint8 tensor, or a view that narrows like one (the local files of a step)
     chunks: dict[str, list[dict[str, Any]]]
     frozen_end: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
@@ -52,55 +74,110 @@ class Snapshot:
         return int(self.data.numel())
 
 
+@dataclass(frozen=True)
+class Held:
+    """A copy of one data file of a step that this node can serve: its name in the manifest, where
+    it lies (for messages, and to exclude it after damage), the tier holding it, and an opener."""
+
+    file: str
+    where: str
+    tier: str
+    open: Callable[[], Source]
+
+
+@dataclass
+class Holdings:
+    """What a node-local tier holds of one step on this node: data files and manifest copies
+    (``(body, where)``, each checked by whoever reads it)."""
+
+    files: list[Held] = field(default_factory=list)
+    manifests: list[tuple[bytes, str]] = field(default_factory=list)
+
+
 class Tier(abc.ABC):
     """Where snapshots live: ``put`` a rank's part, ``commit`` the step, list, open, remove."""
 
     name: str
+    capabilities: Capabilities = Capabilities()
+
+    # ---------------------------------------------------------------------------- writing
 
     @abc.abstractmethod
-    def put_sync(self, snap: Snapshot) -> dict[str, Any]:
-        """Store this rank's bytes of ``snap``; return its part: ``{"chunks": {key: [chunk json]}, "bytes": n}``
-        with the files and offsets as this tier holds them."""
+    async def put(self, snap: Snapshot) -> dict[str, Any]:
+        """Store this rank's bytes of ``snap``; return its part, which goes into the step's manifest:
+        ``rank``, ``host``, ``pid``, ``bytes`` (what the part holds), ``written_bytes`` (what this put
+        wrote; less when unchanged regions were reused), ``timings`` (seconds per stage), and
+        ``chunks`` (key -> chunk tables, with the files and offsets as this tier holds them)."""
 
     @abc.abstractmethod
-    def commit_sync(self, step: int, manifest: Manifest) -> None:
+    async def commit(self, step: int, manifest: Manifest) -> None:
         """Make ``step`` a checkpoint of this tier (the manifest appears last, atomically)."""
 
+    async def discard(self, step: int) -> None:  # noqa: B027 - most tiers leave nothing behind
+        """Remove what this writer's failed ``put`` of ``step`` left behind, never a committed step
+        or another writer's files."""
+
+    # ---------------------------------------------------------------------------- reading
+
     @abc.abstractmethod
-    def steps_sync(self) -> list[int]:
+    async def steps(self) -> list[int]:
         """Committed steps, oldest first."""
 
     @abc.abstractmethod
-    def manifest_sync(self, step: int) -> Manifest:
+    async def manifest(self, step: int) -> Manifest:
         """The committed manifest of ``step`` (CheckpointNotFoundError / CorruptCheckpointError)."""
 
     @abc.abstractmethod
     def opener(self, step: int) -> Callable[[str | None], Source]:
         """Opens the chunk files named in ``step``'s manifest."""
 
-    @abc.abstractmethod
-    def remove_sync(self, step: int) -> None:
-        """Delete ``step``: uncommit first, so a half-removed step never looks complete."""
+    def holdings(self, step: int) -> Holdings:
+        """What this node holds of ``step`` (node-local tiers; others hold nothing node-wise)."""
+        return Holdings()
+
+    def node_steps(self) -> set[int]:
+        """Every step this node holds anything of (node-local tiers)."""
+        return set()
 
     @abc.abstractmethod
     def display(self, step: int) -> str:
         """Where ``step`` lives, for messages."""
 
-    async def put(self, snap: Snapshot) -> dict[str, Any]:
-        return await _in_thread(self.put_sync, snap)
+    # ---------------------------------------------------------------------------- removing
 
-    async def commit(self, step: int, manifest: Manifest) -> None:
-        await _in_thread(self.commit_sync, step, manifest)
-
-    async def steps(self) -> list[int]:
-        return await _in_thread(self.steps_sync)
-
-    async def manifest(self, step: int) -> Manifest:
-        return await _in_thread(self.manifest_sync, step)
-
+    @abc.abstractmethod
     async def remove(self, step: int) -> None:
-        await _in_thread(self.remove_sync, step)
+        """Delete ``step``: uncommit first, so a half-removed step never looks complete."""
+
+    async def sweep(self) -> list[int]:
+        """Remove what a crashed save left behind; returns the incomplete steps removed. Only safe
+        while no save of this job is running (the store calls it at start-up)."""
+        return []
+
+    # ---------------------------------------------------------------------------- sync mirrors
+
+    def put_sync(self, snap: Snapshot) -> dict[str, Any]:
+        return run_sync(self.put(snap))
+
+    def commit_sync(self, step: int, manifest: Manifest) -> None:
+        run_sync(self.commit(step, manifest))
+
+    def discard_sync(self, step: int) -> None:
+        run_sync(self.discard(step))
+
+    def steps_sync(self) -> list[int]:
+        return run_sync(self.steps())
+
+    def manifest_sync(self, step: int) -> Manifest:
+        return run_sync(self.manifest(step))
+
+    def remove_sync(self, step: int) -> None:
+        run_sync(self.remove(step))
+
+    def sweep_sync(self) -> list[int]:
+        return run_sync(self.sweep())
 
 
-async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+def uint8(data: bytes) -> torch.Tensor:
+    """Bytes as a uint8 tensor (an empty one for no bytes, which frombuffer refuses)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

@@ -18,44 +18,41 @@ costs more than CPU); checksums then cover the compressed bytes, as everywhere i
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
+import mmap
 import os
 import secrets
-import shutil
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._faults import crashpoint
-from ..engine.sharded import BLOCK_SIZE, MANIFEST, Directory, data_file, part_file, read_manifest
-from ..engine.single_file import write_raw
-from ..errors import CheckpointExistsError, InvalidArgumentError
+from ..checkpoint.sharded import Directory, read_manifest
+from ..checkpoint.single_file import write_raw
+from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError
 from ..format import codecs
-from ..format.manifest import Manifest, parse_manifest
-from ..storage.targets import (
-    Source,
-    WriteTuning,
-    open_sink,
-    storage_error,
-    transport_errors,
-    write_bytes,
-    write_small_exclusive,
-)
-from .base import Snapshot, Tier
+from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
+from ..names import MANIFEST, data_file, frozen_file, is_temporary, parse_step_dir, part_file, step_dir, writer_variant
+from ..storage import small
+from ..storage.targets import Source, Target, WriteTuning, open_sink, open_source, storage_error, transport_errors
+from .base import Capabilities, Held, Holdings, Snapshot, Tier
 
 log = logging.getLogger("ckptstore")
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:012d}"
-
-
 class DirectoryTier(Tier):
+    """Steps under ``root``. ``node_local``: the root is this node's own disk (the local tier), so
+    a restore asks each node what it holds; otherwise every rank reads the same root (durable).
+    ``manifest_writer``: of all ranks sharing this root, exactly one writes manifests, sweeps and
+    applies retention."""
+
     def __init__(
         self,
         name: str,
@@ -65,33 +62,42 @@ class DirectoryTier(Tier):
         codec: str | None = None,
         manifest_writer: bool = True,
         tuning: WriteTuning | None = None,
+        node_local: bool = False,
     ) -> None:
         if codec not in (None, "raw", "zstd"):
             raise InvalidArgumentError(f"codec must be None or 'zstd' for a tier, not {codec!r}")
         self.name, self.root = name, root.rstrip("/") or "/"
         self.storage_options = storage_options if "://" in root else None
         self.codec = None if codec == "raw" else codec
-        # Of all ranks sharing this root, exactly one writes manifests, sweeps and applies retention.
         self.manifest_writer = manifest_writer
         self.tuning = tuning  # bulk-write settings measured by `ckptstore bench`, or None for the defaults
         self._base = Directory(self.root, self.storage_options)
+        if node_local and self._base.base.path is None:
+            raise InvalidArgumentError(f"the {name} tier must be a local directory, not {root!r}")
+        self.capabilities = Capabilities(node_local=node_local, exclusive_commit=True, reuses_unchanged=True,
+                                         sweeps=True)
         # frozen file name -> (a step that holds it, its chunk table): what a later step may link.
         self._frozen: dict[str, tuple[int, dict[str, list[dict[str, Any]]]]] = {}
         self._mine: dict[int, list[str]] = {}
         self._token = secrets.token_hex(4)  # names this writer's files where the usual name is taken
 
+    @property
+    def local_root(self) -> str | None:
+        """The root as a local path, or None for an fsspec URL."""
+        return self._base.base.path
+
     def _dir(self, step: int) -> Directory:
-        return Directory(f"{self.root}/{step_name(step)}", self.storage_options)
+        return Directory(f"{self.root}/{step_dir(step)}", self.storage_options)
 
     def display(self, step: int) -> str:
         return self._dir(step).display
 
     # ------------------------------------------------------------------------------ writing
 
-    def put_sync(self, snap: Snapshot) -> dict[str, Any]:
+    async def put(self, snap: Snapshot) -> dict[str, Any]:
         t0 = time.perf_counter()
         d = self._dir(snap.step)
-        if d.exists(MANIFEST):
+        if await small.exists(d.target(MANIFEST)):
             raise CheckpointExistsError(
                 f"step {snap.step} in {d.display} was committed by another writer first ({MANIFEST} already exists; "
                 "steps are never rewritten): its checkpoint is untouched and this writer's copy is not written. "
@@ -99,7 +105,7 @@ class DirectoryTier(Tier):
                 location=f"{d.display}/{MANIFEST}",
             )
         try:
-            return self._put(d, snap, t0)
+            return await self._put(d, snap, t0)
         except CheckpointExistsError as exc:
             raise CheckpointExistsError(
                 f"step {snap.step} in {d.display} is being written by another writer at the same time "
@@ -108,9 +114,12 @@ class DirectoryTier(Tier):
                 location=exc.location,
             ) from None
 
-    def _put(self, d: Directory, snap: Snapshot, t0: float) -> dict[str, Any]:
-        d.makedirs()
-        # What this writer creates, so that a failed save removes exactly that (discard_sync).
+    async def _put(self, d: Directory, snap: Snapshot, t0: float) -> dict[str, Any]:
+        try:
+            await small.makedirs(d.base, "data", "parts")
+        except OSError as exc:
+            raise storage_error(exc, "create the checkpoint directory", d.display) from None
+        # What this writer creates, so that a failed save removes exactly that (discard).
         mine = self._mine.setdefault(snap.step, [])
         self._mine = {s: v for s, v in self._mine.items() if s > snap.step - 8}
         frozen_keys = [k for k, cs in snap.chunks.items() if cs and cs[0]["offset"] < snap.frozen_end]
@@ -121,26 +130,26 @@ class DirectoryTier(Tier):
             digest = hashlib.sha256(
                 json.dumps([(k, [c["checksum"] for c in snap.chunks[k]]) for k in frozen_keys]).encode()
             ).hexdigest()[:16]
-            rel = f"data/rank-{snap.rank:05d}-frozen-{self.codec or 'raw'}-{digest}.bin"
-            table = self._link(d, rel, snap.step)
+            rel = frozen_file(snap.rank, self.codec, digest)
+            table = await self._link(d, rel, snap.step)
             mine.append(rel)
             if table is None:
-                table = self._write(d, rel, snap, frozen_keys, 0)
+                table = await asyncio.to_thread(self._write, d, rel, snap, frozen_keys, 0)
                 written += _extent(table)
             else:
                 linked += _extent(table)
             self._frozen = {rel: (snap.step, table)}  # only the newest frozen file is ever reused
             chunks.update(table)
         data, part_rel = data_file(snap.rank), part_file(snap.rank)
-        if d.exists(data) or d.exists(part_rel):
+        if await small.exists(d.target(data)) or await small.exists(d.target(part_rel)):
             # Left by a save of this step that crashed (the durable tier is never swept), or being
             # written right now by another writer of the same step, whose manifest may come to name
             # it: never replace it, write ours beside it.
-            data, part_rel = data[:-4] + f".w{self._token}.bin", part_rel[:-5] + f".w{self._token}.json"
+            data, part_rel = writer_variant(data, self._token), writer_variant(part_rel, self._token)
         if rest_keys:
             # Exclusive, so that of two writers racing for the same name neither replaces the other's
             # bytes (a manifest over someone else's data would be a torn checkpoint).
-            table = self._write(d, data, snap, rest_keys, snap.frozen_end, exclusive=True)
+            table = await asyncio.to_thread(self._write, d, data, snap, rest_keys, snap.frozen_end, True)
             mine.append(data)
             written += _extent(table)
             chunks.update(table)
@@ -155,7 +164,7 @@ class DirectoryTier(Tier):
             "chunks": chunks,
             "timings": {"write_s": round(time.perf_counter() - t0, 6), **snap.meta.get("timings", {})},
         }
-        write_bytes(d.target(part_rel), json.dumps(part, separators=(",", ":")).encode(), exclusive=True)
+        await small.write(d.target(part_rel), json.dumps(part, separators=(",", ":")).encode(), exclusive=True)
         mine.append(part_rel)
         crashpoint("tier.part_written", d.display)
         return part
@@ -184,23 +193,20 @@ class DirectoryTier(Tier):
             raise
         return table
 
-    def _link(self, d: Directory, rel: str, step: int) -> dict[str, list[dict[str, Any]]] | None:
+    async def _link(self, d: Directory, rel: str, step: int) -> dict[str, list[dict[str, Any]]] | None:
         """Reuse ``rel`` from the step that last held it: a hard link or a server-side copy."""
         held = self._frozen.get(rel)
         if held is None or held[0] == step:
             return None
-        src, dst = self._dir(held[0]).target(rel), d.target(rel)
+        src = self._dir(held[0]).target(rel)
         try:
-            if src.path is not None and dst.path is not None:
-                os.link(src.path, dst.path)
-            else:
-                src.fs.copy(src.fspath, dst.fspath)
+            await small.copy(src, d.target(rel))
         except (OSError, NotImplementedError) as exc:
             log.info("ckptstore: cannot reuse %s (%s); writing it again", src.display, exc)
             return None
         return held[1]
 
-    def commit_sync(self, step: int, manifest: Manifest) -> None:
+    async def commit(self, step: int, manifest: Manifest) -> None:
         if not self.manifest_writer:
             return
         d = self._dir(step)
@@ -210,7 +216,7 @@ class DirectoryTier(Tier):
         # A conditional create (link on local disks, If-None-Match on S3): of two writers
         # committing the same step, exactly one wins and the other gets a clear error.
         try:
-            write_small_exclusive(d.target(MANIFEST), body)
+            await small.create(d.target(MANIFEST), body)
         except CheckpointExistsError as exc:
             raise CheckpointExistsError(
                 f"step {step} in {d.display} was committed by another writer first ({exc.location} already exists): "
@@ -219,81 +225,81 @@ class DirectoryTier(Tier):
                 location=exc.location,
             ) from None
 
-    # ------------------------------------------------------------------------------ reading
-
-    def _names(self) -> list[str]:
-        base = self._base.base
-        if base.fs is not None:
-            # Listings are cached per filesystem object, and steps are committed and removed
-            # through other objects and by other processes: always list afresh.
-            base.fs.invalidate_cache()
-        try:
-            if base.path is not None:
-                return os.listdir(base.path) if os.path.isdir(base.path) else []
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in base.fs.ls(base.fspath, detail=False)]
-        except FileNotFoundError:
-            return []
-
-    def steps_sync(self) -> list[int]:
-        steps = []
-        try:
-            for name in self._names():
-                if name.startswith("step-") and name[5:].isdigit() and self._base.exists(f"{name}/{MANIFEST}"):
-                    steps.append(int(name[5:]))
-        except FileNotFoundError:
-            return []
-        except transport_errors() as exc:  # botocore's and aiohttp's own errors too, as StorageError
-            raise storage_error(exc, "list", self._base.display) from None
-        return sorted(steps)
-
-    def manifest_sync(self, step: int) -> Manifest:
-        return read_manifest(self._dir(step))
-
-    def opener(self, step: int) -> Callable[[str | None], Source]:
-        return self._dir(step).open
-
-    # ------------------------------------------------------------------------------ removing
-
-    def remove_sync(self, step: int) -> None:
-        d = self._dir(step)
-        d.remove(MANIFEST)  # uncommit first: a half-deleted step must never look complete
-        crashpoint("tier.removing", d.display)
-        _remove_tree(d)
-
-    def discard_sync(self, step: int) -> None:
+    async def discard(self, step: int) -> None:
         """Remove the files this writer created for a failed save of ``step``, unless the step is
         committed: a failed save leaves no debris behind, and never touches a committed step or
         another writer's files (two writers of one step share its directory until one commits)."""
         d = self._dir(step)
         mine = self._mine.pop(step, [])
-        if d.exists(MANIFEST):
+        if await small.exists(d.target(MANIFEST)):
             return
         # Files only: another writer of the step may be about to write into its directories (the
         # empty ones left are swept, with the step, when a store next starts).
         for rel in mine:
-            d.remove(rel)
+            await small.remove(d.target(rel))
 
-    def sweep_sync(self) -> list[int]:
+    # ------------------------------------------------------------------------------ reading
+
+    async def _step_names(self) -> list[tuple[int, str]]:
+        try:
+            names = await small.listdir(self._base.base)
+        except transport_errors() as exc:  # botocore's and aiohttp's own errors too, as StorageError
+            raise storage_error(exc, "list", self._base.display) from None
+        return [(step, name) for name in names if (step := parse_step_dir(name)) is not None]
+
+    async def steps(self) -> list[int]:
+        found = []
+        try:
+            for step, name in await self._step_names():
+                if await small.exists(self._base.target(f"{name}/{MANIFEST}")):
+                    found.append(step)
+        except FileNotFoundError:
+            return []
+        except transport_errors() as exc:
+            raise storage_error(exc, "list", self._base.display) from None
+        return sorted(found)
+
+    async def manifest(self, step: int) -> Manifest:
+        return await asyncio.to_thread(read_manifest, self._dir(step))
+
+    def opener(self, step: int) -> Callable[[str | None], Source]:
+        return self._dir(step).open
+
+    def holdings(self, step: int) -> Holdings:
+        """The step's data files and manifest in this node's directory (a node-local tier)."""
+        return directory_holdings(self.local_root, step, self.name) if self.capabilities.node_local else Holdings()
+
+    def node_steps(self) -> set[int]:
+        if not self.capabilities.node_local:
+            return set()
+        return committed_steps(self.local_root)
+
+    # ------------------------------------------------------------------------------ removing
+
+    async def remove(self, step: int) -> None:
+        d = self._dir(step)
+        await small.remove(d.target(MANIFEST))  # uncommit first: a half-deleted step must never look complete
+        crashpoint("tier.removing", d.display)
+        await small.remove_tree(d.base)
+
+    async def sweep(self) -> list[int]:
         """Remove what a crashed save left behind: step directories without a manifest (returns
         their steps), temporary files in the newest committed steps, and, on S3, unfinished
-        multipart uploads under the root. Only safe while no save of this job is running (the
-        store calls it at start-up, before any rank saves)."""
+        multipart uploads under the root."""
         swept, committed = [], []
-        for name in self._names():
-            if not (name.startswith("step-") and name[5:].isdigit()):
+        for step, name in await self._step_names():
+            if await small.exists(self._base.target(f"{name}/{MANIFEST}")):
+                committed.append(step)
                 continue
-            if self._base.exists(f"{name}/{MANIFEST}"):
-                committed.append(int(name[5:]))
-                continue
-            d = self._dir(int(name[5:]))
+            d = self._dir(step)
             log.warning("ckptstore: removing %s, an incomplete step (no %s)", d.display, MANIFEST)
-            _remove_tree(d)
-            swept.append(int(name[5:]))
+            await small.remove_tree(d.base)
+            swept.append(step)
         # A crash between linking a manifest into place and removing its temporary name leaves
         # that name in a committed step; only the steps being written at the time can hold one.
         for step in sorted(committed)[-2:]:
-            _remove_temporaries(self._dir(step))
-        self._abort_uploads()
+            await asyncio.to_thread(_remove_temporaries, self._dir(step))
+        await asyncio.to_thread(self._abort_uploads)
         return swept
 
     def _abort_uploads(self) -> None:
@@ -317,12 +323,70 @@ class DirectoryTier(Tier):
         except OSError as exc:
             log.warning("ckptstore: cannot list or abort unfinished uploads under %s: %s", self.root, exc)
 
+    # ------------------------------------------------------------------------------ promotion source
+
+    def mapped(self, step: int, part: dict[str, Any], snap: Snapshot) -> Any:
+        """This rank's committed files of ``step`` (``part`` as :meth:`put` returned it), mapped
+        read-only and addressed like the staged slot ``snap`` came from, or None when they cannot
+        be (not a local directory, several files per region, a mapping refused): a promotion then
+        reads the slot. A mapping keeps the bytes readable even when retention removes the files."""
+        root = self.local_root
+        if root is None:
+            return None
+        frozen = {c["file"] for k, cs in part["chunks"].items() for c in cs
+                  if snap.chunks[k] and snap.chunks[k][0]["offset"] < snap.frozen_end}
+        rest = {c["file"] for k, cs in part["chunks"].items() for c in cs} - frozen
+        if len(frozen) > 1 or len(rest) > 1:
+            return None
+        where = os.path.join(root, step_dir(step))
+        try:
+            return _SlotFiles(_map(os.path.join(where, frozen.pop())) if frozen else None,
+                              _map(os.path.join(where, rest.pop())) if rest else None, snap.frozen_end, snap.nbytes)
+        except (OSError, ValueError) as exc:
+            log.warning("ckptstore: promoting step %d from its RAM slot (cannot map its local files: %s)", step, exc)
+            return None
+
+
+def committed_steps(root: str | None) -> set[int]:
+    """The committed steps (a manifest present) directly under the local directory ``root``."""
+    if root is None or not os.path.isdir(root):
+        return set()
+    return {step for name in os.listdir(root) if (step := parse_step_dir(name)) is not None
+            and os.path.exists(os.path.join(root, name, MANIFEST))}
+
+
+def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
+    """The data files and manifest of ``step`` in the local directory ``root``, when committed."""
+    held = Holdings()
+    if root is None:
+        return held
+    where = os.path.join(root, step_dir(step))
+    manifest = os.path.join(where, MANIFEST)
+    if not os.path.exists(manifest) or os.path.islink(manifest):
+        return held
+    data = os.path.join(where, "data")
+    for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
+        path = os.path.join(data, name)
+        # Never a symbolic link: the writers make none, and one could point anywhere.
+        if name.endswith(".bin") and not name.startswith(".") and not os.path.islink(path):
+            held.files.append(Held(f"data/{name}", path, tier, _opener(path)))
+    if os.path.getsize(manifest) > max_manifest_bytes():
+        log.warning("ckptstore: %s is over the manifest size cap; not using it", manifest)
+        return held
+    with open(manifest, "rb") as fh:
+        held.manifests.append((fh.read(), manifest))
+    return held
+
+
+def _opener(path: str) -> Callable[[], Source]:
+    return lambda: open_source(Target(display=path, path=path))
+
 
 def _extent(table: dict[str, list[dict[str, Any]]]) -> int:
     return sum(c["length"] for cs in table.values() for c in cs)
 
 
-def _encoder(codec: str, data: torch.Tensor, c: dict[str, Any]) -> Callable[[], torch.Tensor]:
+def _encoder(codec: str, data: Any, c: dict[str, Any]) -> Callable[[], torch.Tensor]:
     def encode() -> torch.Tensor:
         stored = codecs.encode(codec, data.narrow(0, c["offset"], c["length"]), 1)
         return torch.frombuffer(bytearray(stored), dtype=torch.uint8) if len(stored) else torch.empty(0, dtype=torch.uint8)
@@ -336,26 +400,46 @@ def _remove_temporaries(d: Directory) -> None:
         if base.path is not None:
             for top, _dirs, files in os.walk(base.path):
                 for f in files:
-                    if ".ckptstore-tmp-" in f:
+                    if is_temporary(f):
                         log.warning("ckptstore: removing %s, a temporary file a crashed save left", os.path.join(top, f))
                         os.unlink(os.path.join(top, f))
         else:
             for f in base.fs.find(base.fspath):
-                if ".ckptstore-tmp-" in f.rsplit("/", 1)[-1]:
+                if is_temporary(f):
                     log.warning("ckptstore: removing %s, a temporary object a crashed save left", f)
                     base.fs.rm(f)
     except FileNotFoundError:
         pass
 
 
-def _remove_tree(d: Directory) -> None:
-    if d.base.path is not None:
-        shutil.rmtree(d.base.path, ignore_errors=True)
-    else:
-        try:
-            d.base.fs.rm(d.base.fspath, recursive=True)
-        except FileNotFoundError:
-            pass
+def _map(path: str) -> torch.Tensor:
+    """A file's bytes, mapped read-only (no copy; the page cache serves the reads)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        m = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable; nothing writes it
+        return torch.frombuffer(m, dtype=torch.uint8)
 
 
-__all__ = ["BLOCK_SIZE", "DirectoryTier", "step_name"]
+class _SlotFiles:
+    """The local files of one rank's step, addressed like the staged slot: bytes ``[0, frozen_end)``
+    are the frozen file's, bytes from ``frozen_end`` on the other file's (the local tier writes each
+    region as it lies in the slot). Tiers only ever ask for a range inside one region."""
+
+    def __init__(self, frozen: torch.Tensor | None, rest: torch.Tensor | None, frozen_end: int, nbytes: int) -> None:
+        self.frozen, self.rest, self.frozen_end, self.nbytes = frozen, rest, frozen_end, nbytes
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim != 0:
+            raise CheckpointError("the local files of a step are addressed by byte offset (dimension 0)")
+        if start >= self.frozen_end:
+            assert self.rest is not None
+            return self.rest.narrow(0, start - self.frozen_end, length)
+        assert self.frozen is not None and start + length <= self.frozen_end
+        return self.frozen.narrow(0, start, length)

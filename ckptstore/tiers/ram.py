@@ -25,7 +25,6 @@ import logging
 import math
 import mmap
 import os
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -35,17 +34,18 @@ from typing import Any
 import torch
 import xxhash
 
-from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, StorageError
+from .._aio import run_sync
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
 from ..format.checksum import ALGORITHM
 from ..format.container import SMALL_ALIGN, SMALL_BYTES, align_up
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import Manifest, check_manifest_size, load_json, parse_manifest
+from ..names import Segment, data_file, data_file_rank, document_temporary, parse_segment, segment, valid_job
+from ..storage import small
 from ..storage.targets import Source, Target, open_source
-from .base import Snapshot, Tier
+from .base import Capabilities, Held, Holdings, Snapshot, Tier
 
 RAM_FORMAT = "ckptstore-ram/1"
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
-_DATA_RE = re.compile(r"^data/rank-(\d{5})(?:-frozen-[a-z]+-[0-9a-f]+)?\.bin$")
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,7 @@ class Slot:
         self.path, self.size = path, size
         # ram_dir is usually /dev/shm, writable by every user: never follow a link planted under
         # our name (the staged bytes would go wherever it points), never use another user's file.
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            raise StorageError(
-                f"cannot open the shared-memory segment {path}: {exc.strerror or exc}"
-                + (" (it is a symbolic link, which ckptstore never follows there; remove it)" if os.path.islink(path) else ""),
-                errno=exc.errno,
-            ) from None
+        fd = small.open_nofollow(path, os.O_RDWR | os.O_CREAT)
         try:
             owner = os.fstat(fd).st_uid
             if owner != os.geteuid():
@@ -146,10 +139,15 @@ class Staged:
 
 
 class RamTier(Tier):
-    """Two (or more) reusable staging slots for one rank of one job."""
+    """Two (or more) reusable staging slots for one rank of one job.
+
+    Node-local: the slots of every rank on a node lie in the same ``ram_dir``, so a restart on the
+    node restores any of those ranks' shards from RAM (``holdings``)."""
+
+    capabilities = Capabilities(node_local=True)
 
     def __init__(self, job: str, rank: int = 0, *, ram_dir: str = "/dev/shm", slots: int = 2) -> None:
-        if not _NAME_RE.match(job):
+        if not valid_job(job):
             raise InvalidArgumentError(f"job {job!r} must be 1-100 characters of letters, digits, '.', '_' or '-'")
         if slots < 1:
             raise InvalidArgumentError("slots must be at least 1")
@@ -160,17 +158,40 @@ class RamTier(Tier):
         self._by_step: dict[int, Staged] = {}  # staged, not yet committed
         self._slot_sums: dict[int, dict[str, Any]] = {}
         self._streams: dict[Any, Any] = {}
-        self._replicas: dict[tuple[int, int], Slot] = {}  # (source rank, slot) -> segment
-        self._replica_next: dict[int, int] = {}
         self._slots: dict[int, Slot] = {}
-        self._next = 0
+        # Staging never goes into the slot holding this rank's newest committed snapshot (unless
+        # there is only one slot), so a crash while staging, or a save that never commits, never
+        # destroys the newest RAM copy (after a restart too).
+        self._newest: tuple[int, int] | None = None  # (step, slot)
+        self._find_newest()
+        self._next = (self._newest[1] + 1) % slots if self._newest else 0
         # Per slot: the layout it holds and, per key, the identity of the source tensor it copied
         # (storage pointer, version counter, shape, strides, dtype) -- the basis of skipping.
         self._layout_sig: dict[int, str] = {}
         self._sources: dict[int, dict[str, tuple]] = {}
 
-    def _name(self, slot: int, ext: str) -> str:
-        return os.path.join(self.ram_dir, f"ckptstore-{self.job}-r{self.rank:05d}-s{slot}.{ext}")
+    def _find_newest(self) -> None:
+        mine = self._docs(self.rank)
+        newest = max(mine, key=lambda d: d["step"]) if mine else None
+        self._newest = (newest["step"], newest["slot"]) if newest else None
+
+    def set_slots(self, slots: int) -> None:
+        """Use ``slots`` staging slots (fixed at a store's first save, from its RAM budget)."""
+        if slots < 1:
+            raise InvalidArgumentError("slots must be at least 1")
+        self.nslots, self._next = slots, self._next % slots
+
+    @property
+    def next_slot(self) -> int:
+        """The slot the next :meth:`stage` copies into: the next in turn, passing over the one that
+        holds this rank's newest committed snapshot."""
+        index = self._next
+        if self.nslots > 1 and self._newest is not None and index == self._newest[1]:
+            index = (index + 1) % self.nslots
+        return index
+
+    def _name(self, slot: int, ext: str, rank: int | None = None) -> str:
+        return os.path.join(self.ram_dir, segment(self.job, self.rank if rank is None else rank, slot, ext))
 
     def _slot(self, index: int, size: int) -> Slot:
         slot = self._slots.get(index)
@@ -180,9 +201,14 @@ class RamTier(Tier):
             slot = self._slots[index] = Slot(self._name(index, "bin"), size)
         return slot
 
+    @property
+    def pinned(self) -> bool:
+        """Whether every slot in use is page-locked (CUDA present and the registration granted)."""
+        return bool(self._slots) and all(s.pinned for s in self._slots.values())
+
     def stage(
         self, step: int, items: list[tuple[str, torch.Tensor]], *, may_skip: frozenset[str] = frozenset(),
-        breaks: frozenset[int] = frozenset(),
+        breaks: frozenset[int] = frozenset(), slot: int | None = None,
     ) -> Staged:
         """Copy ``items`` into the next slot; the blocking part of a save. Returns what was staged.
 
@@ -190,17 +216,20 @@ class RamTier(Tier):
         the same version counter (frozen weights in fine-tuning). This is opt-in because writes
         through ``.data``, numpy views or DLPack change a tensor without bumping its version
         counter: the caller decides which tensors are truly frozen and refreshes them now and then
-        (an empty ``may_skip`` copies everything). ``breaks``: see :meth:`Layout.of`.
+        (an empty ``may_skip`` copies everything). ``breaks``: see :meth:`Layout.of`. ``slot``: the
+        slot to stage into, as :attr:`next_slot` named it to a caller that waited for it to be free.
 
         The slot's previous manifest is removed first, so a crash mid-copy never leaves a
         committed-looking snapshot with half-overwritten bytes.
         """
         layout = Layout.of(items, breaks)
-        index = self._next
-        self._next = (self._next + 1) % self.nslots
-        _unlink(self._name(index, "json"))
+        index = self.next_slot if slot is None else slot
+        self._next = (index + 1) % self.nslots
+        if self._newest is not None and self._newest[1] == index:
+            self._newest = None  # one slot only: its snapshot goes now
+        remove_file(self._name(index, "json"))
         self._by_step = {s: st for s, st in self._by_step.items() if st.slot != index}
-        slot = self._slot(index, layout.total)
+        segment = self._slot(index, layout.total)
         if self._layout_sig.get(index) != layout.signature:
             self._sources[index] = {}  # another layout (or a new segment): nothing in the slot is reusable
             self._slot_sums.pop(index, None)
@@ -219,7 +248,7 @@ class RamTier(Tier):
                 if e.nbytes:
                     # Device tensors on the side stream's device copy asynchronously into the
                     # pinned slot; everything else is an ordinary synchronous copy.
-                    slot.view(e).copy_(src.detach(), non_blocking=stream is not None and src.device == stream.device)
+                    segment.view(e).copy_(src.detach(), non_blocking=stream is not None and src.device == stream.device)
                     copied += e.nbytes
                 held[key] = identity
         if stream is not None:
@@ -268,7 +297,7 @@ class RamTier(Tier):
         staged.sums = self._slot_sums[staged.slot] = out
         return out
 
-    def commit_staged(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+    async def _publish(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None) -> None:
         """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes."""
         doc = {
             "format": RAM_FORMAT,
@@ -283,10 +312,13 @@ class RamTier(Tier):
             "committed_unix": round(time.time(), 3),
             "extra": extra or {},
         }
-        path = self._name(staged.slot, "json")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        _write_doc(tmp, doc)
-        os.replace(tmp, path)
+        await write_doc(self._name(staged.slot, "json"), doc)
+        if self._newest is None or staged.step >= self._newest[0]:
+            self._newest = (staged.step, staged.slot)
+
+    def commit_staged(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        """Commit a staged snapshot outside a store (its manifest, if any, in ``extra``)."""
+        run_sync(self._publish(staged, checksums, extra))
 
     def committed(self) -> list[dict[str, Any]]:
         """Committed snapshots of this job and rank found in ram_dir, newest step first.
@@ -338,7 +370,7 @@ class RamTier(Tier):
             out[e.key] = t.clone()
         return out
 
-    # ------------------------------------------------------------------ the Tier interface
+    # ------------------------------------------------------------------ the Tier contract
 
     def snapshot(self, staged: Staged, world: int, boxes: dict[str, tuple[int, ...]], frozen_end: int = 0) -> Snapshot:
         """The staged slot as every tier receives it (after :meth:`checksums`). ``boxes`` gives
@@ -355,139 +387,83 @@ class RamTier(Tier):
             blocks = sums.get("block_checksums")
             chunks[e.key] = [{
                 "offsets": list(boxes.get(e.key, (0,) * len(e.shape))), "sizes": list(e.shape),
-                "file": f"data/rank-{self.rank:05d}.bin", "offset": e.offset, "length": e.nbytes, "codec": "raw",
+                "file": data_file(self.rank), "offset": e.offset, "length": e.nbytes, "codec": "raw",
                 "checksum": sums["checksum"], "block_size": sums.get("block_size") if blocks else None,
                 "block_checksums": blocks,
             }]
         data = slot.buffer.narrow(0, 0, staged.layout.total)
         return Snapshot(staged.step, self.rank, world, data, chunks, frozen_end, {"timings": {"stage_s": round(staged.seconds, 6)}})
 
-    def put_sync(self, snap: Snapshot) -> dict[str, Any]:
+    async def put(self, snap: Snapshot) -> dict[str, Any]:
         staged = self._by_step.get(snap.step)
         if staged is None or snap.rank != self.rank:
             raise CheckpointError(f"step {snap.step} is not staged in this RAM tier (rank {self.rank})")
         return {"rank": self.rank, "world_size": snap.world, "host": socket.gethostname(), "pid": os.getpid(),
                 "bytes": snap.nbytes, "written_bytes": 0, "chunks": snap.chunks, "timings": snap.meta.get("timings", {})}
 
-    def commit_sync(self, step: int, manifest: Manifest) -> None:
+    async def commit(self, step: int, manifest: Manifest) -> None:
         staged = self._by_step.pop(step, None)
         if staged is None:
             raise CheckpointError(f"step {step} is not staged in this RAM tier (rank {self.rank}), or its slot was reused")
-        self.commit_staged(staged, staged.sums or {}, {"manifest": manifest.to_json_bytes().decode()})
+        await self._publish(staged, staged.sums or {}, {"manifest": manifest.to_json_bytes().decode()})
 
     def _docs(self, rank: int) -> list[dict[str, Any]]:
-        """Committed snapshots of ``rank`` of this job in ram_dir (any rank on this node)."""
-        prefix = f"ckptstore-{self.job}-r{rank:05d}-s"
+        """Committed snapshots of ``rank`` of this job in ram_dir (any rank on this node), whose
+        documents also say they are that slot's: the slots this rank reuses and lists."""
         docs = []
-        for name in sorted(os.listdir(self.ram_dir)):
-            if not (name.startswith(prefix) and name.endswith(".json") and name[len(prefix) : -5].isdigit()):
+        for seg, path, doc in scan(self.job, self.ram_dir):
+            if seg.src is not None or seg.rank != rank:
                 continue
-            path = os.path.join(self.ram_dir, name)
-            try:
-                doc = read_doc(path)
-            except FileNotFoundError:
-                continue
-            except (OSError, CorruptCheckpointError) as exc:
-                # Unreadable: not a usable copy; restore falls back to another tier.
-                _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its manifest is unreadable ({exc})")
-                continue
-            seg = path[:-5] + ".bin"
-            if (not usable_doc(doc) or doc.get("job") != self.job or doc.get("rank") != rank
-                    or doc.get("slot") != int(name[len(prefix) : -5])):
+            if doc.get("job") != self.job or doc.get("rank") != rank or doc.get("slot") != seg.slot:
                 _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its manifest is not one of this job's")
-                continue
-            size = os.path.getsize(seg) if os.path.exists(seg) and not os.path.islink(seg) else None
-            expected = doc.get("size")
-            if size != expected:
-                why = "it is missing" if size is None else f"it holds {size} bytes, its manifest says {expected}"
-                _warn_once(path, f"ckptstore: ignoring the RAM copy of step {doc.get('step')} in {seg}: {why}")
                 continue
             docs.append(doc)
         return docs
 
-    def steps_sync(self) -> list[int]:
+    async def steps(self) -> list[int]:
         return sorted({d["step"] for d in self._docs(self.rank)})
 
-    def manifest_sync(self, step: int) -> Manifest:
+    async def manifest(self, step: int) -> Manifest:
         for doc in self._docs(self.rank):
             if doc["step"] == step:
                 return parse_manifest(doc["extra"]["manifest"].encode(), where=self.display(step))
-        from ..errors import CheckpointNotFoundError
-
         raise CheckpointNotFoundError(f"{self.display(step)}: no committed snapshot of this step")
 
     def opener(self, step: int) -> Callable[[str | None], Source]:
         def open_file(rel: str | None) -> Source:
-            m = _DATA_RE.match(rel or "")
-            if m is None:
+            rank = data_file_rank(rel)
+            if rank is None:
                 raise CorruptCheckpointError(f"{self.display(step)}: chunk file {rel!r} is not a RAM-tier data file")
-            rank = int(m.group(1))
             for doc in self._docs(rank):
                 if doc["step"] == step:
-                    path = self._name_of(rank, doc["slot"], "bin")
+                    path = self._name(doc["slot"], "bin", rank)
                     return open_source(Target(display=path, path=path))
-            from ..errors import CheckpointNotFoundError
-
             raise CheckpointNotFoundError(f"{self.display(step)}: rank {rank}'s snapshot is not in {self.ram_dir} on this node")
 
         return open_file
 
-    def remove_sync(self, step: int) -> None:
+    def holdings(self, step: int) -> Holdings:
+        """Every rank's committed slot of ``step`` in this node's ram_dir."""
+        return segment_holdings(self.job, self.ram_dir, step, replicas=False)
+
+    def node_steps(self) -> set[int]:
+        return {doc["step"] for seg, _path, doc in scan(self.job, self.ram_dir) if seg.src is None}
+
+    async def remove(self, step: int) -> None:
         for doc in self._docs(self.rank):
             if doc["step"] == step:
-                _unlink(self._name(doc["slot"], "json"))
+                remove_file(self._name(doc["slot"], "json"))
+        self._find_newest()
 
     def display(self, step: int) -> str:
         return f"RAM tier {self.ram_dir} (job {self.job}, step {step})"
 
-    def _name_of(self, rank: int, slot: int, ext: str) -> str:
-        return os.path.join(self.ram_dir, f"ckptstore-{self.job}-r{rank:05d}-s{slot}.{ext}")
-
-    # ------------------------------------------------------------------ peer replicas
-
-    def _replica_name(self, src: int, slot: int, ext: str) -> str:
-        return os.path.join(self.ram_dir, f"ckptstore-{self.job}-r{self.rank:05d}-peer{src:05d}-s{slot}.{ext}")
-
-    def replica_buffer(self, src: int, size: int) -> tuple[int, torch.Tensor]:
-        """A segment to receive rank ``src``'s next snapshot into: of two, the one not holding the
-        newest committed replica (so a transfer cut short never costs the last good copy)."""
-        slot = self._replica_next.get(src)
-        if slot is None:
-            held = []
-            for k in (0, 1):
-                try:
-                    step = read_doc(self._replica_name(src, k, "json")).get("step", -1)
-                except (OSError, CorruptCheckpointError):
-                    step = -1
-                held.append((step if type(step) is int else -1, k))
-            slot = min(held)[1]
-        self._replica_next[src] = 1 - slot
-        _unlink(self._replica_name(src, slot, "json"))
-        seg = self._replicas.get((src, slot))
-        if seg is None or seg.size != size:
-            if seg is not None:
-                seg.release()
-            seg = self._replicas[(src, slot)] = Slot(self._replica_name(src, slot, "bin"), size)
-        return slot, seg.buffer.narrow(0, 0, size)
-
-    def commit_replica(self, src: int, slot: int, step: int, size: int, manifest: bytes) -> None:
-        """The received replica is verified: make it visible to restores (by rename, after the bytes)."""
-        doc = {"format": RAM_FORMAT, "job": self.job, "rank": self.rank, "src": src, "step": step, "slot": slot,
-               "size": size, "committed_unix": round(time.time(), 3), "extra": {"manifest": manifest.decode()}}
-        path = self._replica_name(src, slot, "json")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        _write_doc(tmp, doc)
-        os.replace(tmp, path)
-
     def close(self, *, unlink: bool = False) -> None:
-        for seg in self._replicas.values():
-            seg.release()
-        self._replicas.clear()
         for index, slot in self._slots.items():
             slot.release()
             if unlink:
-                _unlink(self._name(index, "bin"))
-                _unlink(self._name(index, "json"))
+                remove_file(self._name(index, "bin"))
+                remove_file(self._name(index, "json"))
         self._slots.clear()
 
 
@@ -501,23 +477,10 @@ def _warn_once(path: str, message: str) -> None:
         logging.getLogger("ckptstore").warning("%s", message)
 
 
-def _write_doc(path: str, doc: dict[str, Any]) -> None:
-    # O_NOFOLLOW: a link planted in a shared ram_dir under this name must not redirect the write.
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise StorageError(
-            f"cannot write {path}: {exc.strerror or exc}"
-            + (" (it is a symbolic link, which ckptstore never follows there; remove it)" if os.path.islink(path) else ""),
-            errno=exc.errno,
-        ) from None
-    try:
-        os.fchmod(fd, 0o600)
-        data = memoryview(json.dumps(doc, separators=(",", ":")).encode())
-        while data:
-            data = data[os.write(fd, data) :]
-    finally:
-        os.close(fd)
+async def write_doc(path: str, doc: dict[str, Any]) -> None:
+    """A RAM-tier document, published by rename after its bytes (tmpfs: no fsync)."""
+    await small.write(Target(display=path, path=path), json.dumps(doc, separators=(",", ":")).encode(),
+                      tmp=document_temporary(path), durable=False)
 
 
 def read_doc(path: str) -> dict[str, Any]:
@@ -555,6 +518,61 @@ def usable_doc(doc: dict[str, Any]) -> bool:
         and isinstance(extra, dict)
         and isinstance(extra.get("manifest"), str)
     )
+
+
+def scan(job: str, ram_dir: str) -> list[tuple[Segment, str, dict[str, Any]]]:
+    """The committed segments of ``job`` in ``ram_dir`` (every rank's slots and replicas): each
+    with its parsed name, its document's path, and the document. A document that cannot be read,
+    lacks what a restore relies on, or whose segment is missing or of another size is named once
+    in a warning and passed over (a restore uses another copy). Segments are always found by the
+    document's own file name, never by what the document says, so a tampered slot or rank field
+    can point a reader nowhere else."""
+    try:
+        names = sorted(os.listdir(ram_dir))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        seg = parse_segment(name)
+        if seg is None or seg.job != job or seg.ext != "json":
+            continue
+        path = os.path.join(ram_dir, name)
+        try:
+            doc = read_doc(path)
+        except FileNotFoundError:
+            continue  # being rewritten
+        except (OSError, CorruptCheckpointError) as exc:
+            _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its manifest is unreadable ({exc})")
+            continue
+        if not usable_doc(doc):
+            _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its manifest is not one of this job's")
+            continue
+        bin_path = path[:-5] + ".bin"
+        size = os.path.getsize(bin_path) if os.path.exists(bin_path) and not os.path.islink(bin_path) else None
+        if size != doc["size"]:
+            why = "it is missing" if size is None else f"it holds {size} bytes, its manifest says {doc['size']}"
+            _warn_once(path, f"ckptstore: ignoring the RAM copy of step {doc['step']} in {bin_path}: {why}")
+            continue
+        out.append((seg, path, doc))
+    return out
+
+
+def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool) -> Holdings:
+    """What the segments of ``job`` in ``ram_dir`` hold of ``step``: every rank's own slots, or
+    (``replicas``) the replicas ranks of this node received from other nodes."""
+    held = Holdings()
+    tier = "peer" if replicas else "ram"
+    for seg, path, doc in scan(job, ram_dir):
+        if (seg.src is not None) != replicas or doc["step"] != step:
+            continue
+        bin_path = path[:-5] + ".bin"
+        held.files.append(Held(data_file(seg.owner), bin_path, tier, _opener(bin_path)))
+        held.manifests.append((doc["extra"]["manifest"].encode(), path))
+    return held
+
+
+def _opener(path: str) -> Callable[[], Source]:
+    return lambda: open_source(Target(display=path, path=path))
 
 
 def _entries(doc: dict[str, Any]) -> list[SlotEntry]:
@@ -602,7 +620,8 @@ class _on:
             self.ctx.__exit__(*exc)
 
 
-def _unlink(path: str) -> None:
+def remove_file(path: str) -> None:
+    """Remove a segment or document; one already gone is not an error."""
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -7,7 +7,6 @@ the bytes of a complete single-file container, and back.
 
 from __future__ import annotations
 
-import base64
 import io
 import pickle
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from .._buffers import byte_view
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
-from ..format.tree import Decoder, parse_device
+from ..format.tree import Decoder, grad_flags, npscalar_value, numpy_dtype, parse_device
 from ..planning.flatten import plan as make_plan
 from ..storage.targets import FileObjectSink, FileObjectSource, Source
 from .single_file import open_container, read_entries, write_container
@@ -80,8 +79,7 @@ class _Materializer:
 
     def resolve(self, tag: str, node: dict[str, Any]) -> Any:
         if tag == "$npscalar":
-            dt = _numpy_dtype(node["$npscalar"], self)
-            return np.frombuffer(base64.b64decode(node["b64"]), dtype=dt)[0].copy()
+            return npscalar_value(node, self.bad)
         if tag == "$pickle":
             key = node["$pickle"]
             # Checked here too, not only against the manifest's `pickled` list in load(): a crafted
@@ -94,7 +92,7 @@ class _Materializer:
                 )
             return pickle.loads(byte_view(self.entry_buffer(key)))  # noqa: S301
         if tag == "$ndarray":
-            dt = _numpy_dtype(node["dtype"], self)
+            dt = numpy_dtype(node["dtype"], self.bad)
             shape = tuple(node["shape"])
             raw = self.entry_buffer(node["$ndarray"]).numpy()
             if len(raw) != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
@@ -106,12 +104,7 @@ class _Materializer:
         if obj_id in self.objects:
             return self.objects[obj_id]
         tensor = self.tensor(node) if tag == "$tensor" else self.view(node)
-        if (node.get("param") or node.get("requires_grad")) and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise self.bad(f"{node[tag]!r} is a {tensor.dtype} tensor marked as requiring gradients", node[tag])
-        if node.get("param"):
-            tensor = torch.nn.Parameter(tensor, requires_grad=bool(node.get("requires_grad")))
-        elif node.get("requires_grad"):
-            tensor.requires_grad_(True)
+        tensor = grad_flags(tensor, node, lambda message: self.bad(message, node[tag]))
         if obj_id is not None:
             self.objects[obj_id] = tensor
         return tensor
@@ -153,16 +146,6 @@ class _Materializer:
 def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Through uint8: allocating some dtypes directly warns (complex32 is "experimental").
     return torch.empty(0, dtype=torch.uint8, device=device).view(dtype)
-
-
-def _numpy_dtype(spec: Any, m: _Materializer) -> np.dtype:
-    try:
-        dt = np.dtype(spec) if isinstance(spec, str) else None
-    except TypeError:
-        dt = None
-    if dt is None or dt.kind not in "biufc" or dt.fields is not None:
-        raise m.bad(f"numpy dtype {spec!r} is not a plain numeric dtype")
-    return dt
 
 
 def _relocate(buf: torch.Tensor, location: str, map_location: MapLocation) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 
 from .._buffers import byte_view
 from .._version import __version__
+from ..collective import Group
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -43,8 +44,9 @@ from ..format.checksum import verify
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
+from ..names import MANIFEST, data_file, part_file
 from ..planning.flatten import contiguous_bytes, escape_key
-from ..planning.sharding import Box, ItemMeta, read_plan, replica_writer, row_span, shard_box, spread
+from ..planning.sharding import Box, ItemMeta, intersect, read_plan, replica_writer, row_span, shard_box, spread
 from ..storage.targets import (
     ShortRead,
     Source,
@@ -58,17 +60,8 @@ from ..storage.targets import (
 from .memory import alloc_bytes
 from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
 
-MANIFEST = "manifest.json"
 BLOCK_SIZE = 4 << 20
 DEFAULT_READ_BUFFER = 256 << 20
-
-
-def data_file(rank: int) -> str:
-    return f"data/rank-{rank:05d}.bin"
-
-
-def part_file(rank: int) -> str:
-    return f"parts/rank-{rank:05d}.json"
 
 
 class PerRank:
@@ -101,46 +94,6 @@ class GlobalBox:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-class Group:
-    """The ranks taking part: a torch.distributed process group, or this process alone."""
-
-    def __init__(self, process_group: Any) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
-        if process_group is None and not (dist.is_available() and dist.is_initialized()):
-            self.pg, self.rank, self.world = None, 0, 1
-        else:
-            self.pg = process_group
-            self.rank = dist.get_rank(process_group)
-            self.world = dist.get_world_size(process_group)
-
-    @classmethod
-    def solo(cls) -> Group:
-        """This process alone, even when torch.distributed is initialized."""
-        group = cls.__new__(cls)
-        import torch.distributed as dist
-
-        group._dist, group.pg, group.rank, group.world = dist, None, 0, 1
-        return group
-
-    def gather_to_root(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
-        if self.world == 1:
-            return [obj]
-        dst = 0 if self.pg is None else self._dist.get_global_rank(self.pg, 0)
-        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        self._dist.gather_object(obj, out, dst=dst, group=self.pg)
-        return out or []
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self._dist.all_gather_object(out, obj, group=self.pg)
-        return out
 
 
 class Directory:
@@ -219,7 +172,7 @@ class Directory:
 
 
 @dataclass
-class _Local:
+class Collected:
     """What one rank holds: its boxes of each tensor, and the tree of the state dict."""
 
     tree: Any = None
@@ -285,7 +238,7 @@ def _replicas(t: torch.Tensor) -> tuple:
     return ("replicas", count, index)
 
 
-def _my_writes(local: _Local, world: int, rank: int) -> list[ItemMeta]:
+def my_writes(local: Collected, world: int, rank: int) -> list[ItemMeta]:
     """The boxes this rank writes, decided without communication: each distinct box exactly once
     across the job (empty boxes not at all), in the state dict's order."""
     metas, everywhere = [], []
@@ -309,14 +262,14 @@ def _my_writes(local: _Local, world: int, rank: int) -> list[ItemMeta]:
     return [m for m in metas if writes(m)]
 
 
-def _digest(local: _Local) -> str:
+def structure_digest(local: Collected) -> str:
     """What every rank must agree on: the keys, dtypes and global shapes of the shared tensors."""
     shared = sorted((k, v[0], list(v[1])) for k, v in local.tensors.items() if "#rank" not in k)
     return hashlib.sha256(json.dumps(shared).encode()).hexdigest()
 
 
-def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> _Local:
-    local = _Local()
+def collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> Collected:
+    local = Collected()
     seen: dict[int, dict[str, Any]] = {}
     taken: set[str] = set()
 
@@ -363,7 +316,7 @@ def _collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> 
     return local
 
 
-def _collect_box(local: _Local, box: GlobalBox, key: str, where: str) -> dict[str, str]:
+def _collect_box(local: Collected, box: GlobalBox, key: str, where: str) -> dict[str, str]:
     name = dtype_name(box.dtype)
     if name is None:
         raise UnsupportedObjectError(f"{where}: {box.dtype} tensors cannot be stored")
@@ -417,13 +370,13 @@ def save(
         directory.makedirs()
 
     # Planning is local: which boxes this rank writes follows from its own boxes and placements
-    # (see _my_writes); the ranks exchange only a digest of what they hold, so the cost does not
+    # (see my_writes); the ranks exchange only a digest of what they hold, so the cost does not
     # grow with ranks x tensors.
     status: dict[str, Any]
     try:
-        local = _collect(state, rank, encode_per_rank)
-        mine = _my_writes(local, group.world, rank)
-        status = {"ok": True, "digest": _digest(local)}
+        local = collect(state, rank, encode_per_rank)
+        mine = my_writes(local, group.world, rank)
+        status = {"ok": True, "digest": structure_digest(local)}
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
         status = {"ok": False, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
     gathered = group.all_gather(status)
@@ -447,7 +400,7 @@ def save(
     if rank == 0:
         try:
             _raise_if_failed(results)
-            manifest = _build_manifest(local.tree, local.tensors, [r["part"] for r in results], group.world)
+            manifest = build_manifest(local.tree, local.tensors, [r["part"] for r in results], group.world)
             body = manifest.to_json_bytes()
             parse_manifest(body, where=f"{directory.display}/{MANIFEST}")  # never commit what we would refuse to read
             directory.write_small(MANIFEST, body)
@@ -465,7 +418,7 @@ def _raise_if_failed(statuses: list[dict[str, Any]]) -> None:
 
 
 def _write_rank(
-    directory: Directory, rank: int, world: int, local: _Local, mine: list[ItemMeta], t0: float, t_plan: float
+    directory: Directory, rank: int, world: int, local: Collected, mine: list[ItemMeta], t0: float, t_plan: float
 ) -> dict[str, Any]:
     chunks: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     written_bytes = 0
@@ -507,7 +460,7 @@ def _write_rank(
     return part
 
 
-def _build_manifest(
+def build_manifest(
     tree: Any, tensors_meta: dict[str, tuple[str, tuple[int, ...]]], parts: list[dict[str, Any]], world: int
 ) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
@@ -675,6 +628,29 @@ def load(
         buffer_bytes=buffer_bytes,
         decode_per_rank=decode_per_rank,
     )
+
+
+def chunks_needed(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, int, int]]:
+    """The (file, offset, length) of every chunk a load of ``state`` by ``rank`` of ``world`` will
+    read (whole chunks): the load's own planning walk, allocating nothing. Non-tensor leaves of
+    ``state`` are replaced by the saved values, as the load that follows does anyway."""
+    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
+    ctx = _LoadCtx(manifest, plan_only=True)
+    with torch.no_grad():
+        _fill(state, saved, [], ctx, top=True)
+    out: set[tuple[str, int, int]] = set()
+    for target in ctx.targets:
+        entry = manifest.tensors[target.key]
+        for c in entry.chunks:
+            if c.file is not None and (not c.sizes or intersect(target.box, (c.offsets, c.sizes)) is not None):
+                out.add((c.file, c.offset, c.length))
+    if int(manifest.meta.get("world_size", 1)) == world:
+        for _wrapper, key, _path in ctx.per_rank:
+            per = manifest.tensors.get(f"{key}#rank{rank:05d}")
+            for c in per.chunks if per is not None else []:
+                if c.file is not None:
+                    out.add((c.file, c.offset, c.length))
+    return sorted(out)
 
 
 def load_manifest(

@@ -1,0 +1,171 @@
+"""The ranks of a job acting together, and the one way they agree on an outcome.
+
+:class:`Group` is a torch.distributed process group, or this process alone. :func:`agree` runs a
+piece of work on every rank and lets every rank learn every outcome: all ranks get the list of
+results, or all ranks raise, so no rank is ever left waiting in a collective that the others
+skipped. A failure keeps its class across ranks (see :func:`ckptstore.errors.collective_error`).
+
+:func:`store_groups` creates the gloo groups a CheckpointStore runs on: collectives of the store
+never travel on the trainer's own group (often NCCL, and busy with the trainer's work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import RankFailure, collective_error
+
+
+class Group:
+    """The ranks taking part: a torch.distributed process group, or this process alone."""
+
+    def __init__(self, process_group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        if process_group is None and not (dist.is_available() and dist.is_initialized()):
+            self.pg, self.rank, self.world = None, 0, 1
+        else:
+            self.pg = process_group
+            self.rank = dist.get_rank(process_group)
+            self.world = dist.get_world_size(process_group)
+
+    @classmethod
+    def solo(cls) -> Group:
+        """This process alone, even when torch.distributed is initialized."""
+        group = cls.__new__(cls)
+        import torch.distributed as dist
+
+        group._dist, group.pg, group.rank, group.world = dist, None, 0, 1
+        return group
+
+    def global_rank(self, rank: int) -> int:
+        """The rank in the default group of this group's ``rank``."""
+        return rank if self.pg is None else self._dist.get_global_rank(self.pg, rank)
+
+    def gather_to_root(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on rank 0 (an empty list elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self._dist.gather_object(obj, out, dst=self.global_rank(0), group=self.pg)
+        return out or []
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+
+def failure_record(rank: int, exc: BaseException) -> dict[str, Any]:
+    """How ``exc`` travels to the other ranks: a plain dict (see :class:`~ckptstore.errors.RankFailure`)."""
+    return dataclasses.asdict(RankFailure.of(rank, exc, socket.gethostname()))
+
+
+def failures_from(records: list[dict[str, Any] | None]) -> dict[int, RankFailure]:
+    """The failures among gathered records (None where a rank did not fail), by rank."""
+    return {r["rank"]: RankFailure(**r) for r in records if r is not None}
+
+
+def _status(rank: int, fn: Callable[[], Any]) -> tuple[dict[str, Any], BaseException | None]:
+    try:
+        return {"ok": True, "value": fn()}, None
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+        return _failed(rank, exc), exc
+
+
+def _failed(rank: int, exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "failure": failure_record(rank, exc)}
+
+
+def settle(what: str, statuses: list[dict[str, Any]], rank: int, local: BaseException | None, *,
+           own_error_first: bool = False) -> list[Any]:
+    """Every rank's value, or the error all ranks raise (see :func:`agree`)."""
+    failures = failures_from([s.get("failure") for s in statuses if not s["ok"]])
+    if not failures:
+        return [s.get("value") for s in statuses]
+    if local is not None and (len(statuses) == 1 or (own_error_first and len(failures) == 1)):
+        raise local  # this rank's own error, as raised: it alone failed, and it says best what and where
+    if own_error_first and local is None:
+        detail = "; ".join(f"rank {f.rank}: {f.message}" for f in sorted(failures.values(), key=lambda f: f.rank))
+        message = f"{what} failed on other ranks: {detail}"
+    else:
+        message = f"{what} failed: " + "; ".join(f.describe() for f in sorted(failures.values(), key=lambda f: f.rank))
+    raise collective_error(message, failures, local=local) from local
+
+
+def agree(group: Group, what: str, fn: Callable[[], Any], *, own_error_first: bool = False) -> list[Any]:
+    """Run ``fn`` on this rank, then learn every rank's outcome: every rank returns the list of all
+    ranks' results, or every rank raises.
+
+    The error raised is a :class:`~ckptstore.errors.CollectiveError` that names each failing rank and
+    carries their failures (of their class, when they share one). In a single process, and with
+    ``own_error_first`` on a rank that alone failed, the rank's own exception is raised unchanged;
+    with ``own_error_first`` the other ranks' message says the save "failed on other ranks"."""
+    status, local = _status(group.rank, fn)
+    statuses = group.all_gather(status) if group.world > 1 else [status]
+    return settle(what, statuses, group.rank, local, own_error_first=own_error_first)
+
+
+async def agree_async(group: Group, what: str, work: Callable[[], Awaitable[Any]]) -> list[Any]:
+    """:func:`agree` on an event loop: ``work()`` is awaited here (blocking work is handed to a thread
+    by the caller, with ``asyncio.to_thread``); the exchange of outcomes runs in a thread."""
+    local: BaseException | None = None
+    try:
+        status: dict[str, Any] = {"ok": True, "value": await work()}
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        local, status = exc, _failed(group.rank, exc)
+    statuses = await asyncio.to_thread(group.all_gather, status) if group.world > 1 else [status]
+    return settle(what, statuses, group.rank, local)
+
+
+@dataclass(frozen=True)
+class StoreGroups:
+    """The gloo groups of one CheckpointStore, over the ranks of its process group.
+
+    ``trainer`` carries what the trainer's thread agrees on (each save, each restore); ``fast``,
+    ``durable`` and ``peer`` each belong to one background lane (collectives of one group must
+    keep one order on every rank, and the lanes run independently); ``transfer`` carries only the
+    point-to-point bytes of a restore, because gloo numbers point-to-point and collective messages
+    in one tag space. ``peer`` waits at most ``peer_timeout_s``, the others ``timeout_s``."""
+
+    trainer: Group
+    fast: Group
+    durable: Group
+    peer: Group
+    transfer: Group
+
+    @property
+    def rank(self) -> int:
+        return self.trainer.rank
+
+    @property
+    def world(self) -> int:
+        return self.trainer.world
+
+
+def store_groups(process_group: Any, timeout_s: float, peer_timeout_s: float) -> StoreGroups:
+    group = Group(process_group)
+    if group.world == 1:
+        solo = Group.solo()
+        return StoreGroups(solo, solo, solo, solo, solo)
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"backend": "gloo", "timeout": datetime.timedelta(seconds=timeout_s)}
+    ranks = None
+    if process_group is not None:
+        ranks = dist.get_process_group_ranks(process_group)
+        if len(ranks) < dist.get_world_size():
+            kwargs["use_local_synchronization"] = True  # only the members take part in creating it
+    # Created in one order on every rank (new_group is itself collective).
+    trainer, fast, durable, transfer = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(4))
+    kwargs["timeout"] = datetime.timedelta(seconds=peer_timeout_s)
+    return StoreGroups(trainer, fast, durable, Group(dist.new_group(ranks=ranks, **kwargs)), transfer)

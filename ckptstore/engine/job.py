@@ -1,0 +1,38 @@
+"""One step on its way through the pipeline: everything the stages learn about it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..tiers.base import Snapshot
+from ..tiers.ram import Staged
+
+
+@dataclass
+class StepJob:
+    """One step on its way through the pipeline."""
+
+    step: int
+    futures: dict[str, concurrent.futures.Future | None] = field(default_factory=dict)  # tier -> committed there
+    staged: Staged | None = None
+    error: BaseException | None = None  # staging failed: the pipeline still runs, so every rank learns of it
+    tree: Any = None
+    tensors: dict[str, Any] = field(default_factory=dict)
+    digest: str = ""
+    boxes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    frozen_end: int = 0
+    snap: Snapshot | None = None
+    replicate: bool = False
+    promote: bool = False
+    # Done once nothing reads the staged slot any more (the next save into it waits for this).
+    slot_free: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    local_part: dict[str, Any] | None = None  # this rank's part in the local tier, once committed there
+    durable_data: Any = None  # the local files mapped read-only, what the promotion reads instead of the slot
+    parts: list[dict[str, Any]] = field(default_factory=list)  # every rank's RAM part, after the gather
+    shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
+    check: set[str] = field(default_factory=set)  # keys staged only to compare replicas (sdc), never written
+    live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)
+    replicated: dict[str, tuple] = field(default_factory=dict)  # key -> (offsets, sizes, kind) of replicated boxes
+    sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)

@@ -1,0 +1,575 @@
+"""Where a save goes: from the trainer's call into a RAM slot, through the background stages, into
+every tier.
+
+On the trainer's thread (:meth:`Pipeline.save`), the only part the training loop pays for:
+
+1. *collect*: walk the state, decide which boxes this rank writes (frozen ones first, then the
+   rest, then what only the replica check reads), and vote with every rank, in one all_gather, on
+   the step, on failures (this rank's, and background ones not yet raised) and on a free slot;
+2. *stage*: wait until the next RAM slot is free, copy the state into it (``RamTier.stage``);
+3. hand the step, a :class:`StepJob`, to the background loop and return a :class:`SaveHandle`.
+
+On the background loop, one step after another (the *fast* lane):
+
+4. *hash*: checksums of the staged copy, which every later copy of these bytes is checked against;
+5. *RAM commit*: gather every rank's part, build the step's manifest, commit it in every rank's RAM
+   tier (from here on a crash leaves this step restorable from RAM);
+6. *local*: write each rank's bytes to the local directory, commit there, apply retention.
+
+Then, each in a lane of its own (a lane keeps one order of collectives on every rank, and neither
+holds up the next step's RAM and local commits):
+
+7. *peer*: replicate to ranks on other nodes (every ``peer_every``-th save);
+8. *durable*: promote to the durable URL (every ``durable_every``-th save, and the last one on
+   close), reading the step's local files rather than its slot, then apply retention.
+
+A failure in a stage fails the step there and in the stages after it, reaches every rank's trainer
+at its next ``save``, ``wait`` or ``close`` with its original class, and never touches the steps
+committed before it. A failed replication only switches replication off for the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .._aio import LoopThread
+from .._faults import crashpoint
+from ..checkpoint.materialize import encode_value
+from ..checkpoint.sharded import BLOCK_SIZE, build_manifest, collect, my_writes, structure_digest
+from ..collective import Group, StoreGroups, agree_async, failure_record, settle
+from ..errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    RankFailure,
+    StorageError,
+    background_error,
+    collective_error,
+)
+from ..format.container import align_up
+from ..format.manifest import Manifest
+from ..goodput.tracker import GoodputTracker
+from ..storage import s3
+from ..tiers.base import Snapshot, Tier
+from ..tiers.directory import DirectoryTier
+from ..tiers.peer import PeerTier
+from ..tiers.ram import Layout, RamTier
+from ..train_state import TrainState
+from .job import StepJob
+from .options import StoreOptions
+from .replicas import ReplicaCheck
+from .retention import Retention
+
+log = logging.getLogger("ckptstore")
+TIERS = ("ram", "local", "peer", "durable")
+
+
+class SaveHandle:
+    """The background progress of one save: wait for a tier, or ask whether it is done.
+
+    ``step``; ``skipped`` (True when ``policy="skip"`` dropped this save); ``waited_s``, how long
+    ``save`` waited for a free RAM slot (the snapshots before it were still persisting); and
+    ``staged_s``, how long the copy into RAM took: together, what the training loop paid.
+    """
+
+    def __init__(self, step: int, futures: dict[str, concurrent.futures.Future | None], skipped: bool = False,
+                 waited_s: float = 0.0, staged_s: float = 0.0) -> None:
+        self.step, self.skipped, self._futures = step, skipped, futures
+        self.waited_s, self.staged_s = waited_s, staged_s
+
+    def done(self, tier: str = "local") -> bool:
+        """Whether the snapshot reached ``tier`` (or failed); True when it never goes there."""
+        f = self._future(tier)
+        return f is None or f.done()
+
+    def wait(self, tier: str = "local", timeout: float | None = None) -> None:
+        """Block until the snapshot is committed at ``tier``; re-raises a background failure.
+        Returns at once for a tier this step does not go to (or for a skipped save)."""
+        f = self._future(tier)
+        if f is not None:
+            f.result(timeout)
+
+    def _future(self, tier: str) -> concurrent.futures.Future | None:
+        if tier not in TIERS:
+            raise InvalidArgumentError(f"tier must be one of {', '.join(TIERS)}, not {tier!r}")
+        return self._futures.get(tier)
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ", ".join(f"{t}={'done' if self.done(t) else 'pending'}" for t in TIERS)
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+Place = tuple["concurrent.futures.Future[None] | None", "concurrent.futures.Future[None]"]
+
+
+class Lane:
+    """Work of one kind, one step after another: the collectives of a lane's group then keep one
+    order on every rank. A step takes its place with :meth:`reserve` (in step order) and runs its
+    work once the step before it in the lane is done."""
+
+    def __init__(self, name: str, group: Group) -> None:
+        self.name, self.group = name, group
+        self._tail: concurrent.futures.Future[None] | None = None
+
+    def reserve(self) -> Place:
+        prev, mine = self._tail, concurrent.futures.Future[None]()
+        self._tail = mine
+        return prev, mine
+
+    @staticmethod
+    async def run(place: Place, work: Callable[[], Awaitable[None]]) -> None:
+        prev, mine = place
+        try:
+            if prev is not None:
+                await asyncio.wrap_future(prev)
+            await work()
+        finally:
+            _resolve(mine, None)
+
+
+class BackgroundErrors:
+    """Background failures not yet raised to the trainer, by step; each is raised once."""
+
+    def __init__(self) -> None:
+        self._errors: list[tuple[int, BaseException]] = []
+        self._reported = -1  # steps up to this one were raised
+
+    def add(self, step: int, exc: BaseException) -> None:
+        self._errors.append((step, exc))
+
+    def pending(self) -> tuple[int, BaseException] | None:
+        fresh = [(step, exc) for step, exc in self._errors if step > self._reported]
+        return fresh[0] if fresh else None
+
+    def raise_pending(self, pending: tuple[int, BaseException] | None) -> None:
+        """Raise the oldest background failure once: later copies of it (another rank's report of
+        the same failed step arriving late) are dropped."""
+        if pending is None:
+            return
+        step, exc = pending
+        self._reported = max(self._reported, step)
+        self._errors = [(s, e) for s, e in self._errors if s > self._reported]
+        raise background_error(step, exc)
+
+
+class Pipeline:
+    """Saves of one store: the trainer's part in :meth:`save`, the background stages on ``loop``."""
+
+    def __init__(self, options: StoreOptions, groups: StoreGroups, *, ram: RamTier, local: DirectoryTier | None,
+                 peer: PeerTier, durable: DirectoryTier | None, local_owner: bool, check: ReplicaCheck,
+                 tracker: GoodputTracker, loop: LoopThread) -> None:
+        self.options, self.groups, self.check, self.tracker, self.loop = options, groups, check, tracker, loop
+        self.ram, self.local, self.peer, self.durable = ram, local, peer, durable
+        self.rank, self.world = groups.rank, groups.world
+        self.fast, self.peer_lane, self.durable_lane = (Lane("fast", groups.fast), Lane("peer", groups.peer),
+                                                        Lane("durable", groups.durable))
+        self.local_retention = Retention(local, options.keep_local, owner=local_owner) if local else None
+        self.durable_retention = Retention(durable, options.durable.keep, owner=self.rank == 0) if durable else None
+        self.errors = BackgroundErrors()
+        self.peer_off = False  # set when a peer did not answer in time: replication stops for this run
+        self.skipped = 0
+        self.last_step: int | None = None  # the newest step saved or restored (steps only grow)
+        self._busy: dict[int, concurrent.futures.Future] = {}  # slot -> the step that still reads it
+        self._last_ram: concurrent.futures.Future | None = None  # the RAM commit of the newest save
+        self._outstanding: set[concurrent.futures.Future] = set()
+        self._last: StepJob | None = None  # the newest step committed in RAM (close promotes it)
+        self._promoted: set[int] = set()
+        self._saves = 0
+        self._slots_set = False
+
+    # ------------------------------------------------------------------------------ the trainer's part
+
+    def save(self, step: int, state: Any) -> SaveHandle:
+        """Stage ``state`` as ``step`` and hand it to the background stages (see the module docstring)."""
+        t_enter = time.perf_counter()
+        job = StepJob(step)
+        plan = self.tracker.inputs() if self.rank == 0 else None
+        pending = self.errors.pending()
+        if self.world == 1:
+            self.errors.raise_pending(pending)
+        error: BaseException | None = None
+        busy = False
+        items: list[tuple[str, Any]] = []
+        frozen_count = 0
+        breaks: frozenset[int] = frozenset()
+        slot = self.ram.next_slot
+        try:
+            items, frozen_count, breaks = self._collect(job, state)
+            slot = self.ram.next_slot  # the number of slots is known now
+            busy = not self._slot_free(slot)
+        except Exception as exc:  # noqa: BLE001 - in a group every rank must reach the vote first
+            error = exc
+        busy, plan = self._vote(step, error, busy, plan, pending)
+        self.tracker.planned(step, plan)
+        if busy and self.options.policy == "skip":
+            self.skipped += 1
+            log.warning("ckptstore: step %d skipped: the previous snapshots are still being persisted", step)
+            self.tracker.event("skip", step=step)
+            return SaveHandle(step, {}, skipped=True)
+        waited = self._wait_for_slot(slot)
+        self._stage(job, slot, items, frozen_count, breaks)
+        self.last_step = step
+        self._saves += 1
+        job.promote = self.durable is not None and self._saves % self.options.durable.every == 0
+        job.replicate = self.options.peer.replicas > 0 and self._saves % self.options.peer.every == 0 and not self.peer_off
+        job.futures = {
+            "ram": concurrent.futures.Future(),
+            "local": concurrent.futures.Future() if self.local else None,
+            "peer": concurrent.futures.Future() if job.replicate else None,
+            "durable": concurrent.futures.Future() if job.promote else None,
+        }
+        self._last_ram = job.futures["ram"]
+        done = self.loop.submit(self._run(job, self.fast.reserve()))
+        self._outstanding = {f for f in self._outstanding if not f.done()} | {done}
+        if job.staged is not None:
+            self._busy[job.staged.slot] = job.slot_free
+        if job.error is not None:
+            raise job.error
+        handle = SaveHandle(step, job.futures, waited_s=waited, staged_s=job.staged.seconds if job.staged else 0.0)
+        staged = job.staged
+        self.tracker.saved(step, time.perf_counter() - t_enter, handle.waited_s, handle.staged_s,
+                           staged.layout.total if staged else 0, staged.copied_bytes if staged else 0)
+        return handle
+
+    def _collect(self, job: StepJob, state: Any) -> tuple[list[tuple[str, Any]], int, frozenset[int]]:
+        """What this rank stages: its boxes in slot order (frozen first), and where the slot is cut."""
+        step = job.step
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+        if self.last_step is not None and step <= self.last_step:
+            raise InvalidArgumentError(f"step {step} is not after the last saved step {self.last_step}")
+        local = collect(state.state_dict() if isinstance(state, TrainState) else state, self.rank, encode_value)
+        mine = my_writes(local, self.world, self.rank)
+        is_frozen = self.options.frozen or (lambda key: False)
+        frozen = [m for m in mine if is_frozen(m.key)]
+        rest = [m for m in mine if not is_frozen(m.key)]
+        items = [(m.key, local.items[(m.key, m.offsets, m.sizes)]) for m in frozen + rest]
+        breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
+        items += self.check.items(local, mine, job)
+        job.tree, job.tensors, job.digest = local.tree, local.tensors, structure_digest(local)
+        job.boxes = {m.key: m.offsets for m in mine}
+        self._size_slots(items, breaks)
+        return items, len(frozen), breaks
+
+    def _vote(self, step: int, error: BaseException | None, busy: bool, plan: Any,
+              pending: tuple[int, BaseException] | None) -> tuple[bool, Any]:
+        """One vote per save keeps the ranks together: on the step, on this save's failures, on a
+        background failure one rank has already seen (the others may learn of it a moment later:
+        it is raised on all of them), on a busy slot and on the plan. Raises what must be raised."""
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return busy, plan
+        mine = {"step": step, "busy": busy, "peer_off": self.peer_off, "plan": plan,
+                "ok": error is None, "failure": None if error is None else failure_record(self.rank, error),
+                "pending": None if pending is None else (pending[0], failure_record(self.rank, pending[1]))}
+        votes = self.groups.trainer.all_gather(mine)
+        reports = sorted((v["pending"] for v in votes if v["pending"]), key=lambda p: p[0])
+        if reports:
+            first_step, record = reports[0]
+            if pending is None or pending[0] != first_step:
+                failure = RankFailure(**record)
+                pending = (first_step, collective_error(failure.message, {failure.rank: failure}))
+            self.errors.raise_pending(pending)
+        settle(f"save of step {step}", votes, self.rank, error, own_error_first=True)
+        if len({v["step"] for v in votes}) > 1:
+            raise InvalidArgumentError(
+                f"ranks passed different steps to save: {[v['step'] for v in votes]}; every rank saves the same step"
+            )
+        self.peer_off = any(v["peer_off"] for v in votes)
+        return any(v["busy"] for v in votes), votes[0]["plan"]
+
+    def _size_slots(self, items: list[tuple[str, Any]], breaks: frozenset[int]) -> None:
+        """Fix the number of staging slots at the first save, from ram_budget_bytes."""
+        if self._slots_set:
+            return
+        size = Layout.of(items, breaks).total
+        budget = self.options.ram_budget_bytes
+        if budget is not None:
+            slots = budget // size
+            if slots < 1:
+                raise InvalidArgumentError(
+                    f"ram_budget_bytes={budget} is smaller than one snapshot of this state "
+                    f"({size} bytes on rank {self.rank}); raise it to at least {size} ({2 * size} lets one snapshot "
+                    "persist while the next is taken)"
+                )
+            self.ram.set_slots(slots)
+        self._slots_set = True
+
+    def _slot_free(self, slot: int) -> bool:
+        reader = self._busy.get(slot)
+        return reader is None or reader.done()
+
+    def _wait_for_slot(self, slot: int) -> float:
+        """Restaging a slot destroys the snapshot in it: first, the slot's own step must be done with
+        it, and the previous snapshot must be committed in RAM (in another slot), so that a crash
+        while staging always leaves the newest committed snapshot behind. The second wait matters
+        after a restart, when the slots hold snapshots no step of ours tracks."""
+        t0 = time.perf_counter()
+        holders = [f for f in (self._busy.get(slot), self._last_ram) if f is not None]
+        if holders:
+            concurrent.futures.wait(holders)
+        return time.perf_counter() - t0
+
+    def _stage(self, job: StepJob, slot: int, items: list[tuple[str, Any]], frozen_count: int,
+               breaks: frozenset[int]) -> None:
+        refresh = (self._saves + 1) % self.options.refresh_every == 0
+        may_skip = frozenset() if refresh else frozenset(k for k, _ in items[:frozen_count])
+        try:
+            job.staged = self.ram.stage(job.step, items, may_skip=may_skip, breaks=breaks, slot=slot)
+        except BaseException as exc:
+            job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
+            if self.world == 1:
+                raise
+        self.check.hash_live(job)
+        if job.staged is not None and frozen_count:
+            e = job.staged.layout.entries[frozen_count - 1]
+            job.frozen_end = align_up(e.offset + e.nbytes)
+
+    # ------------------------------------------------------------------------------ the background stages
+
+    async def _run(self, job: StepJob, place: Any) -> None:
+        lanes: list[tuple[Any, Callable[[StepJob], Awaitable[None]], str]] = []
+        prev, mine = place
+        try:
+            try:
+                if prev is not None:
+                    await asyncio.wrap_future(prev)
+                await self._fast_stages(job)
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
+                self._failed(job, exc)
+                return
+            # Places in the other lanes are taken before the next step may leave the fast lane,
+            # so every lane runs its steps in step order.
+            if job.replicate:
+                lanes.append((self.peer_lane.reserve(), self._replicate, "peer"))
+            if job.promote:
+                # A promotion reads the step's local files when there are some, not the slot: a slow or
+                # stuck object store then never holds a RAM slot, so it never blocks the next saves.
+                job.durable_data = self._local_view(job)
+                lanes.append((self.durable_lane.reserve(), self._promote, "durable"))
+        finally:
+            _resolve(mine, None)
+            if not lanes:
+                _resolve(job.slot_free, None)
+        try:
+            tasks = [(asyncio.ensure_future(self._in_lane(p, work, job, name)), name) for p, work, name in lanes]
+            await asyncio.gather(*(t for t, name in tasks if name == "peer" or job.durable_data is None))
+            _resolve(job.slot_free, None)
+            await asyncio.gather(*(t for t, _ in tasks))
+        finally:
+            _resolve(job.slot_free, None)
+
+    async def _in_lane(self, place: Any, work: Callable[[StepJob], Awaitable[None]], job: StepJob, lane: str) -> None:
+        async def guarded() -> None:
+            try:
+                await work(job)
+                _resolve(job.futures.get(lane), job.step)
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
+                if lane == "peer":
+                    self._replication_failed(job, exc)
+                else:
+                    self._failed(job, exc)
+
+        await Lane.run(place, guarded)
+
+    async def _fast_stages(self, job: StepJob) -> None:
+        """Checksums, the RAM commit and the local tier."""
+        fast = self.groups.fast
+
+        async def stage_part() -> dict[str, Any]:
+            if job.error is not None:
+                raise job.error
+            assert job.staged is not None
+            crashpoint("ram.staged", str(job.step))
+            t_hash = time.perf_counter()
+            await asyncio.to_thread(self.ram.checksums, job.staged, BLOCK_SIZE)
+            job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
+            self._stage_timings(job, time.perf_counter() - t_hash)
+            part = await self.ram.put(job.snap)
+            part["sdc"] = self.check.digest(job)
+            part.update(step=job.step, digest=job.digest)
+            if self.rank == 0:
+                part["shared"] = {"tree": job.tree, "tensors": job.tensors}
+            return part
+
+        parts = await agree_async(fast, f"staging step {job.step}", stage_part)
+        if len({p["step"] for p in parts}) > 1 or len({p["digest"] for p in parts}) > 1:
+            raise CheckpointError(
+                f"ranks staged different steps or different tensors (keys, dtypes or global shapes) for step "
+                f"{job.step}: every rank must save the same state dict structure at the same step"
+            )
+        job.shared = parts[0].pop("shared")
+        for p in parts[1:]:
+            p.pop("shared", None)
+        job.sdc = await self.check.compare(job, parts, lambda what, fn: agree_async(fast, what, _threaded(fn)))
+        manifest = self._manifest(job, parts)
+        job.parts = parts
+        crashpoint("ram.before_commit", str(job.step))
+        await agree_async(fast, f"committing step {job.step} in RAM", lambda: self.ram.commit(job.step, manifest))
+        crashpoint("ram.committed", str(job.step))
+        self._last = job
+        _resolve(job.futures["ram"], job.step)
+        if self.local is not None:
+            job.local_part = (await self._to_tier(self.local, job, fast))[self.rank]
+            _resolve(job.futures["local"], job.step)
+            assert self.local_retention is not None
+            await self.local_retention.apply()
+        if job.sdc and self.check.mode == "raise":
+            self._promoted.add(job.step)  # close() must not promote it to durable either
+        self.check.verdict(job, self.tracker.event)
+
+    async def _replicate(self, job: StepJob) -> None:
+        """Send this rank's staged bytes to its holders and take in the replicas it holds, over the
+        peer group; the replicas are committed with the step's manifest, as in RAM."""
+        assert job.snap is not None
+        parts = await self._to_tier(self.peer, job, self.groups.peer)
+        job.snap.meta.setdefault("timings", {})["replicate_s"] = parts[self.rank]["timings"].get("replicate_s", 0.0)
+
+    def _replication_failed(self, job: StepJob, exc: BaseException) -> None:
+        # A peer that does not answer within peer_timeout_s leaves the peer group in an unknown state:
+        # replication stops for this run (the ranks agree on the next save) rather than risk a
+        # collective that never returns. A missed replica costs a fallback at restore, never the run.
+        self.peer_off = True
+        log.error("ckptstore: replicating step %d to peers failed, replication is off for the rest of this run "
+                  "(the local and durable tiers go on): %s", job.step, exc)
+        f = job.futures.get("peer")
+        if f is not None and not f.done():
+            f.set_exception(exc)
+
+    async def _promote(self, job: StepJob) -> None:
+        assert self.durable is not None and job.snap is not None
+        # The deadline bounds the whole promotion, retries included (one retry layer, botocore's,
+        # bounded per request: storage/s3.py); past it the step fails in the durable tier only.
+        deadline = time.monotonic() + self.options.durable.timeout_s
+        snap = job.snap if job.durable_data is None else dataclasses.replace(job.snap, data=job.durable_data)
+        try:
+            await self._to_tier(self.durable, job, self.groups.durable, deadline, snap)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the HTTP stack's own errors, named for the caller
+            raise StorageError(
+                f"promoting step {job.step} to {self.durable.display(job.step)} failed: {type(exc).__name__}: {exc}; "
+                "the step stays in the RAM and local tiers and later steps are promoted as usual"
+            ) from exc
+        finally:
+            job.durable_data = None  # unmaps the local files
+        self._promoted.add(job.step)
+        assert self.durable_retention is not None
+        await self.durable_retention.apply()
+
+    async def _to_tier(self, tier: Tier, job: StepJob, group: Group, deadline: float | None = None,
+                       snap: Snapshot | None = None) -> list[dict[str, Any]]:
+        """Write the step to ``tier`` (from ``snap``, by default the staged slot's) and commit it on
+        every rank; returns every rank's part."""
+        assert job.snap is not None
+        source = snap or job.snap
+        what = f"durable_timeout_s={self.options.durable.timeout_s:g}"
+        try:
+            with s3.deadline(deadline, what):
+                parts = await agree_async(group, f"writing step {job.step} to the {tier.name} tier",
+                                          lambda: self._put(tier, source, job))
+                manifest = self._manifest(job, parts)
+                await agree_async(group, f"committing step {job.step} in the {tier.name} tier",
+                                  lambda: tier.commit(job.step, manifest))
+        except BaseException:
+            # Every rank is past its writes (the agreement said so): each removes the files it
+            # created for the failed step, so a full disk is not kept full by the attempt that
+            # found it full (and another writer's files of the same step are left alone).
+            try:
+                await tier.discard(job.step)
+            except (CheckpointError, OSError) as exc:
+                log.warning("ckptstore: cannot remove what the failed save of step %d left in %s: %s", job.step,
+                            tier.display(job.step), exc)
+            raise
+        return parts
+
+    async def _put(self, tier: Tier, snap: Snapshot, job: StepJob) -> dict[str, Any]:
+        """Write this rank's part to ``tier`` and record the step's stage timings in it. The durable
+        manifest waits (at most peer_timeout_s) for this step's replication, so it records that too."""
+        part = await tier.put(snap)
+        timings = snap.meta.setdefault("timings", {})
+        if tier is self.local:
+            timings["local_s"] = part.get("timings", {}).get("write_s", 0.0)
+        elif tier is self.durable:
+            timings["promote_s"] = part.get("timings", {}).get("write_s", 0.0)
+            peer = job.futures.get("peer")
+            if peer is not None:
+                await asyncio.to_thread(concurrent.futures.wait, [peer], self.options.peer.timeout_s)
+        part["timings"] = {**part.get("timings", {}), **timings}
+        return part
+
+    def _manifest(self, job: StepJob, parts: list[dict[str, Any]]) -> Manifest:
+        manifest = build_manifest(job.shared["tree"], job.shared["tensors"], parts, self.world)
+        manifest.meta.update({"step": job.step, "job": self.options.job})
+        if job.sdc is not None:
+            manifest.meta["sdc"] = {"policy": self.check.mode, "mismatches": job.sdc}
+        return manifest
+
+    def _stage_timings(self, job: StepJob, hash_s: float) -> None:
+        """Note the hashing time, and drop the entries staged only for the replica check from what the
+        tiers receive (they sit after every written entry, so the data is cut where those begin)."""
+        assert job.snap is not None and job.staged is not None
+        job.snap.meta.setdefault("timings", {})["hash_s"] = round(hash_s, 6)
+        if job.check:
+            for key in job.check:
+                job.snap.chunks.pop(key, None)
+            end = max((align_up(e.offset + e.nbytes) for e in job.staged.layout.entries if e.key not in job.check),
+                      default=0)
+            job.snap.data = job.snap.data.narrow(0, 0, max(min(end, job.snap.nbytes), 4096))
+
+    def _local_view(self, job: StepJob) -> Any:
+        """This rank's committed local files of the step, mapped now, right after the local commit:
+        a mapping keeps the bytes readable even when retention removes the files before a queued
+        promotion gets to them. None when there are none: the promotion reads the slot."""
+        if self.local is None or job.local_part is None or job.snap is None:
+            return None
+        return self.local.mapped(job.step, job.local_part, job.snap)
+
+    def _failed(self, job: StepJob, exc: BaseException) -> None:
+        log.error("ckptstore: background save of step %d failed: %s", job.step, exc)
+        self.errors.add(job.step, exc)
+        for f in job.futures.values():
+            if f is not None and not f.done():
+                f.set_exception(exc)
+
+    # ------------------------------------------------------------------------------ draining, closing
+
+    def drain(self) -> None:
+        """Wait until every step handed to the background is done (committed or failed)."""
+        concurrent.futures.wait(list(self._outstanding))
+
+    def close(self) -> None:
+        """Drain, promote the last snapshot if it was not; the caller stops the loop."""
+        self.drain()
+        last = self._last
+        promote = (self.durable is not None and last is not None and last.step not in self._promoted
+                   and self.errors.pending() is None)
+        if self.world > 1:
+            promote = all(self.groups.trainer.all_gather(promote))
+        if promote:
+            assert last is not None
+            self.loop.submit(self._close_promote(last)).result()
+
+    async def _close_promote(self, job: StepJob) -> None:
+        try:
+            await Lane.run(self.durable_lane.reserve(), lambda: self._promote(job))
+        except BaseException as exc:  # noqa: BLE001 - surfaced by close()
+            log.error("ckptstore: promoting step %d on close failed: %s", job.step, exc)
+            self.errors.add(job.step, exc)
+
+
+def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:
+    if f is not None and not f.done():
+        f.set_result(value)
+
+
+def _threaded(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    return lambda: asyncio.to_thread(fn)
+
+
