@@ -22,6 +22,11 @@ working when ckptstore replaces ``torch.save``/``torch.load``::
 
 Each message says what was wrong, where, and what to do about it.
 
+Where ``torch.save``/``torch.load`` raise another class for the same misuse (``AttributeError``
+for an ``f`` that is no file, ``EOFError`` for an empty file, ``IsADirectoryError`` for a
+directory, ``RuntimeError`` for a TorchScript archive under ``weights_only=True``), the error is
+also of torch's class: :func:`also` makes that class (docs/dropin.md lists the cases).
+
 A :class:`CollectiveError` carries ``failures``, one :class:`RankFailure` (exception class, message,
 host, location) per rank that failed. When every failing rank failed with the same class, the
 error is an instance of that class too: a StorageError on two ranks reaches every rank as an
@@ -197,6 +202,23 @@ class BackgroundError(CollectiveError):
 
 
 _MIXED: dict[tuple[type, type], type] = {}
+_ALSO: dict[tuple[type, type], type] = {}
+
+
+def also(base: type[CheckpointError], cls: type[BaseException]) -> type[CheckpointError]:
+    """``base`` that is also a ``cls``: the class ``torch.save``/``torch.load`` raise for the same
+    misuse, so that a handler written for torch keeps catching ckptstore's error. The class keeps
+    ``base``'s name, so messages, ``RankFailure.type`` and :func:`class_named` still say ``base``."""
+    if issubclass(base, cls) or not issubclass(cls, Exception):
+        return base
+    key = (base, cls)
+    if key not in _ALSO:
+        try:
+            _ALSO[key] = type(base.__name__, (base, cls), {"__module__": base.__module__,
+                                                           "__qualname__": base.__qualname__})
+        except TypeError:  # incompatible layouts (a C extension's exception): the base alone
+            _ALSO[key] = base
+    return _ALSO[key]
 
 
 def carrying(base: type[CollectiveError], cls: type[BaseException] | None) -> type[CollectiveError]:

@@ -23,10 +23,13 @@ from fsspec.implementations.local import LocalFileSystem
 from .._faults import crashpoint
 from ..errors import (
     CheckpointNotFoundError,
+    StorageError,
+    also,
     InvalidArgumentError,
     NotACheckpointError,
     UnknownProtocolError,
 )
+from ..format import container
 from . import direct, s3
 from .base import (
     READ_ATTEMPTS,
@@ -92,9 +95,23 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
             raise InvalidArgumentError("storage_options only apply to fsspec URLs, not to file objects")
         name = getattr(f, "name", None)
         return Target(display=f"<{type(f).__name__}{' ' + repr(name) if isinstance(name, str) else ''}>", fileobj=f)
-    raise InvalidArgumentError(
+    # torch.save/torch.load raise AttributeError here (they reach for f.write / f.seek).
+    raise also(InvalidArgumentError, AttributeError)(
         f"f must be a path, an os.PathLike, a binary file object or an fsspec URL, not {type(f).__name__}"
     )
+
+
+def stream_seekable(f: Any) -> bool:
+    """Whether a caller's file object can seek: its ``seekable()``, or for an object without one
+    (torch.load needs only read/seek/tell), whether seeking to where it is works."""
+    probe = getattr(f, "seekable", None)
+    if probe is not None:
+        return bool(probe())
+    try:
+        f.seek(f.tell())
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        return False
+    return True
 
 
 class LocalSink(Sink):
@@ -271,7 +288,7 @@ def fsync_dir(directory: str) -> None:
 class FileObjectSink(Sink):
     def __init__(self, f: Any, display: str) -> None:
         self.f, self.display = f, display
-        self.seekable = bool(getattr(f, "seekable", lambda: False)())
+        self.seekable = stream_seekable(f)
         self.start = f.tell() if self.seekable else 0
         self.pos = 0
 
@@ -285,7 +302,12 @@ class FileObjectSink(Sink):
                 view = view[n:]
                 self.pos += n
         except OSError as exc:  # includes io.UnsupportedOperation for a stream opened read-only
-            raise storage_error(exc, "write", self.display) from None
+            if isinstance(exc, io.UnsupportedOperation):
+                raise also(StorageError, type(exc))(
+                    f"cannot write {self.display}: it is not open for writing; open it with mode 'wb'") from None
+            err = storage_error(exc, "write", self.display)
+            # Also of the stream's own class (io.UnsupportedOperation, BrokenPipeError), which torch.save lets through.
+            raise also(StorageError, type(exc))(str(err), errno=err.errno) from None
 
     def tell(self) -> int:
         return self.pos
@@ -398,6 +420,14 @@ def open_sink(target: Target, tuning: WriteTuning | None = None, *, exclusive: b
     return FsspecSink(target.fs, target.fspath, target.display, exclusive)
 
 
+def _is_a_directory(display: str) -> CheckpointNotFoundError:
+    # Also IsADirectoryError, which torch.load (through open()) raises for a directory.
+    err = also(CheckpointNotFoundError, IsADirectoryError)(
+        f"{display} is a directory; ckptstore.load reads a single checkpoint file")
+    err.errno = errno.EISDIR
+    return err
+
+
 _IOV_MAX = 1024  # Linux UIO_MAXIOV: preadv takes at most this many buffers per call
 
 
@@ -413,9 +443,7 @@ class LocalSource(Source):
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {display}: the file does not exist") from None
         except IsADirectoryError:
-            raise CheckpointNotFoundError(
-                f"{display} is a directory; ckptstore.load reads a single checkpoint file"
-            ) from None
+            raise _is_a_directory(display) from None
         except OSError as exc:
             raise storage_error(exc, "read", display) from None
         st = os.fstat(self.fd)
@@ -423,7 +451,7 @@ class LocalSource(Source):
             # Linux opens directories read-only without complaint; the error would come at read time.
             os.close(self.fd)
             self.fd = -1
-            raise CheckpointNotFoundError(f"{display} is a directory; ckptstore.load reads a single checkpoint file")
+            raise _is_a_directory(display)
         if not stat.S_ISREG(st.st_mode):
             os.close(self.fd)
             self.fd = -1
@@ -472,11 +500,20 @@ class LocalSource(Source):
             self.fd = -1
 
 
+def _check_readable(f: Any, display: str) -> None:
+    readable = getattr(f, "readable", None)
+    if not hasattr(f, "read") or (readable is not None and not readable()):
+        # torch.load lets the stream's io.UnsupportedOperation through.
+        raise also(InvalidArgumentError, io.UnsupportedOperation)(
+            f"{display} is not open for reading; open the file with mode 'rb'")
+
+
 class FileObjectSource(Source):
+    """A caller's seekable file object; the container starts where the object stands."""
+
     def __init__(self, f: Any, display: str) -> None:
         self.f, self.display = f, display
-        if not (getattr(f, "seekable", lambda: False)() and hasattr(f, "read")):
-            raise InvalidArgumentError(f"{display} must be a readable, seekable binary file object")
+        _check_readable(f, display)
         self.start = f.tell()
         self.size = f.seek(0, io.SEEK_END) - self.start
         f.seek(self.start)
@@ -505,6 +542,59 @@ class FileObjectSource(Source):
         self.f.seek(self.start)
 
 
+class StreamSource(Source):
+    """An unseekable stream (a pipe, a socket, an HTTP body), read once, front to back, into memory.
+
+    The manifest comes last in the container, so nothing can be placed before the whole container
+    has arrived; holding it costs its size in memory until the load returns. A container whose
+    header carries its length (a seekable writer's) is read exactly, leaving the stream at the next
+    one; otherwise (torch.save bytes, or a container written to a stream) up to the end of the stream.
+    """
+
+    PIECE = 16 << 20
+
+    def __init__(self, f: Any, display: str) -> None:
+        self.f, self.display = f, display
+        _check_readable(f, display)
+        buf = bytearray()
+        self._fill(buf, container.HEADER.size)
+        length = container.stated_length(bytes(buf))
+        if length:
+            self._fill(buf, length)
+        else:
+            self._fill(buf, None)
+        self.buf = buf
+        self.size = len(buf)
+
+    def _fill(self, buf: bytearray, until: int | None) -> None:
+        """Append from the stream until ``buf`` holds ``until`` bytes (None: the end of the stream)."""
+        reader = getattr(self.f, "readinto", None)
+        while until is None or len(buf) < until:
+            want = self.PIECE if until is None else min(self.PIECE, until - len(buf))
+            try:
+                if reader is not None:
+                    at = len(buf)
+                    buf.extend(bytes(want))  # grown in place, then filled: one copy per byte
+                    n = reader(memoryview(buf)[at:]) or 0
+                    del buf[at + n :]
+                else:
+                    piece = self.f.read(want)
+                    n = len(piece)
+                    buf += piece
+            except OSError as exc:
+                raise storage_error(exc, "read", self.display) from None
+            if not n:
+                return
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        if offset + len(out) > self.size:
+            raise ShortRead(offset, len(out), max(0, self.size - offset))
+        out[:] = memoryview(self.buf)[offset : offset + len(out)]
+
+    def close(self) -> None:
+        self.buf = bytearray()
+
+
 class FsspecSource(Source):
     def __init__(self, fs: Any, path: str, display: str) -> None:
         self.fs, self.path, self.display = fs, path, display
@@ -515,9 +605,7 @@ class FsspecSource(Source):
         except transport_errors() as exc:
             raise storage_error(exc, "read", display) from None
         if info.get("type") == "directory":
-            raise CheckpointNotFoundError(
-                f"{display} is a directory; ckptstore.load reads a single checkpoint file"
-            )
+            raise _is_a_directory(display)
         self.size = int(info["size"])
         self.parallel = bool(getattr(fs, "async_impl", False))
 
@@ -568,7 +656,9 @@ def open_source(target: Target) -> Source:
     if target.path is not None:
         return LocalSource(target.path, target.display)
     if target.fileobj is not None:
-        return FileObjectSource(target.fileobj, target.display)
+        if stream_seekable(target.fileobj):
+            return FileObjectSource(target.fileobj, target.display)
+        return StreamSource(target.fileobj, target.display)
     assert target.fspath is not None
     return FsspecSource(target.fs, target.fspath, target.display)
 
@@ -589,6 +679,7 @@ __all__ = [
     "ShortRead",
     "Sink",
     "Source",
+    "StreamSource",
     "Target",
     "WriteTuning",
     "already_exists",
@@ -600,6 +691,7 @@ __all__ = [
     "resolve",
     "scatter",
     "storage_error",
+    "stream_seekable",
     "transport_errors",
     "write_bytes",
 ]
