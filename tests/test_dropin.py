@@ -188,6 +188,7 @@ def test_attributes_need_format_1_2_and_only_then(tmp_path: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
 def test_torchscript_archive_is_named_not_called_damaged(tmp_path: Path) -> None:
     path = tmp_path / "m.pt"
     torch.jit.script(torch.nn.Linear(2, 2)).save(str(path))
