@@ -25,7 +25,7 @@ from ..errors import (
 )
 from ..format import container
 from ..planning.flatten import plan as make_plan
-from ..storage.targets import FileLike, FileObjectSource, Source, open_sink, open_source, resolve
+from ..storage.targets import FileLike, FileObjectSource, Source, StreamSource, open_sink, open_source, resolve
 
 _ZIP_MAGIC = b"PK\x03\x04"
 # torch's legacy (pre-1.6) format starts with the pickled magic number 0x1950a86a20f9469cfc6c.
@@ -186,7 +186,8 @@ def _torch_load_unchanged(source: Source, fileobj: Any, map_location: MapLocatio
         source.rewind()
         return torch.load(fileobj, map_location=map_location,  # type: ignore[arg-type]
             weights_only=weights_only)
-    return torch.load(io.BytesIO(source.read(0, source.size)), map_location=map_location,  # type: ignore[arg-type]
+    data = source.joined() if isinstance(source, StreamSource) else source.read(0, source.size)
+    return torch.load(io.BytesIO(data), map_location=map_location,  # type: ignore[arg-type]
             weights_only=weights_only)
 
 

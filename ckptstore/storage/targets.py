@@ -8,6 +8,7 @@ filesystems get a temporary key that is moved into place.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import io
@@ -556,43 +557,75 @@ class StreamSource(Source):
     def __init__(self, f: Any, display: str) -> None:
         self.f, self.display = f, display
         _check_readable(f, display)
-        buf = bytearray()
-        self._fill(buf, container.HEADER.size)
-        length = container.stated_length(bytes(buf))
+        # The bytes as the stream gave them, piece by piece: joining them into one buffer would
+        # copy everything once more (and growing one buffer, again on every reallocation).
+        self.pieces: list[bytes | bytearray] = []
+        self.starts: list[int] = []
+        self.size = 0
+        head = self._exactly(container.HEADER.size)
+        length = container.stated_length(head)
         if length:
-            self._fill(buf, length)
+            self._exactly(length - len(head))
         else:
-            self._fill(buf, None)
-        self.buf = buf
-        self.size = len(buf)
+            self._to_end()
 
-    def _fill(self, buf: bytearray, until: int | None) -> None:
-        """Append from the stream until ``buf`` holds ``until`` bytes (None: the end of the stream)."""
+    def _add(self, piece: bytes | bytearray) -> None:
+        self.starts.append(self.size)
+        self.pieces.append(piece)
+        self.size += len(piece)
+
+    def _exactly(self, n: int) -> bytes | bytearray:
+        """The next ``n`` bytes of the stream (fewer at its end), kept as one piece."""
+        buf = bytearray(n)
+        view, done = memoryview(buf), 0
         reader = getattr(self.f, "readinto", None)
-        while until is None or len(buf) < until:
-            want = self.PIECE if until is None else min(self.PIECE, until - len(buf))
-            try:
+        try:
+            while done < n:
                 if reader is not None:
-                    at = len(buf)
-                    buf.extend(bytes(want))  # grown in place, then filled: one copy per byte
-                    n = reader(memoryview(buf)[at:]) or 0
-                    del buf[at + n :]
+                    got = reader(view[done:]) or 0
                 else:
-                    piece = self.f.read(want)
-                    n = len(piece)
-                    buf += piece
-            except OSError as exc:
-                raise storage_error(exc, "read", self.display) from None
-            if not n:
-                return
+                    chunk = self.f.read(n - done)
+                    got = len(chunk)
+                    view[done : done + got] = chunk
+                if not got:
+                    break
+                done += got
+        except OSError as exc:
+            raise storage_error(exc, "read", self.display) from None
+        del view
+        if done < n:
+            del buf[done:]
+        self._add(buf)
+        return buf
+
+    def _to_end(self) -> None:
+        try:
+            while True:
+                piece = self.f.read(self.PIECE)
+                if not piece:
+                    return
+                self._add(piece)
+        except OSError as exc:
+            raise storage_error(exc, "read", self.display) from None
 
     def readinto(self, offset: int, out: memoryview) -> None:
-        if offset + len(out) > self.size:
+        if offset < 0 or offset + len(out) > self.size:
             raise ShortRead(offset, len(out), max(0, self.size - offset))
-        out[:] = memoryview(self.buf)[offset : offset + len(out)]
+        i = bisect.bisect_right(self.starts, offset) - 1
+        done = 0
+        while done < len(out):
+            piece, at = self.pieces[i], offset + done - self.starts[i]
+            n = min(len(piece) - at, len(out) - done)
+            out[done : done + n] = memoryview(piece)[at : at + n]
+            done += n
+            i += 1
+
+    def joined(self) -> bytes:
+        """Everything read, as one bytes object (for torch.load of torch.save bytes)."""
+        return b"".join(self.pieces)
 
     def close(self) -> None:
-        self.buf = bytearray()
+        self.pieces, self.starts = [], []
 
 
 class FsspecSource(Source):
