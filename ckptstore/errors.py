@@ -41,6 +41,7 @@ import errno as _errno
 import pickle as _pickle
 from dataclasses import dataclass as _dataclass
 from typing import Any as _Any
+from typing import TypeVar as _TypeVar
 
 __all__ = [
     "CheckpointError",
@@ -205,7 +206,10 @@ _MIXED: dict[tuple[type, type], type] = {}
 _ALSO: dict[tuple[type, type], type] = {}
 
 
-def also(base: type[CheckpointError], cls: type[BaseException]) -> type[CheckpointError]:
+_E = _TypeVar("_E", bound=CheckpointError)
+
+
+def also(base: type[_E], cls: type[BaseException]) -> type[_E]:
     """``base`` that is also a ``cls``: the class ``torch.save``/``torch.load`` raise for the same
     misuse, so that a handler written for torch keeps catching ckptstore's error. The class keeps
     ``base``'s name, so messages, ``RankFailure.type`` and :func:`class_named` still say ``base``."""

@@ -111,7 +111,7 @@ def load(
 
 def _map_shared() -> bool:
     """Whether torch.serialization.set_default_mmap_options asked for MAP_SHARED mappings."""
-    return bool(torch.serialization.get_default_mmap_options() & _mmap.MAP_SHARED)
+    return bool((torch.serialization.get_default_mmap_options() or 0) & _mmap.MAP_SHARED)
 
 
 def _torch_load(source: Source, fileobj: Any, map_location: MapLocation, weights_only: bool, mmap: bool) -> Any:

@@ -53,7 +53,7 @@ def pack_footer(manifest_offset: int, manifest: bytes) -> bytes:
     return FOOTER.pack(manifest_offset, len(manifest), xxhash.xxh3_64_intdigest(manifest), FOOTER_MAGIC)
 
 
-def stated_length(head: bytes) -> int:
+def stated_length(head: bytes | bytearray) -> int:
     """The container length a header states, or 0 when ``head`` is no complete header of this
     format (or states none): where a stream reader may stop without reading past the container."""
     if len(head) < HEADER.size:

@@ -24,11 +24,11 @@ from fsspec.implementations.local import LocalFileSystem
 from .._faults import crashpoint
 from ..errors import (
     CheckpointNotFoundError,
-    StorageError,
-    also,
     InvalidArgumentError,
     NotACheckpointError,
+    StorageError,
     UnknownProtocolError,
+    also,
 )
 from ..format import container
 from . import direct, s3
