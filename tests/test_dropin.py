@@ -134,6 +134,31 @@ def test_truncated_stream_is_damage_not_a_hang() -> None:
         thread.join()
 
 
+class ReadOnly:
+    """A stream with read() alone (no readinto, seek or tell) that hands out a few bytes at a time."""
+
+    def __init__(self, data: bytes) -> None:
+        self._f = io.BytesIO(data)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(min(n, 1000) if n >= 0 else 1000)
+
+
+def test_stream_with_read_alone_and_short_reads() -> None:
+    buf = io.BytesIO()
+    ckptstore.save(STATE, buf)
+    _same(ckptstore.load(ReadOnly(buf.getvalue())), STATE)
+
+
+def test_stream_header_claiming_a_huge_length_sizes_no_buffer() -> None:
+    buf = io.BytesIO()
+    ckptstore.save({"x": torch.ones(2)}, buf)
+    data = bytearray(buf.getvalue())
+    data[16:24] = (1 << 60).to_bytes(8, "little")  # the header's container length
+    with pytest.raises(ckptstore.CorruptCheckpointError, match="truncated"):
+        ckptstore.load(ReadOnly(bytes(data)))
+
+
 # --- 2. Python attributes on tensors and Parameters ---------------------------------------------
 
 

@@ -562,51 +562,59 @@ class StreamSource(Source):
         self.pieces: list[bytes | bytearray] = []
         self.starts: list[int] = []
         self.size = 0
-        head = self._exactly(container.HEADER.size)
+        head = self._read(container.HEADER.size)
         length = container.stated_length(head)
         if length:
-            self._exactly(length - len(head))
+            self._read(length - len(head))
         else:
-            self._to_end()
+            self._read(None)
 
     def _add(self, piece: bytes | bytearray) -> None:
         self.starts.append(self.size)
         self.pieces.append(piece)
         self.size += len(piece)
 
-    def _exactly(self, n: int) -> bytes | bytearray:
-        """The next ``n`` bytes of the stream (fewer at its end), kept as one piece."""
-        buf = bytearray(n)
-        view, done = memoryview(buf), 0
+    def _read(self, n: int | None) -> bytes:
+        """Keep the next ``n`` bytes of the stream (None: up to its end; fewer where it ends first),
+        in pieces of at most PIECE bytes: a length stated by a damaged or hostile header sizes no
+        buffer, the bytes that arrive do. Returns the first piece."""
         reader = getattr(self.f, "readinto", None)
+        first = b""
         try:
-            while done < n:
+            while n is None or n > 0:
+                want = self.PIECE if n is None else min(self.PIECE, n)
+                piece: bytes | bytearray
                 if reader is not None:
-                    got = reader(view[done:]) or 0
+                    piece = bytearray(want)
+                    view, done = memoryview(piece), 0
+                    while done < want:
+                        got = reader(view[done:]) or 0
+                        if not got:
+                            break
+                        done += got
+                    del view
+                    if done < want:
+                        del piece[done:]
                 else:
-                    chunk = self.f.read(n - done)
-                    got = len(chunk)
-                    view[done : done + got] = chunk
-                if not got:
-                    break
-                done += got
+                    parts: list[bytes] = []
+                    done = 0
+                    while done < want:  # a short read is no end of stream (raw sockets give what came)
+                        chunk = self.f.read(want - done)
+                        if not chunk:
+                            break
+                        parts.append(chunk)
+                        done += len(chunk)
+                    piece = parts[0] if len(parts) == 1 else b"".join(parts)
+                if piece:
+                    self._add(piece)
+                    first = first or bytes(piece[:64])
+                if n is not None:
+                    n -= len(piece)
+                if len(piece) < want:
+                    break  # the end of the stream
         except OSError as exc:
             raise storage_error(exc, "read", self.display) from None
-        del view
-        if done < n:
-            del buf[done:]
-        self._add(buf)
-        return buf
-
-    def _to_end(self) -> None:
-        try:
-            while True:
-                piece = self.f.read(self.PIECE)
-                if not piece:
-                    return
-                self._add(piece)
-        except OSError as exc:
-            raise storage_error(exc, "read", self.display) from None
+        return first
 
     def readinto(self, offset: int, out: memoryview) -> None:
         if offset < 0 or offset + len(out) > self.size:
