@@ -8,12 +8,15 @@ handlers written for torch catch. Everything runs against real files, pipes and 
 
 from __future__ import annotations
 
+import functools
+import http.server
 import io
 import mmap
 import os
 import pickle
 import socket
 import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +134,29 @@ def test_truncated_stream_is_damage_not_a_hang() -> None:
         with open(r, "rb") as f, pytest.raises(ckptstore.CorruptCheckpointError, match="truncated"):
             ckptstore.load(f)
     finally:
+        thread.join()
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_http_response_body_loads(tmp_path: Path) -> None:
+    ckptstore.save(STATE, tmp_path / "a.ckpt")
+    torch.save(STATE, tmp_path / "a.pt")
+    handler = functools.partial(_Quiet, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        for name in ("a.ckpt", "a.pt"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/{name}") as body:
+                assert not body.seekable()
+                _same(ckptstore.load(body), STATE)
+    finally:
+        server.shutdown()
+        server.server_close()
         thread.join()
 
 
