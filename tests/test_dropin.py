@@ -268,6 +268,16 @@ def test_torch_refusal_keeps_the_blocked_global_and_the_hint(tmp_path: Path) -> 
     assert isinstance(info.value.__cause__, pickle.UnpicklingError)
 
 
+def test_weights_only_none_means_true_as_in_torch(tmp_path: Path) -> None:
+    ckptstore.save({"x": NotAllowed()}, tmp_path / "p.ckpt", allow_pickle=True)
+    torch.save({"x": NotAllowed()}, tmp_path / "p.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "p.pt", weights_only=None)
+    for name in ("p.ckpt", "p.pt"):
+        with pytest.raises(ckptstore.PickleNotAllowedError):
+            ckptstore.load(tmp_path / name, weights_only=None)
+
+
 # --- 5. what torch itself cannot unpickle -----------------------------------------------------
 
 

@@ -70,19 +70,28 @@ def load(
     f: FileLike,
     map_location: MapLocation = None,
     *,
-    weights_only: bool = True,
+    weights_only: bool | None = True,
     mmap: bool = False,
     storage_options: dict[str, Any] | None = None,
     verify: bool | None = None,
 ) -> Any:
     """Load what :func:`save` (or ``torch.save``) wrote to ``f``.
 
-    ``map_location`` behaves as torch.load's. ``weights_only=True`` never unpickles anything.
+    ``f``: a path, PathLike, fsspec URL or binary file object; a seekable one is read where it
+    stands and left past the checkpoint, an unseekable one (a pipe, a socket, an HTTP body) is read
+    once into memory (docs/dropin.md).
+
+    ``map_location`` behaves as torch.load's. ``weights_only=True`` never unpickles anything;
+    ``None`` means True, as torch.load's default does. ``mmap=True`` maps privately, or shared
+    (writes reach the file) after ``torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)``.
     ``mmap=True`` maps a local file's tensor bytes instead of reading them. ``verify`` checks every
     chunk's checksum (default: True, except with ``mmap=True``, where reading everything to check it
     would defeat the mapping; run ``ckptstore verify`` for that).
     """
     check_map_location(map_location)
+    if weights_only is None:
+        # torch.load's signature default: it means True (a falsy None must never allow pickles).
+        weights_only = True
     target = resolve(f, storage_options)
     source = open_source(target)
     try:
