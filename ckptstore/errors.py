@@ -209,6 +209,25 @@ _ALSO: dict[tuple[type, type], type] = {}
 _E = _TypeVar("_E", bound=CheckpointError)
 
 
+def _reduce_also(err: BaseException) -> tuple:
+    # The mixed class has its base's name, under which pickle finds the base, not it: pickle the
+    # two classes it was made of instead (an error may cross a process boundary).
+    base, cls = type(err).__bases__
+    state = dict(err.__dict__)
+    if isinstance(err, OSError):
+        state["errno"] = err.errno  # a slot of OSError's, not in __dict__
+    return _rebuild_also, (base, cls, err.args, state)
+
+
+def _rebuild_also(base: type[_E], cls: type[BaseException], args: tuple, state: dict) -> _E:
+    kind = also(base, cls)
+    err = kind.__new__(kind, *args)
+    err.args = args
+    for name, value in state.items():
+        setattr(err, name, value)
+    return err
+
+
 def also(base: type[_E], cls: type[BaseException]) -> type[_E]:
     """``base`` that is also a ``cls``: the class ``torch.save``/``torch.load`` raise for the same
     misuse, so that a handler written for torch keeps catching ckptstore's error. The class keeps
@@ -219,7 +238,8 @@ def also(base: type[_E], cls: type[BaseException]) -> type[_E]:
     if key not in _ALSO:
         try:
             _ALSO[key] = type(base.__name__, (base, cls), {"__module__": base.__module__,
-                                                           "__qualname__": base.__qualname__})
+                                                           "__qualname__": base.__qualname__,
+                                                           "__reduce__": _reduce_also})
         except TypeError:  # incompatible layouts (a C extension's exception): the base alone
             _ALSO[key] = base
     return _ALSO[key]

@@ -418,3 +418,6 @@ def test_error_is_also_of_torchs_class(tmp_path: Path, misuse: str) -> None:
     assert isinstance(mine, ckptstore.CheckpointError), mine
     assert isinstance(mine, type(theirs)), (type(theirs), type(mine).__mro__, mine)
     assert type(mine).__name__.endswith("Error") and type(mine).__module__ == "ckptstore.errors"
+    again = pickle.loads(pickle.dumps(mine))  # errors cross process boundaries (workers, ranks)
+    assert type(again) is type(mine) and str(again) == str(mine)
+    assert getattr(again, "errno", None) == getattr(mine, "errno", None)
