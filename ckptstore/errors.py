@@ -237,10 +237,12 @@ def also(base: type[_E], cls: type[BaseException]) -> type[_E]:
     key = (base, cls)
     if key not in _ALSO:
         try:
-            _ALSO[key] = type(base.__name__, (base, cls), {"__module__": base.__module__,
-                                                           "__qualname__": base.__qualname__,
-                                                           "__reduce__": _reduce_also})
-        except TypeError:  # incompatible layouts (a C extension's exception): the base alone
+            mixed = type(base.__name__, (base, cls), {"__module__": base.__module__,
+                                                      "__qualname__": base.__qualname__,
+                                                      "__reduce__": _reduce_also})
+            mixed("a message")  # every caller passes one; some classes' constructors want more (UnicodeDecodeError)
+            _ALSO[key] = mixed
+        except TypeError:  # incompatible layouts or constructors, no consistent MRO: the base alone
             _ALSO[key] = base
     return _ALSO[key]
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import ckptstore
+from ckptstore import errors
 from ckptstore.format import container
 
 
@@ -421,3 +422,29 @@ def test_error_is_also_of_torchs_class(tmp_path: Path, misuse: str) -> None:
     again = pickle.loads(pickle.dumps(mine))  # errors cross process boundaries (workers, ranks)
     assert type(again) is type(mine) and str(again) == str(mine)
     assert getattr(again, "errno", None) == getattr(mine, "errno", None)
+
+
+class Exacting(Exception):
+    """An exception whose constructor wants two arguments, raised by an object's own unpickling."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(a, b)
+
+
+def _fail(*_: Any) -> None:
+    raise Exacting("moved", "away")
+
+
+class FailsToUnpickle:
+    def __reduce__(self) -> Any:
+        return (_fail, ())
+
+
+def test_unpickling_failure_of_any_class_still_reports(tmp_path: Path) -> None:
+    ckptstore.save({"x": FailsToUnpickle()}, tmp_path / "x.ckpt", allow_pickle=True)
+    with pytest.raises(ckptstore.CheckpointError, match="intact") as info:
+        ckptstore.load(tmp_path / "x.ckpt", weights_only=False)
+    assert isinstance(info.value.__cause__, Exacting)
+    for kind in (UnicodeDecodeError, ckptstore.InvalidArgumentError, KeyError):
+        err = errors.also(ckptstore.CheckpointError, kind)("a message")
+        assert isinstance(err, ckptstore.CheckpointError) and str(err) in ("a message", "'a message'")

@@ -82,9 +82,9 @@ def load(
     once into memory (docs/dropin.md).
 
     ``map_location`` behaves as torch.load's. ``weights_only=True`` never unpickles anything;
-    ``None`` means True, as torch.load's default does. ``mmap=True`` maps privately, or shared
-    (writes reach the file) after ``torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)``.
-    ``mmap=True`` maps a local file's tensor bytes instead of reading them. ``verify`` checks every
+    ``None`` means True, as torch.load's default does. ``mmap=True`` maps a local file's tensor bytes
+    instead of reading them, privately, or shared (writes reach the file) after
+    ``torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)``. ``verify`` checks every
     chunk's checksum (default: True, except with ``mmap=True``, where reading everything to check it
     would defeat the mapping; run ``ckptstore verify`` for that).
     """
