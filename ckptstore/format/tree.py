@@ -149,11 +149,10 @@ class Encoder:
             return {"$device": str(obj)}
         handled = self._leaf_hook(obj, path)
         if handled is not None:
-            if self._tensor_attrs and isinstance(obj, torch.Tensor) and id(obj) not in self._attributed:
+            # Most tensors have no attributes: one attribute read each (~0.1 us), nothing more.
+            if self._tensor_attrs and isinstance(obj, torch.Tensor) and obj.__dict__ and id(obj) not in self._attributed:
                 self._attributed.add(id(obj))
-                attrs = vars(obj)
-                if attrs:
-                    return self._with_attrs(handled, attrs, path)
+                return self._with_attrs(handled, obj.__dict__, path)
             return handled
         if t in (dict, collections.OrderedDict, list, tuple, torch.Size, set, frozenset) or _is_namedtuple(obj):
             return self._container(obj, path)

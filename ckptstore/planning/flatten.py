@@ -150,6 +150,10 @@ class LeafEncoder:
             key = self.key_for(path, self.ndarray_suffix)
             self.add_bytes(key, data)
             return {"$ndarray": key, "dtype": obj.dtype.str, "shape": list(obj.shape)}
+        return self.other_leaf(obj, path)
+
+    def other_leaf(self, obj: Any, path: list[Any]) -> Any:
+        """The node of a leaf that is neither a tensor nor an ndarray: a numpy scalar's, else None."""
         return npscalar_node(obj)
 
     def tensor_node(self, t: torch.Tensor, key: str | None, *, device: bool) -> dict[str, Any]:
@@ -186,12 +190,6 @@ class _Planner(LeafEncoder):
         self.pickled: list[str] = []
 
     def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any] | None:
-        if t._is_zerotensor():
-            # No storage at all: pickle fails on it too, with torch's bare "data pointer" error.
-            raise also(UnsupportedObjectError, RuntimeError)(
-                f"{format_path(path)} is a ZeroTensor (torch._efficientzerotensor), which has no storage; neither "
-                "ckptstore nor torch.save can store it. Save torch.zeros_like(t) instead."
-            )
         problem = tensor_problem(t)
         if problem is not None:
             if self.allow_pickle:
@@ -208,7 +206,7 @@ class _Planner(LeafEncoder):
     def add_bytes(self, key: str, data: torch.Tensor) -> None:
         self.items.append(WriteItem(key, torch.uint8, (data.numel(),), data, "raw"))
 
-    def leaf(self, obj: Any, path: list[Any]) -> Any:
+    def other_leaf(self, obj: Any, path: list[Any]) -> Any:
         if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
             # Refused even with allow_pickle: torch's own unpickling of a pickled storage fails
             # (its _load_from_bytes meets a class without `dtype`), so the file would never load.
@@ -218,7 +216,7 @@ class _Planner(LeafEncoder):
                 "Save a tensor over it instead: torch.empty(0, dtype=torch.uint8).set_(storage) (ckptstore.load "
                 "gives it back; .untyped_storage() is the storage)."
             )
-        return super().leaf(obj, path)
+        return super().other_leaf(obj, path)
 
     def pickle_leaf(self, obj: Any, path: list[Any]) -> Any:
         try:
@@ -241,7 +239,17 @@ class _Planner(LeafEncoder):
             if storage.nbytes() == 0 or t.is_conj() or t.is_neg():
                 gkey = ("id", id(t))
             else:
-                gkey = (str(t.device), storage.data_ptr())
+                try:
+                    gkey = (str(t.device), storage.data_ptr())
+                except RuntimeError:
+                    if not t._is_zerotensor():
+                        raise
+                    # Checked here, where its missing storage shows, rather than on every tensor.
+                    # pickle fails on it too, with the same bare "data pointer" error.
+                    raise also(UnsupportedObjectError, RuntimeError)(
+                        f"{format_path(path)} is a ZeroTensor (torch._efficientzerotensor), which has no storage; "
+                        "neither ckptstore nor torch.save can store it. Save torch.zeros_like(t) instead."
+                    ) from None
             groups.setdefault(gkey, []).append((t, node, path))
         for members in groups.values():
             if len(members) == 1:
