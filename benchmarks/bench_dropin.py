@@ -11,6 +11,11 @@ The state is the one of shared/reference/anchors_cpu.py: 24 Linear(2048, 2048) l
 - warm load: repeated loads in one process (freed memory is reused);
 - mmap load: torch.load(mmap=True) against ckptstore.load(mmap=True).
 
+With ``--stream`` it measures only the load of an unseekable stream (a pipe that a thread fills from
+the file, in the page cache): ``ckptstore.load(pipe)``, which reads the stream once into memory,
+against ``torch.load(io.BytesIO(pipe.read()))``, what torch.load needs for the same bytes (it
+refuses a pipe); the same state saved by each library, warm, alternating which goes first.
+
 safetensors (save_file / load_file of the same tensors, flattened to dotted keys) runs in the same
 rounds: its loads read the bytes (backend="pread") except in the mmap row (its default backend);
 the libraries rotate which goes first round by round.
@@ -19,12 +24,14 @@ ckptstore verifies every chunk's xxh3 checksum on save-then-load (not with mmap,
 Writes JSON and a PNG under docs/benchmarks/ by default.
 
     python benchmarks/bench_dropin.py [--layers 24] [--repeats 3] [--out docs/benchmarks]
+    python benchmarks/bench_dropin.py --stream [--layers 8] [--repeats 7]   # prints; writes dropin_stream.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import io
 import json
 import os
 import shutil
@@ -32,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -143,14 +151,76 @@ def bitwise_equal(a, b) -> bool:
     return a == b
 
 
+def stream_load(kind: str, path: str) -> float:
+    """Seconds to load ``path`` through a pipe: the writer thread feeds it while the caller reads."""
+    r, w = os.pipe()
+
+    def feed() -> None:
+        with open(path, "rb") as src, open(w, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+
+    feeder = threading.Thread(target=feed)
+    gc.collect()
+    t = time.perf_counter()
+    feeder.start()
+    with open(r, "rb") as f:
+        obj = torch.load(io.BytesIO(f.read())) if kind == "torch" else ckptstore.load(f)
+    elapsed = time.perf_counter() - t
+    feeder.join()
+    del obj
+    return elapsed
+
+
+def stream_main(args: argparse.Namespace) -> None:
+    state = make_state(args.layers)
+    size = nbytes(state)
+    work = args.dir or tempfile.mkdtemp(prefix="ckptstore-bench-stream-")
+    paths = {"torch": os.path.join(work, "state.pt"), "ckptstore": os.path.join(work, "state.ckpt")}
+    torch.save(state, paths["torch"])
+    ckptstore.save(state, paths["ckptstore"])
+    del state
+    for p in paths.values():
+        prime_page_cache(p)
+    times: dict[str, list[float]] = {"torch": [], "ckptstore": []}
+    for kind in times:
+        stream_load(kind, paths[kind])  # warm-up: imports, first page faults
+    for i in range(args.repeats):
+        for kind in (("torch", "ckptstore") if i % 2 == 0 else ("ckptstore", "torch")):
+            times[kind].append(stream_load(kind, paths[kind]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {
+        "what": "load from a pipe: ckptstore.load(pipe) vs torch.load(io.BytesIO(pipe.read()))",
+        "state_bytes": size,
+        "repeats": args.repeats,
+        "seconds": times,
+        "median_s": med,
+        "GBps": {k: size / v / 1e9 for k, v in med.items()},
+        "ckptstore_speed_vs_torch": med["torch"] / med["ckptstore"],
+        "loadavg_before": os.getloadavg(),
+    }
+    print(json.dumps(out, indent=2))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "dropin_stream.json"), "w") as f:
+            json.dump(out, f, indent=2)
+    if not args.dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=None, help="Linear(2048, 2048) layers (default 24; 8 with --stream)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--stream", action="store_true", help="measure only the load of an unseekable stream")
     ap.add_argument("--dir", default=None, help="where to write the checkpoint files (default: a temp dir)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.stream:
+        args.layers = args.layers or 8
+        stream_main(args)
+        return
+    args.layers = args.layers or 24
     state = make_state(args.layers)
     n = nbytes(state)
     d = tempfile.mkdtemp(dir=args.dir)

@@ -22,6 +22,11 @@ working when ckptstore replaces ``torch.save``/``torch.load``::
 
 Each message says what was wrong, where, and what to do about it.
 
+Where ``torch.save``/``torch.load`` raise another class for the same misuse (``AttributeError``
+for an ``f`` that is no file, ``EOFError`` for an empty file, ``IsADirectoryError`` for a
+directory, ``RuntimeError`` for a TorchScript archive under ``weights_only=True``), the error is
+also of torch's class: :func:`also` makes that class (docs/dropin.md lists the cases).
+
 A :class:`CollectiveError` carries ``failures``, one :class:`RankFailure` (exception class, message,
 host, location) per rank that failed. When every failing rank failed with the same class, the
 error is an instance of that class too: a StorageError on two ranks reaches every rank as an
@@ -36,6 +41,7 @@ import errno as _errno
 import pickle as _pickle
 from dataclasses import dataclass as _dataclass
 from typing import Any as _Any
+from typing import TypeVar as _TypeVar
 
 __all__ = [
     "CheckpointError",
@@ -197,6 +203,48 @@ class BackgroundError(CollectiveError):
 
 
 _MIXED: dict[tuple[type, type], type] = {}
+_ALSO: dict[tuple[type, type], type] = {}
+
+
+_E = _TypeVar("_E", bound=CheckpointError)
+
+
+def _reduce_also(err: BaseException) -> tuple:
+    # The mixed class has its base's name, under which pickle finds the base, not it: pickle the
+    # two classes it was made of instead (an error may cross a process boundary).
+    base, cls = type(err).__bases__
+    state = dict(err.__dict__)
+    if isinstance(err, OSError):
+        state["errno"] = err.errno  # a slot of OSError's, not in __dict__
+    return _rebuild_also, (base, cls, err.args, state)
+
+
+def _rebuild_also(base: type[_E], cls: type[BaseException], args: tuple, state: dict) -> _E:
+    kind = also(base, cls)
+    err = kind.__new__(kind, *args)
+    err.args = args
+    for name, value in state.items():
+        setattr(err, name, value)
+    return err
+
+
+def also(base: type[_E], cls: type[BaseException]) -> type[_E]:
+    """``base`` that is also a ``cls``: the class ``torch.save``/``torch.load`` raise for the same
+    misuse, so that a handler written for torch keeps catching ckptstore's error. The class keeps
+    ``base``'s name, so messages, ``RankFailure.type`` and :func:`class_named` still say ``base``."""
+    if issubclass(base, cls) or not issubclass(cls, Exception):
+        return base
+    key = (base, cls)
+    if key not in _ALSO:
+        try:
+            mixed = type(base.__name__, (base, cls), {"__module__": base.__module__,
+                                                      "__qualname__": base.__qualname__,
+                                                      "__reduce__": _reduce_also})
+            mixed("a message")  # every caller passes one; some classes' constructors want more (UnicodeDecodeError)
+            _ALSO[key] = mixed
+        except TypeError:  # incompatible layouts or constructors, no consistent MRO: the base alone
+            _ALSO[key] = base
+    return _ALSO[key]
 
 
 def carrying(base: type[CollectiveError], cls: type[BaseException] | None) -> type[CollectiveError]:

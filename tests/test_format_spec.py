@@ -120,6 +120,7 @@ class Tensor:
     param: bool = False
     requires_grad: bool = False
     device: str = "cpu"
+    attrs: dict[str, Any] | None = None  # $attrs (7.4, format 1.2)
 
 
 @dataclass(frozen=True)
@@ -601,6 +602,12 @@ class _TreeDecoder:
             if not self.allow_pickle:
                 raise PickleRefused(v)
             return pickle.loads(self.entry(v).data)  # noqa: S301 - explicit opt-in, test data only
+        if tag == "$attrs":
+            t = self.decode(v)
+            if not isinstance(t, Tensor) or type(node.get("attrs")) is not dict:
+                raise FormatError("$attrs wraps a tensor node and holds an attrs object")
+            t.attrs = {k: self.decode(x) for k, x in node["attrs"].items()}
+            return t
         if tag in ("$tensor", "$view"):
             # Identity: "obj" in a single file (7.4); the entry itself in a sharded manifest (10.3).
             obj = node.get("obj") if self.world_size is None else ("entry", v)
@@ -812,6 +819,21 @@ def make_state() -> dict[str, Any]:
             "c64": np.complex64(1 + 2j),
         },
     }
+
+
+def test_tensor_attributes_are_readable_from_the_spec(tmp_path: pathlib.Path) -> None:
+    """7.4's $attrs (format 1.2): a tensor's Python attributes, and 1.1 for files without any."""
+    t = torch.arange(3.0)
+    t.note, t.scale = "fp8 calibrated", (0.5, 2)
+    p = torch.nn.Parameter(torch.ones(2))
+    p.shard = {"dim": 0}
+    buf = io.BytesIO()
+    ckptstore.save({"t": t, "p": p, "again": t}, buf)
+    ck = read_container(buf.getvalue())
+    assert ck.manifest["format_version"] == "1.2" and HEADER.unpack_from(buf.getvalue())[1:3] == (1, 2)
+    got = ck.value
+    assert got["t"].attrs == {"note": "fp8 calibrated", "scale": (0.5, 2)} and got["again"] is got["t"]
+    assert got["p"].param and got["p"].attrs == {"shard": {"dim": 0}}
 
 
 def _alignment(length: int) -> int:

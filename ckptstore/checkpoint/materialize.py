@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._buffers import byte_view
-from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError
+from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError, also
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
 from ..format.tree import Decoder, grad_flags, npscalar_value, numpy_dtype, parse_device
@@ -29,8 +29,19 @@ MapLocation = Union[  # noqa: UP007 - a runtime alias; X | Y with None first is 
 ]
 
 
+def check_map_location(map_location: Any) -> None:
+    """Refuse a map_location of a kind torch.load does not take, before anything is read; also a
+    TypeError, which torch.load raises for it."""
+    if map_location is None or isinstance(map_location, (str, torch.device, dict)) or callable(map_location):
+        return
+    raise also(InvalidArgumentError, TypeError)(
+        f"map_location must be None, a str, a torch.device, a dict or a callable, not {type(map_location).__name__}"
+    )
+
+
 def load_container(
-    source: Source, map_location: MapLocation, weights_only: bool, mmap: bool, verify: bool | None
+    source: Source, map_location: MapLocation, weights_only: bool, mmap: bool, verify: bool | None,
+    *, shared_mmap: bool = False,
 ) -> Any:
     opened = open_container(source)
     manifest = opened.manifest
@@ -41,7 +52,8 @@ def load_container(
             "load it with weights_only=False only if you trust where the file came from"
         )
     verify_checksums = (not mmap) if verify is None else verify
-    buffers = read_entries(opened, list(manifest.tensors), verify_checksums=verify_checksums, use_mmap=mmap)
+    buffers = read_entries(opened, list(manifest.tensors), verify_checksums=verify_checksums, use_mmap=mmap,
+                           shared=shared_mmap)
     result = _Materializer(manifest, buffers, map_location, source.display, weights_only=weights_only).build()
     source.finish(opened.end)
     return result
@@ -90,7 +102,18 @@ class _Materializer:
                     + (" not declared in the manifest's 'pickled' list; refusing it" if key not in self.manifest.pickled
                        else "; load with weights_only=False only if you trust where the file came from")
                 )
-            return pickle.loads(byte_view(self.entry_buffer(key)))  # noqa: S301
+            data = byte_view(self.entry_buffer(key))
+            try:
+                return pickle.loads(data)  # noqa: S301
+            except Exception as exc:
+                # The bytes passed their checksum: the failure is the object's own unpickling (a
+                # class that moved or changed, or torch's own code), not damage. Also of its class,
+                # as torch.load(weights_only=False) would raise it.
+                raise also(CheckpointError, type(exc))(
+                    f"{self.where}: the pickled object {key!r} is intact (its checksum matches), but unpickling it "
+                    f"failed with {type(exc).__name__}: {exc}. The code that unpickles it (its class, or torch) "
+                    "cannot rebuild it in this environment; load it where that class is as it was at save time"
+                ) from exc
         if tag == "$ndarray":
             dt = numpy_dtype(node["dtype"], self.bad)
             shape = tuple(node["shape"])

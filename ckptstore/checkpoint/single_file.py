@@ -17,13 +17,13 @@ import torch
 
 from .._buffers import byte_view
 from .._version import __version__
-from ..errors import CorruptCheckpointError, NotACheckpointError
+from ..errors import CorruptCheckpointError, InvalidArgumentError, NotACheckpointError
 from ..format import codecs, container
 from ..format.checksum import checksum, verify
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..planning.flatten import Plan
-from ..storage.targets import READ_PIECE, ShortRead, Sink, Source, scatter
+from ..storage.targets import READ_PIECE, ShortRead, Sink, Source, scatter, storage_error
 from .memory import alloc_bytes
 
 _pool: ThreadPoolExecutor | None = None
@@ -61,7 +61,7 @@ def map_all(fn: Callable[[T], U], items: list[T]) -> Iterator[U]:
 def write_container(plan: Plan, sink: Sink) -> Manifest:
     started = time.perf_counter()
     pad = bytes(container.ALIGN)
-    sink.write(container.pack_header(0))
+    sink.write(container.pack_header(0, plan.minor))
     sink.write(pad[: container.DATA_START - sink.tell()])
     if sink.positional and all(item.codec == "raw" for item in plan.items):
         tensors = _write_raw_parallel(plan, sink)
@@ -78,6 +78,7 @@ def write_container(plan: Plan, sink: Sink) -> Manifest:
                 sink.write(pad[: container.align_up(sink.tell()) - sink.tell()])
             tensors[item.key] = entry
     manifest = Manifest(
+        format_version=f"{container.FORMAT_MAJOR}.{plan.minor}",
         kind="file",
         tensors=tensors,
         tree=plan.tree,
@@ -94,7 +95,7 @@ def write_container(plan: Plan, sink: Sink) -> Manifest:
     manifest_offset = sink.tell()
     sink.write(body)
     sink.write(container.pack_footer(manifest_offset, body))
-    sink.commit(container.pack_header(sink.tell()))
+    sink.commit(container.pack_header(sink.tell(), plan.minor))
     return manifest
 
 
@@ -308,6 +309,10 @@ def open_container(source: Source) -> OpenContainer:
     return OpenContainer(source, manifest, length, footer.manifest_offset)
 
 
+def _mappable(entry: TensorEntry) -> bool:
+    return len(entry.chunks) <= 1 and all(c.codec == "raw" for c in entry.chunks)
+
+
 def _slab_range(entry: TensorEntry, c: Chunk, es: int) -> tuple[int, int] | None:
     """Byte range of chunk ``c`` inside the entry's contiguous buffer, if the box is contiguous there."""
     if not entry.shape:
@@ -324,19 +329,37 @@ def read_entries(
     *,
     verify_checksums: bool = True,
     use_mmap: bool = False,
+    shared: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read entries into flat uint8 buffers (one per entry), verifying every chunk's checksum."""
+    """Read entries into flat uint8 buffers (one per entry), verifying every chunk's checksum.
+
+    ``use_mmap``: raw entries are views of a mapping of the file, private (writes stay in this
+    process, torch.load's default) or with ``shared`` a MAP_SHARED one whose writes reach the file
+    (as torch.serialization.set_default_mmap_options(mmap.MAP_SHARED) makes torch.load's)."""
     source, manifest = opened.source, opened.manifest
     where = source.display
     mapped = None
     if use_mmap:
         assert source.local_path is not None
+        if shared:
+            unmappable = [k for k in keys if not _mappable(manifest.tensors[k])]
+            if unmappable:
+                # Those entries would be decoded into memory: writes to them would silently not reach the file.
+                raise InvalidArgumentError(
+                    f"{where}: mmap=True with MAP_SHARED (torch.serialization.set_default_mmap_options) maps raw "
+                    f"tensors only, and {', '.join(repr(k) for k in unmappable[:5])} are compressed, so writes to "
+                    "them could not reach the file. Load without MAP_SHARED, or save the file without compression"
+                )
         if opened.end > 0:
-            fd = os.open(source.local_path, os.O_RDONLY)
             try:
-                # Private, writable mapping as torch.load(mmap=True): writes never reach the file.
-                mapped = _mmap.mmap(fd, 0, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+                fd = os.open(source.local_path, os.O_RDWR if shared else os.O_RDONLY)
+            except OSError as exc:
+                raise storage_error(exc, "map" if not shared else "map (MAP_SHARED, for writing)", where) from None
+            try:
+                # Private and writable by default, as torch.load(mmap=True): writes never reach the file.
+                flags = _mmap.MAP_SHARED if shared else _mmap.MAP_PRIVATE
+                mapped = _mmap.mmap(fd, 0, flags=flags, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
             finally:
                 os.close(fd)
     out: dict[str, torch.Tensor] = {}
@@ -348,7 +371,7 @@ def read_entries(
         entry = manifest.tensors[key]
         es = element_size(dtype_from_name(entry.dtype, where=where))
         nbytes = entry.numel * es
-        if mapped is not None and len(entry.chunks) == 1 and entry.chunks[0].codec == "raw" and nbytes:
+        if mapped is not None and _mappable(entry) and nbytes:
             c = entry.chunks[0]
             out[key] = torch.frombuffer(mapped, dtype=torch.uint8, count=c.length, offset=c.offset)
             if verify_checksums:

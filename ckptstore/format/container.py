@@ -45,12 +45,21 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-def pack_header(length: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, length, 0)
+def pack_header(length: int = 0, minor: int = FORMAT_MINOR) -> bytes:
+    return HEADER.pack(MAGIC, FORMAT_MAJOR, minor, 0, length, 0)
 
 
 def pack_footer(manifest_offset: int, manifest: bytes) -> bytes:
     return FOOTER.pack(manifest_offset, len(manifest), xxhash.xxh3_64_intdigest(manifest), FOOTER_MAGIC)
+
+
+def stated_length(head: bytes | bytearray) -> int:
+    """The container length a header states, or 0 when ``head`` is no complete header of this
+    format (or states none): where a stream reader may stop without reading past the container."""
+    if len(head) < HEADER.size:
+        return 0
+    magic, major, _minor, _flags, length, _ = HEADER.unpack_from(head)
+    return length if magic == MAGIC and major >= 1 else 0
 
 
 @dataclass(frozen=True)

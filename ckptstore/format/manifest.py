@@ -29,6 +29,9 @@ FORMAT_NAME = "ckptstore"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 1
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
+# Writers write FORMAT_MINOR unless the data needs a later feature (docs/format.md, section 8):
+# 1.2 added the $attrs tag (a tensor's Python attributes), which 1.1 readers refuse.
+ATTRS_MINOR = 2
 
 # Chunk file names are relative, portable, and cannot climb out of the checkpoint's root.
 _FILE_RE = re.compile(r"^(?!/)(?!.*(?:^|/)\.\.?(?:/|$))[A-Za-z0-9._\-/]{1,255}$")

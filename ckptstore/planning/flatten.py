@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UnsupportedObjectError
+from ..errors import UnsupportedObjectError, also
 from ..format import codecs
 from ..format.dtypes import dtype_name, element_size
+from ..format.manifest import ATTRS_MINOR, FORMAT_MINOR
 from ..format.tree import Encoder, format_path, npscalar_node, plain_numpy
 
 # Compressed tensors are cut into dim-0 slabs of about this many raw bytes, so chunks can be
@@ -89,6 +90,7 @@ class Plan:
     tree: Any
     items: list[WriteItem]
     pickled: list[str]
+    minor: int = FORMAT_MINOR  # the format minor version the tree needs (section 8 of docs/format.md)
 
     @property
     def total_bytes(self) -> int:
@@ -148,6 +150,10 @@ class LeafEncoder:
             key = self.key_for(path, self.ndarray_suffix)
             self.add_bytes(key, data)
             return {"$ndarray": key, "dtype": obj.dtype.str, "shape": list(obj.shape)}
+        return self.other_leaf(obj, path)
+
+    def other_leaf(self, obj: Any, path: list[Any]) -> Any:
+        """The node of a leaf that is neither a tensor nor an ndarray: a numpy scalar's, else None."""
         return npscalar_node(obj)
 
     def tensor_node(self, t: torch.Tensor, key: str | None, *, device: bool) -> dict[str, Any]:
@@ -200,11 +206,25 @@ class _Planner(LeafEncoder):
     def add_bytes(self, key: str, data: torch.Tensor) -> None:
         self.items.append(WriteItem(key, torch.uint8, (data.numel(),), data, "raw"))
 
+    def other_leaf(self, obj: Any, path: list[Any]) -> Any:
+        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+            # Refused even with allow_pickle: torch's own unpickling of a pickled storage fails
+            # (its _load_from_bytes meets a class without `dtype`), so the file would never load.
+            raise UnsupportedObjectError(
+                f"{format_path(path)} is a bare {type(obj).__module__}.{type(obj).__qualname__}; a storage that Python's "
+                "pickle wrote cannot be unpickled by torch, so ckptstore does not store one even with allow_pickle=True. "
+                "Save a tensor over it instead: torch.empty(0, dtype=torch.uint8).set_(storage) (ckptstore.load "
+                "gives it back; .untyped_storage() is the storage)."
+            )
+        return super().other_leaf(obj, path)
+
     def pickle_leaf(self, obj: Any, path: list[Any]) -> Any:
         try:
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
-            raise UnsupportedObjectError(f"{format_path(path)} cannot be pickled either: {exc}") from exc
+            # Also of pickle's own class (AttributeError, PicklingError, ...), which torch.save lets through.
+            raise also(UnsupportedObjectError, type(exc))(
+                f"{format_path(path)} cannot be pickled either: {exc}") from exc
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         key = self.key_for(path, "#pickle")
         self.add_bytes(key, data)
@@ -219,7 +239,17 @@ class _Planner(LeafEncoder):
             if storage.nbytes() == 0 or t.is_conj() or t.is_neg():
                 gkey = ("id", id(t))
             else:
-                gkey = (str(t.device), storage.data_ptr())
+                try:
+                    gkey = (str(t.device), storage.data_ptr())
+                except RuntimeError:
+                    if not t._is_zerotensor():
+                        raise
+                    # Checked here, where its missing storage shows, rather than on every tensor.
+                    # pickle fails on it too, with the same bare "data pointer" error.
+                    raise also(UnsupportedObjectError, RuntimeError)(
+                        f"{format_path(path)} is a ZeroTensor (torch._efficientzerotensor), which has no storage; "
+                        "neither ckptstore nor torch.save can store it. Save torch.zeros_like(t) instead."
+                    ) from None
             groups.setdefault(gkey, []).append((t, node, path))
         for members in groups.values():
             if len(members) == 1:
@@ -310,7 +340,8 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
 def plan(obj: Any, *, compression: str | None = None, allow_pickle: bool = False) -> Plan:
     codecs.resolve_compression(compression, torch.float32)  # refuse an unknown name even with no tensors
     planner = _Planner(compression, allow_pickle)
-    encoder = Encoder(planner.leaf, planner.pickle_leaf if allow_pickle else None)
+    encoder = Encoder(planner.leaf, planner.pickle_leaf if allow_pickle else None, tensor_attrs=True)
     tree = encoder.encode(obj)
     planner.finish()
-    return Plan(tree=tree, items=planner.items, pickled=planner.pickled)
+    minor = ATTRS_MINOR if encoder.wrote_attrs else FORMAT_MINOR
+    return Plan(tree=tree, items=planner.items, pickled=planner.pickled, minor=minor)

@@ -8,6 +8,7 @@ filesystems get a temporary key that is moved into place.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import io
@@ -25,8 +26,11 @@ from ..errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
     NotACheckpointError,
+    StorageError,
     UnknownProtocolError,
+    also,
 )
+from ..format import container
 from . import direct, s3
 from .base import (
     READ_ATTEMPTS,
@@ -92,9 +96,23 @@ def resolve(f: Any, storage_options: dict[str, Any] | None = None) -> Target:
             raise InvalidArgumentError("storage_options only apply to fsspec URLs, not to file objects")
         name = getattr(f, "name", None)
         return Target(display=f"<{type(f).__name__}{' ' + repr(name) if isinstance(name, str) else ''}>", fileobj=f)
-    raise InvalidArgumentError(
+    # torch.save/torch.load raise AttributeError here (they reach for f.write / f.seek).
+    raise also(InvalidArgumentError, AttributeError)(
         f"f must be a path, an os.PathLike, a binary file object or an fsspec URL, not {type(f).__name__}"
     )
+
+
+def stream_seekable(f: Any) -> bool:
+    """Whether a caller's file object can seek: its ``seekable()``, or for an object without one
+    (torch.load needs only read/seek/tell), whether seeking to where it is works."""
+    probe = getattr(f, "seekable", None)
+    if probe is not None:
+        return bool(probe())
+    try:
+        f.seek(f.tell())
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        return False
+    return True
 
 
 class LocalSink(Sink):
@@ -271,7 +289,7 @@ def fsync_dir(directory: str) -> None:
 class FileObjectSink(Sink):
     def __init__(self, f: Any, display: str) -> None:
         self.f, self.display = f, display
-        self.seekable = bool(getattr(f, "seekable", lambda: False)())
+        self.seekable = stream_seekable(f)
         self.start = f.tell() if self.seekable else 0
         self.pos = 0
 
@@ -285,7 +303,12 @@ class FileObjectSink(Sink):
                 view = view[n:]
                 self.pos += n
         except OSError as exc:  # includes io.UnsupportedOperation for a stream opened read-only
-            raise storage_error(exc, "write", self.display) from None
+            if isinstance(exc, io.UnsupportedOperation):
+                raise also(StorageError, type(exc))(
+                    f"cannot write {self.display}: it is not open for writing; open it with mode 'wb'") from None
+            err = storage_error(exc, "write", self.display)
+            # Also of the stream's own class (io.UnsupportedOperation, BrokenPipeError), which torch.save lets through.
+            raise also(StorageError, type(exc))(str(err), errno=err.errno) from None
 
     def tell(self) -> int:
         return self.pos
@@ -398,6 +421,14 @@ def open_sink(target: Target, tuning: WriteTuning | None = None, *, exclusive: b
     return FsspecSink(target.fs, target.fspath, target.display, exclusive)
 
 
+def _is_a_directory(display: str) -> CheckpointNotFoundError:
+    # Also IsADirectoryError, which torch.load (through open()) raises for a directory.
+    err = also(CheckpointNotFoundError, IsADirectoryError)(
+        f"{display} is a directory; ckptstore.load reads a single checkpoint file")
+    err.errno = errno.EISDIR
+    return err
+
+
 _IOV_MAX = 1024  # Linux UIO_MAXIOV: preadv takes at most this many buffers per call
 
 
@@ -413,9 +444,7 @@ class LocalSource(Source):
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint at {display}: the file does not exist") from None
         except IsADirectoryError:
-            raise CheckpointNotFoundError(
-                f"{display} is a directory; ckptstore.load reads a single checkpoint file"
-            ) from None
+            raise _is_a_directory(display) from None
         except OSError as exc:
             raise storage_error(exc, "read", display) from None
         st = os.fstat(self.fd)
@@ -423,7 +452,7 @@ class LocalSource(Source):
             # Linux opens directories read-only without complaint; the error would come at read time.
             os.close(self.fd)
             self.fd = -1
-            raise CheckpointNotFoundError(f"{display} is a directory; ckptstore.load reads a single checkpoint file")
+            raise _is_a_directory(display)
         if not stat.S_ISREG(st.st_mode):
             os.close(self.fd)
             self.fd = -1
@@ -472,11 +501,20 @@ class LocalSource(Source):
             self.fd = -1
 
 
+def _check_readable(f: Any, display: str) -> None:
+    readable = getattr(f, "readable", None)
+    if not hasattr(f, "read") or (readable is not None and not readable()):
+        # torch.load lets the stream's io.UnsupportedOperation through.
+        raise also(InvalidArgumentError, io.UnsupportedOperation)(
+            f"{display} is not open for reading; open the file with mode 'rb'")
+
+
 class FileObjectSource(Source):
+    """A caller's seekable file object; the container starts where the object stands."""
+
     def __init__(self, f: Any, display: str) -> None:
         self.f, self.display = f, display
-        if not (getattr(f, "seekable", lambda: False)() and hasattr(f, "read")):
-            raise InvalidArgumentError(f"{display} must be a readable, seekable binary file object")
+        _check_readable(f, display)
         self.start = f.tell()
         self.size = f.seek(0, io.SEEK_END) - self.start
         f.seek(self.start)
@@ -505,6 +543,99 @@ class FileObjectSource(Source):
         self.f.seek(self.start)
 
 
+class StreamSource(Source):
+    """An unseekable stream (a pipe, a socket, an HTTP body), read once, front to back, into memory.
+
+    The manifest comes last in the container, so nothing can be placed before the whole container
+    has arrived; holding it costs its size in memory until the load returns. A container whose
+    header carries its length (a seekable writer's) is read exactly, leaving the stream at the next
+    one; otherwise (torch.save bytes, or a container written to a stream) up to the end of the stream.
+    """
+
+    PIECE = 16 << 20
+
+    def __init__(self, f: Any, display: str) -> None:
+        self.f, self.display = f, display
+        _check_readable(f, display)
+        # The bytes as the stream gave them, piece by piece: joining them into one buffer would
+        # copy everything once more (and growing one buffer, again on every reallocation).
+        self.pieces: list[bytes | bytearray] = []
+        self.starts: list[int] = []
+        self.size = 0
+        head = self._read(container.HEADER.size)
+        length = container.stated_length(head)
+        if length:
+            self._read(length - len(head))
+        else:
+            self._read(None)
+
+    def _add(self, piece: bytes | bytearray) -> None:
+        self.starts.append(self.size)
+        self.pieces.append(piece)
+        self.size += len(piece)
+
+    def _read(self, n: int | None) -> bytes:
+        """Keep the next ``n`` bytes of the stream (None: up to its end; fewer where it ends first),
+        in pieces of at most PIECE bytes: a length stated by a damaged or hostile header sizes no
+        buffer, the bytes that arrive do. Returns the first piece."""
+        reader = getattr(self.f, "readinto", None)
+        first = b""
+        try:
+            while n is None or n > 0:
+                want = self.PIECE if n is None else min(self.PIECE, n)
+                piece: bytes | bytearray
+                if reader is not None:
+                    piece = bytearray(want)
+                    view, done = memoryview(piece), 0
+                    while done < want:
+                        got = reader(view[done:]) or 0
+                        if not got:
+                            break
+                        done += got
+                    del view
+                    if done < want:
+                        del piece[done:]
+                else:
+                    parts: list[bytes] = []
+                    done = 0
+                    while done < want:  # a short read is no end of stream (raw sockets give what came)
+                        chunk = self.f.read(want - done)
+                        if not chunk:
+                            break
+                        parts.append(chunk)
+                        done += len(chunk)
+                    piece = parts[0] if len(parts) == 1 else b"".join(parts)
+                if piece:
+                    self._add(piece)
+                    first = first or bytes(piece[:64])
+                if n is not None:
+                    n -= len(piece)
+                if len(piece) < want:
+                    break  # the end of the stream
+        except OSError as exc:
+            raise storage_error(exc, "read", self.display) from None
+        return first
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        if offset < 0 or offset + len(out) > self.size:
+            raise ShortRead(offset, len(out), max(0, self.size - offset))
+        i = bisect.bisect_right(self.starts, offset) - 1
+        done = 0
+        while done < len(out):
+            piece, at = self.pieces[i], offset + done - self.starts[i]
+            n = min(len(piece) - at, len(out) - done)
+            out[done : done + n] = memoryview(piece)[at : at + n]
+            done += n
+            i += 1
+
+    def joined(self) -> bytes:
+        """Everything read, as one bytes object (for torch.load of torch.save bytes)."""
+        return b"".join(self.pieces)
+
+    def close(self) -> None:
+        self.pieces, self.starts = [], []
+
+
 class FsspecSource(Source):
     def __init__(self, fs: Any, path: str, display: str) -> None:
         self.fs, self.path, self.display = fs, path, display
@@ -515,9 +646,7 @@ class FsspecSource(Source):
         except transport_errors() as exc:
             raise storage_error(exc, "read", display) from None
         if info.get("type") == "directory":
-            raise CheckpointNotFoundError(
-                f"{display} is a directory; ckptstore.load reads a single checkpoint file"
-            )
+            raise _is_a_directory(display)
         self.size = int(info["size"])
         self.parallel = bool(getattr(fs, "async_impl", False))
 
@@ -568,7 +697,9 @@ def open_source(target: Target) -> Source:
     if target.path is not None:
         return LocalSource(target.path, target.display)
     if target.fileobj is not None:
-        return FileObjectSource(target.fileobj, target.display)
+        if stream_seekable(target.fileobj):
+            return FileObjectSource(target.fileobj, target.display)
+        return StreamSource(target.fileobj, target.display)
     assert target.fspath is not None
     return FsspecSource(target.fs, target.fspath, target.display)
 
@@ -589,6 +720,7 @@ __all__ = [
     "ShortRead",
     "Sink",
     "Source",
+    "StreamSource",
     "Target",
     "WriteTuning",
     "already_exists",
@@ -600,6 +732,7 @@ __all__ = [
     "resolve",
     "scatter",
     "storage_error",
+    "stream_seekable",
     "transport_errors",
     "write_bytes",
 ]
