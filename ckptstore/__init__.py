@@ -51,9 +51,9 @@ from .data import ResumableLoader, ResumableSampler
 from .engine.store import CheckpointStore, SaveHandle
 from .errors import (
     CheckpointError,
-    CollectiveError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CollectiveError,
     CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointError,

@@ -96,6 +96,40 @@ class Restorer:
         steps = set().union(*map(set, self.groups.trainer.all_gather(sorted(seen))))
         return max(steps) if steps else None
 
+    def newest_held(self) -> tuple[int, dict[str, Any], bool] | None:
+        """The newest step any tier of any rank holds committed, its manifest's ``meta`` and whether
+        the durable tier holds it (collective); None when there is none. What a new store counts on
+        from: steps only grow past it, and its cadence continues."""
+        durable = self._durable_steps()
+        node = self._node_steps()
+        newest = max(node | durable, default=None)
+        mine = None if newest is None else (newest, self._meta(newest, newest in durable))
+        found = [m for m in self.groups.trainer.all_gather(mine) if m is not None]
+        if not found:
+            return None
+        step = max(m[0] for m in found)
+        meta = next((m[1] for m in found if m[0] == step and m[1] is not None), {})
+        in_durable = any(self.groups.trainer.all_gather(step in durable))
+        return step, meta, in_durable
+
+    def meta_of(self, step: int) -> tuple[dict[str, Any], bool]:
+        """The ``meta`` of ``step``'s manifest as this node or the durable tier holds it, and whether
+        the durable tier holds the step (collective: every rank gets rank 0's answer)."""
+        durable = step in self._durable_steps()
+        first = self.groups.trainer.all_gather((self._meta(step, durable), durable))[0]
+        return first[0], first[1]
+
+    def _meta(self, step: int, in_durable: bool) -> dict[str, Any]:
+        inv = Inventory.of(self.node_tiers, step)
+        if inv.parsed is not None:
+            return dict(inv.parsed.meta)
+        if in_durable and self.durable is not None:
+            try:
+                return dict(self.durable.manifest_sync(step).meta)
+            except (CheckpointError, OSError) as exc:
+                log.warning("ckptstore: cannot read the manifest of step %d in the durable tier: %s", step, exc)
+        return {}
+
     def _attempt(self, state: Any, step: int, in_durable: bool, per_rank: str) -> tuple[bool, str]:
         """One collective attempt (retried with bad copies excluded) to load ``step`` on every rank."""
         fg = self.groups.trainer
