@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.cli import main
 from ckptstore.checkpoint.materialize import encode_value
 from ckptstore.checkpoint.sharded import BLOCK_SIZE, build_manifest, collect
+from ckptstore.cli import main
 from ckptstore.tiers.directory import DirectoryTier
 from ckptstore.tiers.ram import RamTier
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.cli import main
 from ckptstore.checkpoint.reshard import reshard
+from ckptstore.cli import main
 
 
 def _state() -> dict:
