@@ -179,6 +179,9 @@ class Pipeline:
         self._outstanding: set[concurrent.futures.Future] = set()
         self._last: StepJob | None = None  # the newest step committed in RAM (close promotes it)
         self._promoted: set[int] = set()
+        # The newest step due in the durable tier that is not there yet: local retention keeps it
+        # until a promotion of it or of a later step succeeds (retention tied to promotion).
+        self._owed: int | None = None
         # Saves since the newest promoted and the newest replicated one. They travel in every step's
         # manifest (meta.cadence), so a restarted process counts on from its newest step instead of
         # from zero: a job that crashes every few saves still promotes every durable_every-th.
@@ -428,8 +431,10 @@ class Pipeline:
         if self.local is not None:
             job.local_part = (await self._to_tier(self.local, job, fast))[self.rank]
             _resolve(job.futures["local"], job.step)
+            if job.promote:
+                self._owed = job.step
             assert self.local_retention is not None
-            await self.local_retention.apply()
+            await self.local_retention.apply(frozenset() if self._owed is None else frozenset({self._owed}))
         if job.sdc and self.check.mode == "raise":
             self._promoted.add(job.step)  # close() must not promote it to durable either
         self.check.verdict(job, self.tracker.event)
@@ -470,6 +475,8 @@ class Pipeline:
         finally:
             job.durable_data = None  # unmaps the local files
         self._promoted.add(job.step)
+        if self._owed is not None and self._owed <= job.step:
+            self._owed = None
         assert self.durable_retention is not None
         await self.durable_retention.apply()
 
@@ -579,6 +586,7 @@ class Pipeline:
         cadence = meta.get("cadence") if isinstance(meta.get("cadence"), dict) else {}
         job.cadence = {"durable": 0, "peer": cadence.get("peer", 0)}
         self.since["durable"] = 0
+        self._owed = max(step, self._owed or step)
         place = self.durable_lane.reserve()
         if "slot" in snap.meta:  # read from a RAM slot: the next save into it waits for the promotion
             self._busy[snap.meta["slot"]] = job.futures["durable"]
