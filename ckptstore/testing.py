@@ -470,7 +470,8 @@ class TierContract:
             files = {c.where: c for c in held.files if c.manifest == copy.manifest}
             by_name = {c.file: c for c in files.values()}
             loaded = zeroed(state)
-            load_manifest(loaded, manifest, copy.manifest, lambda rel: by_name[rel or ""].open(), group=Group.solo(),
+            load_manifest(loaded, manifest, copy.manifest, lambda rel, by_name=by_name: by_name[rel or ""].open(),  # type: ignore[misc]
+                          group=Group.solo(),
                           strict=True, per_rank="error", buffer_bytes=1 << 20, decode_per_rank=decode_value)
             assert_loaded_equal(loaded, state)
 

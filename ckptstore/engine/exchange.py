@@ -134,9 +134,10 @@ class NodeInventory:
             for copy in held.files:
                 # A tier that does not say which of its manifests describes a copy (one written
                 # before Held.manifest existed) can still be read when all its manifests agree.
-                digest = digests.get(copy.manifest) if copy.manifest else (next(iter(only)) if len(only) == 1 else None)
-                if digest is not None:
-                    node.layouts[digest].files.setdefault(copy.file, []).append(copy)
+                own: str | None = digests.get(copy.manifest) if copy.manifest else (
+                    next(iter(only)) if len(only) == 1 else None)
+                if own is not None:
+                    node.layouts[own].files.setdefault(copy.file, []).append(copy)
         return node
 
     def _parse(self, body: bytes, where: str) -> tuple[str, Manifest] | None:
@@ -294,8 +295,8 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: Sequence[str], ex
 
     sizes = _sizes(inv, excluded)
     remote = sorted({w for w in wanted if w not in sizes})
-    mine = {"has": sizes, "want": remote}
-    gathered = group.all_gather(mine) if group.world > 1 else [mine]
+    mine: dict[str, Any] = {"has": sizes, "want": remote}
+    gathered: list[dict[str, Any]] = group.all_gather(mine) if group.world > 1 else [mine]
     owners: dict[str, list[int]] = {}
     for r, g in enumerate(gathered):
         for name in g["has"]:
@@ -320,8 +321,9 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: Sequence[str], ex
     for owner, names in sorted(asked.items()):
         channel = _Channel(p2p, owner, names, tags, timeout_s, display)
         out.channels.append(channel)
+        offered: dict[str, int] = gathered[owner]["has"]
         for name in names:
-            size = int(gathered[owner]["has"][name])
+            size = int(offered[name])
             out.sources[name] = RemoteSource(channel, name, size, f"rank {owner}'s copy of {display}/{name}")
     for requester, names in sorted(serving.items()):
         threading.Thread(target=_serve, args=(p2p, inv, excluded, requester, names, tags), daemon=True,

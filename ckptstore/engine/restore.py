@@ -167,7 +167,8 @@ class Restorer:
         for listed in (fg.all_gather(mine) if self.world > 1 else [mine]):
             for p, d in listed:
                 preference[d] = min(preference.get(d, p), p)
-        order: list[str | None] = sorted(preference, key=lambda d: (preference[d], d))
+        ranked = sorted(preference, key=lambda d: (preference[d], d))
+        order: list[str | None] = list(ranked)
         excluded: set[str] = set()  # damaged copies, by where they lie: never read again in this step
         details: list[str] = []
         if in_durable:
@@ -182,7 +183,7 @@ class Restorer:
             if ok:
                 return True, detail
             details.append(detail)
-            if len(order) > 1 and digest is not order[-1]:
+            if digest != order[-1]:
                 log.warning("ckptstore: %s; trying the next copy of the step laid out differently", detail)
         return False, "; then ".join(details)
 
@@ -192,8 +193,9 @@ class Restorer:
         the copies in one layout: the nodes' copies in it, fetched across nodes where a node lacks
         a file, and the durable copy when it is laid out alike (or is the layout, ``_DURABLE``)."""
         fg = self.groups.trainer
-        from_durable = digest is _DURABLE
+        from_durable = digest == _DURABLE
         inv = Inventory(None, DURABLE_PREFERENCE) if from_durable else node.layout(digest)
+        durable: Tier | _Lazy | None
         if from_durable:
             durable = self.durable
         elif in_durable and self.durable is not None:
@@ -203,7 +205,7 @@ class Restorer:
         display = f"step {step} of job {self.job}"
         bad_owners: set[tuple[str, int]] = set()
         detail = ""
-        for attempt in range(_ATTEMPTS):
+        for _try in range(_ATTEMPTS):
             fatal: Exception | None = None
             problem = ""
             retry = False
