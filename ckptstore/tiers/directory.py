@@ -417,7 +417,7 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
         path = os.path.join(data, name)
         # Never a symbolic link: the writers make none, and one could point anywhere.
         if name.endswith(".bin") and not name.startswith(".") and not os.path.islink(path):
-            held.files.append(Held(f"data/{name}", path, tier, _opener(path)))
+            held.files.append(Held(f"data/{name}", path, tier, _opener(path), manifest=manifest))
     if os.path.getsize(manifest) > max_manifest_bytes():
         log.warning("ckptstore: %s is over the manifest size cap; not using it", manifest)
         return held

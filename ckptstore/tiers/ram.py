@@ -592,7 +592,7 @@ def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool) -> Ho
         if (seg.src is not None) != replicas or doc["step"] != step:
             continue
         bin_path = path[:-5] + ".bin"
-        held.files.append(Held(data_file(seg.owner), bin_path, tier, _opener(bin_path)))
+        held.files.append(Held(data_file(seg.owner), bin_path, tier, _opener(bin_path), manifest=path))
         held.manifests.append((doc["extra"]["manifest"].encode(), path))
     return held
 
