@@ -560,7 +560,7 @@ class Pipeline:
     def resume(self, meta: dict[str, Any], *, durable_holds_it: bool) -> None:
         """Count on from a committed step (its manifest's ``meta``): the newest one the tiers hold at
         start-up, or the one a restore loaded. Older manifests, without ``meta.cadence``, count from 0."""
-        cadence = meta.get("cadence") if isinstance(meta.get("cadence"), dict) else {}
+        cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         since = {}
         for lane in ("durable", "peer"):
             count = cadence.get(lane)
@@ -581,15 +581,16 @@ class Pipeline:
                         "node: it is promoted with the next save that goes to the durable tier", step)
             return None
         assert snap is not None and source is not None
-        job = StepJob(step, futures={"durable": concurrent.futures.Future()}, snap=snap, promote=True)
+        promoted: concurrent.futures.Future = concurrent.futures.Future()
+        job = StepJob(step, futures={"durable": promoted}, snap=snap, promote=True)
         job.shared = {"tree": source.tree, "tensors": {k: (e.dtype, e.shape) for k, e in source.tensors.items()}}
-        cadence = meta.get("cadence") if isinstance(meta.get("cadence"), dict) else {}
+        cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         job.cadence = {"durable": 0, "peer": cadence.get("peer", 0)}
         self.since["durable"] = 0
         self._owed = max(step, self._owed or step)
         place = self.durable_lane.reserve()
         if "slot" in snap.meta:  # read from a RAM slot: the next save into it waits for the promotion
-            self._busy[snap.meta["slot"]] = job.futures["durable"]
+            self._busy[snap.meta["slot"]] = promoted
 
         async def run() -> None:
             try:

@@ -121,7 +121,7 @@ class Restorer:
         if not found:
             return None
         step = max(m[0] for m in found)
-        meta = next((m[1] for m in found if m[0] == step and m[1] is not None), {})
+        meta: dict[str, Any] = next((m[1] for m in found if m[0] == step and m[1] is not None), {})
         in_durable = any(self.groups.trainer.all_gather(step in durable))
         return step, meta, in_durable
 

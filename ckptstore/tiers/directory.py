@@ -387,9 +387,9 @@ class DirectoryTier(Tier):
             return None
         frozen_end = align_up(int(frozen_map.numel())) if frozen_map is not None else 0
         for table in chunks.values():
-            for c in table:
-                if not is_frozen_file(c["file"]):
-                    c["offset"] += frozen_end
+            for doc in table:
+                if not is_frozen_file(doc["file"]):
+                    doc["offset"] += frozen_end
         size = frozen_end + (int(rest_map.numel()) if rest_map is not None else 0)
         data = _SlotFiles(frozen_map, rest_map, frozen_end, size)
         return Snapshot(step, rank, int(manifest.meta.get("world_size", 1)), data, chunks, frozen_end)
