@@ -29,7 +29,7 @@ EVENTS_FILE = "events.jsonl"
 TMP_MARK = ".ckptstore-tmp-"
 
 _STEP = re.compile(r"^step-(\d{12,})$")
-_DATA = re.compile(r"^data/rank-(\d{5})(?:-frozen-[a-z+]+-[0-9a-f]+)?\.bin$")
+_DATA = re.compile(r"^data/rank-(\d{5})(?:-frozen-[a-z+]+-[0-9a-f]+)?(?:\.w[0-9a-f]+)?\.bin$")
 _JOB = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 _SEGMENT = re.compile(r"^ckptstore-(?P<job>.+)-r(?P<rank>\d{5})-(?:peer(?P<src>\d{5})-)?s(?P<slot>\d+)\.(?P<ext>bin|json)$")
 
@@ -53,6 +53,10 @@ def part_file(rank: int) -> str:
     return f"parts/rank-{rank:05d}.json"
 
 
+def is_frozen_file(rel: str) -> bool:
+    return "-frozen-" in rel.rsplit("/", 1)[-1]
+
+
 def frozen_file(rank: int, codec: str | None, digest: str) -> str:
     """Rank ``rank``'s file of frozen tensors, named by its content, so an unchanged region is
     recognised (and linked instead of rewritten) by name."""
@@ -67,7 +71,7 @@ def writer_variant(rel: str, token: str) -> str:
 
 
 def data_file_rank(rel: str | None) -> int | None:
-    """The rank whose bytes the data file ``rel`` holds (own data or frozen file), or None."""
+    """The rank whose bytes the data file ``rel`` holds (its data, frozen or writer-unique file), or None."""
     m = _DATA.match(rel or "")
     return int(m.group(1)) if m else None
 

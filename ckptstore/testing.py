@@ -50,7 +50,7 @@ from .checkpoint.sharded import BLOCK_SIZE, Collected, PerRank, build_manifest, 
 from .collective import Group
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.container import align_up
-from .format.manifest import Manifest
+from .format.manifest import Manifest, parse_manifest
 from .names import segment_prefix
 from .storage.targets import Target
 from .tiers.base import Snapshot, Tier
@@ -453,6 +453,27 @@ class TierContract:
             env.tier.discard_sync(6)
         assert env.tier.manifest_sync(6).to_json_bytes() == first
         assert_loaded_equal(env.load(6, state), state)
+
+    def test_node_holdings_pair_every_copy_with_the_manifest_that_reads_it(self, env: TierEnv) -> None:
+        """A restore reads each copy a node holds with the manifest its holdings pair it with; the
+        layout may be the tier's own (a frozen region split off, offsets shifted)."""
+        if not env.tier.capabilities.node_local:
+            pytest.skip(f"the {env.tier.name} tier is not node-local: it holds nothing node-wise")
+        state = frozen_state(5)
+        env.save(5, state, frozen="frozen/")
+        held = env.tier.holdings(5)
+        assert held.files and held.manifests, "a committed step is in the node's holdings"
+        bodies = dict((where, body) for body, where in held.manifests)
+        for copy in held.files:
+            assert copy.manifest in bodies, f"{copy.where} names no manifest of the holdings ({copy.manifest!r})"
+            manifest = parse_manifest(bodies[copy.manifest], where=copy.manifest)
+            files = {c.where: c for c in held.files if c.manifest == copy.manifest}
+            by_name = {c.file: c for c in files.values()}
+            loaded = zeroed(state)
+            load_manifest(loaded, manifest, copy.manifest, lambda rel, by_name=by_name: by_name[rel or ""].open(),  # type: ignore[misc]
+                          group=Group.solo(),
+                          strict=True, per_rank="error", buffer_bytes=1 << 20, decode_per_rank=decode_value)
+            assert_loaded_equal(loaded, state)
 
     def test_unchanged_frozen_region_is_reused_not_rewritten(self, env: TierEnv) -> None:
         if not env.tier.capabilities.reuses_unchanged:

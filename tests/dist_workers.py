@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 import traceback
 from typing import Any
 
@@ -413,4 +414,139 @@ def peer_restore_hang_job(rank: int, world: int, name: str, ram_root: str, local
         assert any("rank 2 did not send data/rank-00001.bin" in m for m in records), records
         assert elapsed < 7, elapsed  # the 2 s bound, not the 8 s hang
     time.sleep(7)  # let the stuck owner's late send land before the groups go away
+    store.close()
+
+
+# ---------------------------------------------------------------------------- bounded peer restores
+
+_BIG_ROWS = 12_288  # rows of 4 KiB per rank: a 48 MiB shard, twelve times the restore's 4 MiB window
+
+
+def _big_shard(world: int, step: int, rank: int):
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = torch.full((_BIG_ROWS, 1024), float(step * 10 + rank)) if step else torch.ones(_BIG_ROWS, 1024)
+    return {"big": DTensor.from_local(local, _mesh((world,)), [Shard(0)], run_check=False)}
+
+
+def _node_store(name: str, rank: int, ram_root: str, local_root: str, **kw):
+    ram_dir = os.path.join(ram_root, f"node{rank}")  # one rank per simulated node
+    os.makedirs(ram_dir, exist_ok=True)
+    return ckptstore.CheckpointStore(name, local=os.path.join(local_root, f"node{rank}"), ram_dir=ram_dir,
+                                     peer_replicas=1, node=rank, **kw)
+
+
+def big_peer_save_job(rank: int, world: int, name: str, ram_root: str, local_root: str, steps: list[int]) -> None:
+    store = _node_store(name, rank, ram_root, local_root)
+    for step in steps:
+        handle = store.save(step, _big_shard(world, step, rank))
+        handle.wait("peer")
+        handle.wait("local")
+    store.close()
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def big_peer_restore_job(rank: int, world: int, name: str, ram_root: str, local_root: str, window: int,
+                         out: str) -> None:
+    """Rank 1's node was lost: its 48 MiB shard comes from rank 0's replica. The peak RSS of the
+    restoring process may grow by the read window plus a fixed overhead, never by the shard."""
+    import json
+
+    records = _ckptstore_log()
+    store = _node_store(name, rank, ram_root, local_root)
+    store._restorer.buffer_bytes = window
+    state = _big_shard(world, 0, rank)  # allocated and touched (ones) before the baseline
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # the peak (VmHWM) starts again from the current RSS
+    before, anon_before = _status("VmRSS"), _status("RssAnon")
+    # The kernel keeps no peak of anonymous memory alone: sample it (an owner's mapped pages are
+    # the page cache's, counted in VmHWM but no copy; bytes read into new memory are anonymous).
+    anon_peak = [anon_before]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.002):
+            anon_peak[0] = max(anon_peak[0], _status("RssAnon"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    got = store.restore(state)
+    peak = _status("VmHWM")
+    sampling.set()
+    sampler.join()
+    assert got == 1, (got, records)
+    assert torch.equal(state["big"].to_local(), torch.full((_BIG_ROWS, 1024), float(10 + rank)))
+    if rank == 1:
+        assert any("restored step 1 from the peer" in m for m in records), records
+    with open(os.path.join(out, f"rss-{rank}.json"), "w") as fh:
+        json.dump({"rank": rank, "before": before, "peak": peak, "growth": peak - before, "window": window,
+                   "anon_growth": anon_peak[0] - anon_before,
+                   "shard": _BIG_ROWS * 4096}, fh)
+    store.close()
+
+
+def vanished_peer_restore_job(rank: int, world: int, name: str, ram_root: str, local_root: str,
+                              peer_timeout_s: float) -> None:
+    """Rank 0 holds the only copy of rank 1's step 2 (node 1 was lost), and the file vanishes after
+    rank 0 listed it: rank 0 says so at once, and the restore falls back to step 1 without waiting
+    for peer_timeout_s."""
+    import glob
+    import json
+    import time
+
+    from ckptstore.engine import exchange
+
+    if rank == 0:
+        real = exchange._serve
+        gone: list[str] = []
+
+        def vanishing(*args):
+            if not gone:
+                for doc in glob.glob(os.path.join(ram_root, "node0", f"ckptstore-{name}-r00000-peer00001-s*.json")):
+                    with open(doc) as fh:
+                        if json.load(fh)["step"] == 2:
+                            os.unlink(doc[:-5] + ".bin")
+                            gone.append(doc)
+            return real(*args)
+
+        exchange._serve = vanishing
+    records = _ckptstore_log()
+    store = _node_store(name, rank, ram_root, local_root, peer_timeout_s=peer_timeout_s)
+    state = _small_shard(world, 0, rank)
+    t0 = time.perf_counter()
+    got = store.restore(state)
+    elapsed = time.perf_counter() - t0
+    assert got == 1, (got, records)
+    assert torch.equal(state["w"].to_local(), torch.full((1000,), float(10 + rank)))
+    if rank == 1:
+        assert any("rank 0 no longer holds it" in m for m in records), records
+        assert elapsed < peer_timeout_s / 4, (elapsed, records)
+    else:
+        assert any("which this node no longer holds" in m for m in records), records
+    store.close()
+
+
+def _small_shard(world: int, step: int, rank: int):
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = torch.full((1000,), float(step * 10 + rank))  # each rank's own bytes, in its own file
+    return {"w": DTensor.from_local(local, _mesh((world,)), [Shard(0)], run_check=False)}
+
+
+def small_peer_save_job(rank: int, world: int, name: str, ram_root: str, local_root: str, steps: list[int]) -> None:
+    store = _node_store(name, rank, ram_root, local_root)
+    for step in steps:
+        handle = store.save(step, _small_shard(world, step, rank))
+        handle.wait("peer")
+        handle.wait("local")
     store.close()

@@ -101,12 +101,15 @@ def _trial(job: str, tmp_path: Path, s3: dict, point: str, where: str, hits: int
 def _check_after_restart(job: str, cfg: dict, s3: dict, expected: int) -> None:
     opts = s3["storage_options"]
     local, durable = cfg["local"], cfg["durable"]
-    # A restarted process: opening the store sweeps what the dead save left behind.
+    # A restarted process: opening the store sweeps what the dead save left behind. A restore also
+    # promotes the step it loaded when the durable tier lacks it: the tiers are listed once the
+    # store is closed, and that promotion with it.
     with CheckpointStore(job, local=local, durable=durable, storage_options=opts) as store:
         target = _template()
         assert store.restore(target) == expected
         assert _same(target, expected)
-        local_steps, durable_steps = store.local.steps_sync(), store.durable.steps_sync()
+    local_steps, durable_steps = store.local.steps_sync(), store.durable.steps_sync()
+    assert expected in durable_steps, "the restored step reached the durable tier"
     # Nothing committed was lost: step OLD reached every tier before the crash, and each tier
     # keeps its two newest steps, so its newest is OLD or NEW.
     assert max(local_steps) in (OLD, NEW) and max(durable_steps) in (OLD, NEW), (local_steps, durable_steps)

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import wipe_ram
+from conftest import assert_same, wipe_ram
 
 import ckptstore
 from ckptstore import CheckpointStore
@@ -162,17 +162,17 @@ def test_incomplete_local_steps_are_swept_and_never_restored(job, tmp_path, capl
 
 
 def test_frozen_keys_skip_copies_and_the_refresh_catches_hidden_writes(job, tmp_path):
-    frozen = torch.zeros(2000)
+    frozen = torch.zeros(20_000)  # 80 KB: frozen tensors under 64 KiB are copied at every save
     state = {"base": frozen, "head": torch.zeros(3)}
-    with CheckpointStore(job, local=str(tmp_path / "l"), ram_budget_bytes=20_000, frozen=lambda k: k == "base",
+    with CheckpointStore(job, local=str(tmp_path / "l"), ram_budget_bytes=200_000, frozen=lambda k: k == "base",
                          refresh_every=3) as store:
-        store.save(1, state).wait("local")  # save 1: everything copied
+        first = store.save(1, state)  # save 1: everything copied
+        first.wait("local")
+        store.save(2, state).wait("local")  # save 2: "base" is unchanged and reused
         frozen.data.fill_(7.0)  # a write the version counter does not see
-        store.save(2, state).wait("local")  # save 2: "base" reused, the write missed
-        target = {"base": torch.zeros(2000), "head": torch.zeros(3)}
-        assert store.restore(target) == 2 and torch.equal(target["base"], torch.zeros(2000))
-        store.save(3, state).wait("local")  # save 3 is a refresh: everything copied
-        assert store.restore(target) == 3 and torch.equal(target["base"], torch.full((2000,), 7.0))
+        store.save(3, state).wait("local")  # save 3: the sampled elements differ: "base" is copied again
+        target = {"base": torch.zeros(20_000), "head": torch.zeros(3)}
+        assert store.restore(target) == 3 and torch.equal(target["base"], torch.full((20_000,), 7.0))
 
 
 def test_ram_budget_smaller_than_one_snapshot_is_refused(job, tmp_path):
@@ -249,10 +249,12 @@ def test_two_writers_of_one_step_one_wins(job, tmp_path):
     local = tmp_path / "local"
     other_ram = tmp_path / "ram2"  # a second process's RAM tier (any directory works for the test)
     other_ram.mkdir()
+    # Both start before either saves (a store that starts after step 7 is committed refuses to save
+    # it again at the call: tests/test_crash_loop.py), so the race is decided at commit.
+    second = CheckpointStore(job, local=str(local), ram_dir=str(other_ram))
     with CheckpointStore(job, local=str(local)) as first:
         first.save(7, _state(7)).wait("local")
     committed = (local / "step-000000000007" / "manifest.json").read_bytes()
-    second = CheckpointStore(job, local=str(local), ram_dir=str(other_ram))
     handle = second.save(7, _state(8))
     with pytest.raises(ckptstore.CheckpointError, match="never rewritten|already exists"):
         handle.wait("local")
@@ -301,3 +303,56 @@ def test_a_restarted_store_never_restages_the_only_committed_snapshot(job):
     with CheckpointStore(job) as again:
         target = _empty()
         assert again.restore(target) == 9 and _same(target, _state(9))
+
+
+
+def _flip_ram_copy(job: str, key: str) -> str:
+    """Flip a byte in the middle of ``key``'s bytes in the RAM copy of slot 0."""
+    seg = f"/dev/shm/ckptstore-{job}-r00000-s0.bin"
+    with open(seg[:-4] + ".json") as fh:
+        doc = json.load(fh)
+    entry = next(e for e in doc["layout"] if e["key"] == key)
+    at = entry["offset"] + entry["nbytes"] // 2
+    with open(seg, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    return seg
+
+
+def _base_and_head() -> dict:
+    g = torch.Generator().manual_seed(18)
+    return {"base": {f"layer{i}": torch.randn(50_000, generator=g) for i in range(3)},
+            "head": torch.randn(20_000, generator=g)}
+
+
+@pytest.mark.parametrize("damaged", ["base/layer1", "head"])
+def test_a_damaged_ram_copy_of_a_frozen_store_restores_the_same_step_from_local(job, tmp_path, caplog, damaged):
+    # The local tier keeps the frozen region in a file of its own and shifts the rest's offsets:
+    # its copy must be read with its own manifest, not the RAM copy's (issue 18, item 4).
+    state, local = _base_and_head(), str(tmp_path / "local")
+    with CheckpointStore(job, local=local, frozen=lambda k: k.startswith("base/")) as store:
+        store.save(1, state).wait("local")
+    assert any("frozen" in f for f in os.listdir(tmp_path / "local" / "step-000000000001" / "data"))
+    seg = _flip_ram_copy(job, damaged)
+    with CheckpointStore(job, local=local) as store, caplog.at_level(logging.WARNING, logger="ckptstore"):
+        target = {"base": {k: torch.zeros_like(v) for k, v in state["base"].items()},
+                  "head": torch.zeros_like(state["head"])}
+        assert store.restore(target) == 1
+    assert f"the copy read was {seg}" in caplog.text
+    assert_same(target, state)
+
+
+def test_a_damaged_ram_copy_of_a_zstd_durable_store_restores_the_same_step_from_durable(job, tmp_path, caplog):
+    # The durable tier's chunks are compressed: other offsets, lengths and checksums than RAM's.
+    state, durable = _base_and_head(), str(tmp_path / "durable")
+    with CheckpointStore(job, durable=durable, durable_every=1, durable_compression="zstd") as store:
+        store.save(1, state).wait("durable")
+    seg = _flip_ram_copy(job, "head")
+    with CheckpointStore(job, durable=durable) as store, caplog.at_level(logging.WARNING, logger="ckptstore"):
+        target = {"base": {k: torch.zeros_like(v) for k, v in state["base"].items()},
+                  "head": torch.zeros_like(state["head"])}
+        assert store.restore(target) == 1
+    assert f"the copy read was {seg}" in caplog.text
+    assert_same(target, state)

@@ -3,109 +3,168 @@
 The RAM and local tiers are per node, and a rank's load can need other ranks' data files (its
 own shard was written by itself, but a replicated tensor was written once, by some rank, and a
 resharded load reads from many). After a crash every file of a step usually still exists on some
-node: in that node's RAM segments, its local directory, or a peer replica. So a restore runs, per
-candidate step, as one collective round:
+node: in that node's RAM segments, its local directory, or a peer replica.
 
-1. each rank asks its node-local tiers what its node holds of the step (the *inventory*: file
-   name -> copies, each with its tier and an opener), and whether it has the step's manifest;
-2. a rank with no manifest gets it from the lowest rank that has one;
-3. each rank plans the chunks its state needs (the same planning a load does), asks an owner for
-   each chunk of a file its node lacks, and the owners send the bytes (gloo point-to-point on the
-   store's own group, in one order every rank derives from the gathered requests);
-4. each rank loads, reading local files directly, fetched chunks from memory and anything nobody
-   holds from the durable tier. Checksums are verified on every byte as in any load, so a corrupt
-   copy is caught wherever it came from, and the next attempt excludes it.
+**Layouts.** The copies of one step are not all laid out alike: the RAM slot and its peer replicas
+hold the staged bytes as they were, the local tier keeps the frozen region in a file of its own
+(the rest's offsets shift), and a compressing durable tier has other offsets, lengths and
+checksums. A *layout* is a step's chunk table (every chunk's file, offset, length, codec and
+checksum); every copy of a data file is paired with the manifest of the tier that holds it, and
+copies are grouped by the layout that manifest describes (:func:`layout_digest`). A copy is only
+ever read with its own layout's manifest: read with another's, a sound copy looks truncated.
+
+A restore runs, per candidate step and layout, as one collective round:
+
+1. each rank asks its node-local tiers what its node holds of the step (:class:`NodeInventory`:
+   layouts, each with its file copies and manifest; the ranks agree on an order of layouts);
+2. for the layout tried, a rank with no copy of its manifest gets it from the lowest rank that has
+   one;
+3. each rank plans the files its state needs, and for each file its node lacks picks an owner
+   among the ranks whose node has it (:func:`exchange`); every owner learns who will ask it;
+4. each rank loads, reading its node's copies directly and another node's through a
+   :class:`RemoteSource`: every read the load makes (the rows it needs, in whole checksum
+   blocks, within the load's ``buffer_bytes``) is one request to the owner, answered from the
+   owner's mapped file straight into the load's buffer. Nothing is fetched ahead, so neither side
+   holds more than the load's window. Checksums are verified on every byte as in any load, so a
+   corrupt copy is caught wherever it came from, and the next attempt excludes it.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
-import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..collective import Group
-from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatVersionError
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError, UnsupportedFormatVersionError
+from ..format.checksum import checksum
 from ..format.manifest import Manifest, parse_manifest
-from ..storage.targets import Source
+from ..storage.targets import ShortRead, Source
 from ..tiers.base import Held, Tier
 
 log = logging.getLogger("ckptstore")
 
+# Layouts are tried in this order of the tiers holding them: the staged bytes as they were (RAM,
+# and the peer replicas that are byte copies of it), then anything else a node holds (the local
+# tier); the durable tier's own layout comes last (restore.py).
+_FIRST_TIERS = frozenset({"ram", "peer"})
+NODE_PREFERENCE, DURABLE_PREFERENCE = 1, 2
+
+# What an owner answers to a request, before the bytes: served, no longer held, out of range.
+_OK, _GONE, _SHORT = 0, 1, 2
+
+
+def layout_digest(manifest: Manifest) -> str:
+    """A name for ``manifest``'s chunk table: equal for two manifests exactly when every chunk of
+    every tensor lies in the same file at the same offset, with the same length, codec and checksums
+    (timings and other ``meta`` differ between tiers' copies of one step and do not count)."""
+    parts = []
+    for key in sorted(manifest.tensors):
+        entry = manifest.tensors[key]
+        parts.append(repr((key, entry.dtype, entry.shape, [
+            (c.offsets, c.sizes, c.file, c.offset, c.length, c.codec, c.checksum, c.block_size, c.block_checksums)
+            for c in entry.chunks])))
+    return checksum("\n".join(parts).encode())
+
 
 class Inventory:
-    """What this rank's node holds of one step: data files by name, and a manifest if any."""
+    """What this rank's node holds of one step in one layout: data files by name (every copy read
+    with this layout's manifest), and that manifest if the node has a copy of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, digest: str | None = None, preference: int = NODE_PREFERENCE) -> None:
+        self.digest, self.preference = digest, preference
         self.files: dict[str, list[Held]] = {}
         self.manifest: bytes | None = None
         self.parsed: Manifest | None = None  # self.manifest, parsed once (10^5 entries take seconds)
-        self.unsupported: UnsupportedFormatVersionError | None = None  # a copy only a newer reader reads
-
-    @classmethod
-    def of(cls, tiers: Sequence[Tier], step: int) -> Inventory:
-        """What the node-local ``tiers`` hold of ``step`` on this node, in the order given (the first
-        readable manifest copy is kept, and files are opened in that order of preference)."""
-        inv = cls()
-        for tier in tiers:
-            held = tier.holdings(step)
-            for copy in held.files:
-                inv.files.setdefault(copy.file, []).append(copy)
-            for body, where in held.manifests:
-                inv.offer_manifest(body, where)
-        return inv
-
-    def offer_manifest(self, body: bytes, where: str) -> None:
-        """Keep the first copy of the step's manifest that validates (its own checksum included):
-        a damaged copy is named and passed over, and the next copy (another tier) is used."""
-        if self.manifest is not None:
-            return
-        try:
-            parsed = parse_manifest(body, where=where)
-        except UnsupportedFormatVersionError as exc:
-            # Not damage: a newer writer's. If no copy is readable, upgrading is the answer.
-            log.warning("ckptstore: ignoring a copy of a manifest: %s", exc)
-            self.unsupported = exc
-            return
-        except CheckpointError as exc:
-            log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
-            return
-        self.manifest, self.parsed = body, parsed
+        self.where = ""
 
     def names(self, excluded: set[str]) -> list[str]:
         return sorted(n for n, copies in self.files.items() if any(c.where not in excluded for c in copies))
 
     def open(self, name: str, excluded: set[str]) -> tuple[Held, Source] | None:
+        """The first copy of ``name`` not excluded that still opens (a copy removed since the
+        inventory was taken is passed over)."""
         for copy in self.files.get(name, []):
             if copy.where not in excluded:
-                return copy, copy.open()
+                try:
+                    return copy, copy.open()
+                except (CheckpointNotFoundError, FileNotFoundError):
+                    continue
         return None
 
 
-class FetchedSource(Source):
-    """Chunks of one file received from rank ``owner``, served from memory."""
+class NodeInventory:
+    """What this rank's node holds of one step, grouped by layout."""
 
-    def __init__(self, owner: int, display: str) -> None:
-        self.owner, self.display, self.size = owner, display, 0
-        self.ranges: list[tuple[int, torch.Tensor]] = []
+    def __init__(self) -> None:
+        self.layouts: dict[str, Inventory] = {}
+        self.unsupported: UnsupportedFormatVersionError | None = None  # a copy only a newer reader reads
 
-    def add(self, offset: int, data: torch.Tensor) -> None:
-        self.ranges.append((offset, data))
-        self.size = max(self.size, offset + data.numel())
+    @classmethod
+    def of(cls, tiers: Sequence[Tier], step: int) -> NodeInventory:
+        """What the node-local ``tiers`` hold of ``step`` on this node. Within a layout, copies keep
+        the order of ``tiers`` (the order a load opens them in). A copy whose manifest is damaged,
+        or that names no manifest of its tier, is left out: nothing says how to read it."""
+        node = cls()
+        parsed: dict[bytes, tuple[str, Manifest] | None] = {}  # one parse per distinct body
+        for tier in tiers:
+            held = tier.holdings(step)
+            digests: dict[str, str] = {}
+            for body, where in held.manifests:
+                if body not in parsed:
+                    parsed[body] = node._parse(body, where)
+                got = parsed[body]
+                if got is None:
+                    continue
+                digest, manifest = got
+                digests[where] = digest
+                preference = 0 if tier.name in _FIRST_TIERS else NODE_PREFERENCE
+                layout = node.layouts.get(digest)
+                if layout is None:
+                    layout = node.layouts[digest] = Inventory(digest, preference)
+                layout.preference = min(layout.preference, preference)
+                if layout.manifest is None:
+                    layout.manifest, layout.parsed, layout.where = body, manifest, where
+            only = set(digests.values())
+            for copy in held.files:
+                # A tier that does not say which of its manifests describes a copy (one written
+                # before Held.manifest existed) can still be read when all its manifests agree.
+                own: str | None = digests.get(copy.manifest) if copy.manifest else (
+                    next(iter(only)) if len(only) == 1 else None)
+                if own is not None:
+                    node.layouts[own].files.setdefault(copy.file, []).append(copy)
+        return node
 
-    def readinto(self, offset: int, out: memoryview) -> None:
-        for start, data in self.ranges:
-            if start <= offset and offset + len(out) <= start + data.numel():
-                out[:] = data.numpy()[offset - start : offset - start + len(out)].tobytes()
-                return
-        raise CheckpointNotFoundError(f"{self.display}: bytes {offset}..{offset + len(out)} were not fetched")
+    def _parse(self, body: bytes, where: str) -> tuple[str, Manifest] | None:
+        try:
+            manifest = parse_manifest(body, where=where)
+        except UnsupportedFormatVersionError as exc:
+            # Not damage: a newer writer's. If no copy is readable, upgrading is the answer.
+            log.warning("ckptstore: ignoring a copy of a manifest: %s", exc)
+            self.unsupported = exc
+            return None
+        except CheckpointError as exc:
+            log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
+            return None
+        return layout_digest(manifest), manifest
+
+    def layout(self, digest: str | None) -> Inventory:
+        """This node's copies in the layout ``digest`` (none: an empty inventory)."""
+        return self.layouts.get(digest or "") or Inventory(digest)
+
+    def first(self) -> Inventory | None:
+        """The layout a restore tries first, of those this node holds."""
+        return min(self.layouts.values(), key=lambda inv: (inv.preference, inv.digest or ""), default=None)
 
 
 def get_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
-    """The step's manifest on every rank: its own, or the lowest holder's. None when nobody has one."""
+    """The manifest of ``inv``'s layout on every rank: its own, or the lowest holder's. None when
+    nobody has one (every rank passes the same layout)."""
     has = group.all_gather(inv.manifest is not None) if group.world > 1 else [inv.manifest is not None]
     if not any(has):
         return None
@@ -124,104 +183,292 @@ def get_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
     return parse_manifest(body, where=where)
 
 
-def exchange(group: Group, p2p: Group, inv: Inventory, wanted: list[tuple[str, int, int]], excluded: set[str],
-             bad_owners: set[tuple[str, int]], display: str, *, attempt: int = 0,
-             timeout_s: float = 60.0) -> tuple[dict[str, FetchedSource], set[tuple[str, int]]]:
-    """Fetch the chunks of ``wanted`` whose file this node lacks from a rank whose node has it.
+class PeerUnavailable(StorageError):
+    """An owner did not serve a file: it no longer holds it, or did not answer within the bound.
+    The restore retries with (``file``, ``owner``) excluded."""
 
-    Returns the fetched files and the (file, owner) pairs that did not arrive within ``timeout_s``
-    (the caller retries with those owners excluded). Owners serve from threads of their own and
-    every attempt uses its own message tag, so an owner stuck reading its disk holds up nobody:
-    its late bytes land in the abandoned receive of the attempt they belong to. The bytes travel
-    on ``p2p``, a group that carries nothing else: gloo's collectives number their messages with
-    tags of the same space, so point-to-point messages still in flight on a collective group could
-    be taken for a collective's."""
+    def __init__(self, message: str, *, file: str, owner: int, names: Sequence[str]) -> None:
+        super().__init__(message)
+        self.file, self.owner, self.names = file, owner, list(names)
 
-    mine = set(inv.names(excluded))
-    remote = [w for w in wanted if w[0] not in mine]
-    gathered = group.all_gather({"has": sorted(mine), "want": remote}) if group.world > 1 else [{"has": sorted(mine), "want": remote}]
+
+class _Channel:
+    """This rank's requests to one owner, one at a time (a request's answer is the next message on
+    the answer tag, so two in flight could take each other's)."""
+
+    def __init__(self, p2p: Group, owner: int, names: list[str], tags: tuple[int, int], timeout_s: float,
+                 display: str) -> None:
+        self.p2p, self.owner, self.names, self.tags = p2p, owner, names, tags
+        self.timeout_s, self.display = timeout_s, display
+        self.lock = threading.Lock()
+        self.failed: PeerUnavailable | None = None
+
+    def read(self, name: str, offset: int, out: memoryview) -> None:
+        with self.lock:
+            if self.failed is not None:
+                raise self.failed
+            pg = self.p2p.pg
+            assert pg is not None  # a plan names other ranks only in a group
+            request = torch.tensor([self.names.index(name), offset, len(out)], dtype=torch.int64)
+            header = torch.zeros(2, dtype=torch.int64)
+            sent = pg.send([request], self.owner, self.tags[0])
+            answer = _Waiter(pg.recv([header], self.owner, self.tags[1]), keep=request, sent=sent,
+                             drain=(pg, self.owner, self.tags[1], header))
+            if not answer.done.wait(self.timeout_s):
+                answer.abandon()
+                self.failed = PeerUnavailable(
+                    f"{self.display}: rank {self.owner} did not answer within peer_timeout_s={self.timeout_s:g} s; "
+                    "its copies are not used for this step", file=name, owner=self.owner, names=self.names)
+                for n in self.names:
+                    log.warning("ckptstore: rank %d did not send %s within %.0f s; trying another copy",
+                                self.owner, n, self.timeout_s)
+                raise self.failed
+            if answer.error is not None:
+                raise answer.error
+            status = int(header[0])
+            if status == _GONE:
+                raise PeerUnavailable(
+                    f"{self.display}/{name}: rank {self.owner} no longer holds it (removed since the step was "
+                    "listed); another copy is used", file=name, owner=self.owner, names=[name])
+            if status == _SHORT:
+                raise ShortRead(offset, len(out), max(0, int(header[1]) - offset))
+            data = _Waiter(pg.recv([torch.frombuffer(out, dtype=torch.uint8)], self.owner, self.tags[1]))
+            if not data.done.wait(self.timeout_s):
+                # The bytes may still land in ``out``; this load fails, and nothing reads ``out``
+                # before the next attempt (a failed parallel read returns only after all stopped).
+                self.failed = PeerUnavailable(
+                    f"{self.display}/{name}: rank {self.owner} stopped sending within peer_timeout_s="
+                    f"{self.timeout_s:g} s", file=name, owner=self.owner, names=self.names)
+                raise self.failed
+            if data.error is not None:
+                raise data.error
+
+    def close(self) -> None:
+        """Tell the owner this rank asks nothing more (its serving thread ends)."""
+        pg = self.p2p.pg
+        assert pg is not None
+        done = torch.tensor([-1, 0, 0], dtype=torch.int64)
+        _Waiter(pg.send([done], self.owner, self.tags[0]), keep=done)
+
+
+class RemoteSource(Source):
+    """One file of another node, read through requests to ``owner`` (no bytes held here)."""
+
+    parallel = True
+
+    def __init__(self, channel: _Channel, name: str, size: int, display: str) -> None:
+        self.channel, self.name, self.size, self.display = channel, name, size, display
+        self.owner = channel.owner
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        if offset < 0 or offset + len(out) > self.size:
+            raise ShortRead(offset, len(out), max(0, self.size - offset))
+        if len(out):
+            self.channel.read(self.name, offset, out)
+
+
+class Transfers:
+    """The remote files of one attempt, and the channels they are read through."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, RemoteSource] = {}
+        self.channels: list[_Channel] = []
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+
+def exchange(group: Group, p2p: Group, inv: Inventory, wanted: Sequence[str], excluded: set[str],
+             bad_owners: set[tuple[str, int]], display: str, *, tags: tuple[int, int],
+             timeout_s: float = 60.0) -> Transfers:
+    """Plan, for every file of ``wanted`` this node lacks in ``inv``'s layout, the rank whose node
+    serves it, and start serving the ranks that chose this one (collective).
+
+    Owners serve from threads of their own, on ``tags`` (request, answer: the caller gives every
+    attempt its own, so a late answer to an abandoned attempt is never taken for another's), and
+    an owner stuck reading its disk holds up nobody: the requester gives up on it after
+    ``timeout_s`` and the attempt is retried with that owner excluded. The bytes travel on
+    ``p2p``, a group that carries nothing else: gloo's collectives number their messages with tags
+    of the same space, so point-to-point messages still in flight on a collective group could be
+    taken for a collective's. The caller closes the result after its load (success or not)."""
+
+    sizes = _sizes(inv, excluded)
+    remote = sorted({w for w in wanted if w not in sizes})
+    mine: dict[str, Any] = {"has": sizes, "want": remote}
+    gathered: list[dict[str, Any]] = group.all_gather(mine) if group.world > 1 else [mine]
     owners: dict[str, list[int]] = {}
     for r, g in enumerate(gathered):
         for name in g["has"]:
             owners.setdefault(name, []).append(r)
-    plan: list[tuple[int, int, str, int, int]] = []  # (requester, owner, file, offset, length)
+    plan: list[tuple[int, int, str]] = []  # (requester, owner, file)
     for r, g in enumerate(gathered):
-        for name, offset, length in g["want"]:
+        for name in g["want"]:
             candidates = [o for o in owners.get(name, []) if o != r]
             if r == group.rank:
                 candidates = [o for o in candidates if (name, o) not in bad_owners]
             if candidates:  # else the load reads it from durable, or reports it missing
-                plan.append((r, _pick(candidates, r), name, offset, length))
+                plan.append((r, _pick(candidates, r), name))
     plan = _agree_plan(group, plan)
-    tag = attempt + 1
-    fetched: dict[str, FetchedSource] = {}
-    recvs: list[tuple[str, int, Any]] = []
-    serve: list[tuple[int, str, int, int]] = []
-    for requester, owner, name, offset, length in plan:
+    out = Transfers()
+    asked: dict[int, list[str]] = {}
+    serving: dict[int, list[str]] = {}
+    for requester, owner, name in plan:
         if requester == group.rank:
-            buf = torch.empty(length, dtype=torch.uint8)
-            assert p2p.pg is not None  # a plan names other ranks only in a group
-            recvs.append((name, owner, p2p.pg.recv([buf], owner, tag)))
-            fetched.setdefault(name, FetchedSource(owner, f"rank {owner}'s copy of {display}/{name}")).add(offset, buf)
+            asked.setdefault(owner, []).append(name)
         elif owner == group.rank:
-            serve.append((requester, name, offset, length))
-    if serve:
-        threading.Thread(target=_serve, args=(p2p, inv, excluded, serve, tag), daemon=True,
+            serving.setdefault(requester, []).append(name)
+    for owner, names in sorted(asked.items()):
+        channel = _Channel(p2p, owner, names, tags, timeout_s, display)
+        out.channels.append(channel)
+        offered: dict[str, int] = gathered[owner]["has"]
+        for name in names:
+            size = int(offered[name])
+            out.sources[name] = RemoteSource(channel, name, size, f"rank {owner}'s copy of {display}/{name}")
+    for requester, names in sorted(serving.items()):
+        threading.Thread(target=_serve, args=(p2p, inv, excluded, requester, names, tags), daemon=True,
                          name="ckptstore-serve").start()
-    # Wait in helper threads rather than wait(timeout): a gloo receive that times out closes the
-    # connection to that peer, and the group with it. An abandoned receive stays posted under this
-    # attempt's tag, and its thread ends when the late bytes land (or the group's timeout fires).
-    slow: set[tuple[str, int]] = set()
-    deadline = time.monotonic() + timeout_s
-    for name, owner, work in recvs:
-        if work is None:
-            continue
-        waiter = _Waiter(work)
-        if not waiter.done.wait(max(0.0, deadline - time.monotonic())):
-            log.warning("ckptstore: rank %d did not send %s within %.0f s; trying another copy", owner, name, timeout_s)
-            slow.add((name, owner))
-        elif waiter.error is not None:
-            raise waiter.error
-    for name, _owner in slow:
-        fetched.pop(name, None)
-    return fetched, slow
+    return out
+
+
+def _sizes(inv: Inventory, excluded: set[str]) -> dict[str, int]:
+    """The size of each file this node can serve in ``inv``'s layout (a copy that no longer opens
+    is not offered)."""
+    out: dict[str, int] = {}
+    for name in inv.names(excluded):
+        opened = inv.open(name, excluded)
+        if opened is not None:
+            out[name] = opened[1].size
+            opened[1].close()
+    return out
 
 
 class _Waiter:
-    def __init__(self, work: Any) -> None:
+    """Waits for a gloo work in a thread of its own: a gloo wait that times out closes the
+    connection to that peer, and the group with it, so bounded waits are waits on this thread.
+    ``keep`` stays referenced until the work is done (gloo reads from it until then). ``drain``
+    (group, owner, tag, header): once abandoned, a late "served" answer is followed by its bytes,
+    which are received into scratch memory so that the owner's send completes and its serving
+    thread goes on to the next request."""
+
+    def __init__(self, work: Any, *, keep: Any = None, sent: Any = None,
+                 drain: tuple[Any, int, int, torch.Tensor] | None = None) -> None:
         self.done = threading.Event()
         self.error: Exception | None = None
-        threading.Thread(target=self._run, args=(work,), daemon=True, name="ckptstore-recv").start()
+        self._lock = threading.Lock()
+        self._abandoned = self._finished = False
+        self._keep, self._drain = keep, drain
+        threading.Thread(target=self._run, args=(work, sent), daemon=True, name="ckptstore-recv").start()
 
-    def _run(self, work: Any) -> None:
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            finished = self._finished
+        if finished:  # the answer came between the timeout and now: its bytes follow
+            threading.Thread(target=self._drain_late, daemon=True, name="ckptstore-drain").start()
+
+    def _run(self, work: Any, sent: Any) -> None:
         try:
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
-            self.error = exc
-        self.done.set()
-
-
-def _serve(group: Group, inv: Inventory, excluded: set[str], serve: list[tuple[int, str, int, int]], tag: int) -> None:
-    works = []
-    try:
-        for requester, name, offset, length in serve:
-            opened = inv.open(name, excluded)
-            if opened is None:
-                log.error("ckptstore: asked for %s, which this node no longer holds", name)
-                return
-            source = opened[1]
-            try:
-                data = torch.frombuffer(bytearray(source.read(offset, length)), dtype=torch.uint8) if length else (
-                    torch.empty(0, dtype=torch.uint8))
-            finally:
-                source.close()
-            assert group.pg is not None
-            works.append((data, group.pg.send([data], requester, tag)))
-        for _data, work in works:
+            if sent is not None:
+                sent.wait()
             if work is not None:
                 work.wait()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+            self.error = exc
+        with self._lock:
+            self._finished = True
+            abandoned = self._abandoned
+        self.done.set()
+        if abandoned:
+            self._drain_late()
+
+    def _drain_late(self) -> None:
+        if self.error is not None or self._drain is None:
+            return
+        pg, owner, tag, header = self._drain
+        if int(header[0]) != _OK or int(header[1]) <= 0:
+            return
+        try:
+            pg.recv([torch.empty(int(header[1]), dtype=torch.uint8)], owner, tag).wait()
+        except Exception:  # noqa: BLE001 - the owner was given up on already
+            pass
+
+
+def _serve(p2p: Group, inv: Inventory, excluded: set[str], requester: int, names: list[str],
+           tags: tuple[int, int]) -> None:
+    """Answer ``requester``'s requests until it says it is done: each from the copy's file mapped
+    read-only and sent from the mapping (no copy of the bytes here), or at once with "gone" when
+    no copy opens any more, so the requester moves on without waiting for its bound."""
+    pg = p2p.pg
+    assert pg is not None
+    mapped: dict[str, _Mapped | None] = {}
+    try:
+        while True:
+            request = torch.zeros(3, dtype=torch.int64)
+            pg.recv([request], requester, tags[0]).wait()
+            index, offset, length = (int(v) for v in request.tolist())
+            if index < 0:
+                return
+            name = names[index] if index < len(names) else ""
+            if name not in mapped:
+                mapped[name] = _Mapped.of(inv, name, excluded)
+            source = mapped[name]
+            if source is None:
+                log.warning("ckptstore: rank %d asked for %s, which this node no longer holds", requester, name)
+                pg.send([torch.tensor([_GONE, 0], dtype=torch.int64)], requester, tags[1]).wait()
+                continue
+            if offset < 0 or length < 0 or offset + length > source.size:
+                pg.send([torch.tensor([_SHORT, source.size], dtype=torch.int64)], requester, tags[1]).wait()
+                continue
+            pg.send([torch.tensor([_OK, length], dtype=torch.int64)], requester, tags[1]).wait()
+            pg.send([source.bytes(offset, length)], requester, tags[1]).wait()
     except Exception as exc:  # noqa: BLE001 - a requester that gave up on us is not our failure
-        log.warning("ckptstore: serving restore data failed: %s", exc)
+        log.warning("ckptstore: serving restore data to rank %d failed: %s", requester, exc)
+    finally:
+        for m in mapped.values():
+            if m is not None:
+                m.close()
+
+
+class _Mapped:
+    """A copy of a file as an owner sends it: its pages mapped (a local file or RAM segment), or,
+    for a copy that is not a file of this machine, read piece by piece."""
+
+    def __init__(self, source: Source, view: torch.Tensor | None, mapping: mmap.mmap | None) -> None:
+        self.source, self.view, self.mapping, self.size = source, view, mapping, source.size
+
+    @classmethod
+    def of(cls, inv: Inventory, name: str, excluded: set[str]) -> _Mapped | None:
+        opened = inv.open(name, excluded)
+        if opened is None:
+            return None
+        source = opened[1]
+        if source.local_path is None or source.size == 0:
+            return cls(source, None, None)
+        try:
+            with open(source.local_path, "rb") as fh:
+                mapping = mmap.mmap(fh.fileno(), source.size, prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return cls(source, None, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the buffer is not writable; only gloo reads it
+            view = torch.frombuffer(mapping, dtype=torch.uint8)
+        return cls(source, view, mapping)
+
+    def bytes(self, offset: int, length: int) -> torch.Tensor:
+        if self.view is not None:
+            return self.view.narrow(0, offset, length)
+        return torch.frombuffer(bytearray(self.source.read(offset, length)), dtype=torch.uint8) if length else (
+            torch.empty(0, dtype=torch.uint8))
+
+    def close(self) -> None:
+        self.view = None
+        self.source.close()
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:
+                pass  # a send still holds a view; the mapping goes with its last reference
 
 
 def _pick(candidates: list[int], requester: int) -> int:
@@ -229,9 +476,13 @@ def _pick(candidates: list[int], requester: int) -> int:
     return candidates[requester % len(candidates)]
 
 
-def _agree_plan(group: Group, plan: list[tuple[int, int, str, int, int]]) -> list[tuple[int, int, str, int, int]]:
+def _agree_plan(group: Group, plan: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     """Each requester's own entries are authoritative (only it knows which owners it excludes)."""
     if group.world == 1:
         return plan
     mine = [p for p in plan if p[0] == group.rank]
     return sorted(p for lst in group.all_gather(mine) for p in lst)
+
+
+__all__ = ["DURABLE_PREFERENCE", "Inventory", "NodeInventory", "PeerUnavailable", "RemoteSource", "Transfers",
+           "exchange", "get_manifest", "layout_digest"]

@@ -26,6 +26,7 @@ class StepJob:
     snap: Snapshot | None = None
     replicate: bool = False
     promote: bool = False
+    cadence: dict[str, int] = field(default_factory=dict)  # saves since the newest promoted / replicated one
     # Done once nothing reads the staged slot any more (the next save into it waits for this).
     slot_free: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     local_part: dict[str, Any] | None = None  # this rank's part in the local tier, once committed there

@@ -179,7 +179,13 @@ class Pipeline:
         self._outstanding: set[concurrent.futures.Future] = set()
         self._last: StepJob | None = None  # the newest step committed in RAM (close promotes it)
         self._promoted: set[int] = set()
-        self._saves = 0
+        # The newest step due in the durable tier that is not there yet: local retention keeps it
+        # until a promotion of it or of a later step succeeds (retention tied to promotion).
+        self._owed: int | None = None
+        # Saves since the newest promoted and the newest replicated one. They travel in every step's
+        # manifest (meta.cadence), so a restarted process counts on from its newest step instead of
+        # from zero: a job that crashes every few saves still promotes every durable_every-th.
+        self.since = {"durable": 0, "peer": 0}
         self._slots_set = False
 
     # ------------------------------------------------------------------------------ the trainer's part
@@ -214,9 +220,12 @@ class Pipeline:
         waited = self._wait_for_slot(slot)
         self._stage(job, slot, items, frozen_count, breaks)
         self.last_step = step
-        self._saves += 1
-        job.promote = self.durable is not None and self._saves % self.options.durable.every == 0
-        job.replicate = self.options.peer.replicas > 0 and self._saves % self.options.peer.every == 0 and not self.peer_off
+        job.promote = self.durable is not None and self.since["durable"] + 1 >= self.options.durable.every
+        job.replicate = (self.options.peer.replicas > 0 and not self.peer_off
+                         and self.since["peer"] + 1 >= self.options.peer.every)
+        self.since = {"durable": 0 if job.promote else self.since["durable"] + 1,
+                      "peer": 0 if job.replicate else self.since["peer"] + 1}
+        job.cadence = dict(self.since)
         job.futures = {
             "ram": concurrent.futures.Future(),
             "local": concurrent.futures.Future() if self.local else None,
@@ -242,7 +251,11 @@ class Pipeline:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
         if self.last_step is not None and step <= self.last_step:
-            raise InvalidArgumentError(f"step {step} is not after the last saved step {self.last_step}")
+            raise InvalidArgumentError(
+                f"step {step} is not after the last saved step {self.last_step} (the newest step this store saved, "
+                "restored, or found in its tiers when it started): steps only grow and a committed step is never "
+                "saved again; restore first and continue after it, or give a new run its own job name and directories"
+            )
         local = collect(state.state_dict() if isinstance(state, TrainState) else state, self.rank, encode_value)
         mine = my_writes(local, self.world, self.rank)
         is_frozen = self.options.frozen or (lambda key: False)
@@ -318,10 +331,10 @@ class Pipeline:
 
     def _stage(self, job: StepJob, slot: int, items: list[tuple[str, Any]], frozen_count: int,
                breaks: frozenset[int]) -> None:
-        refresh = (self._saves + 1) % self.options.refresh_every == 0
-        may_skip = frozenset() if refresh else frozenset(k for k, _ in items[:frozen_count])
+        may_skip = frozenset(k for k, _ in items[:frozen_count])
         try:
-            job.staged = self.ram.stage(job.step, items, may_skip=may_skip, breaks=breaks, slot=slot)
+            job.staged = self.ram.stage(job.step, items, may_skip=may_skip, breaks=breaks, slot=slot,
+                                        refresh_every=self.options.refresh_every)
         except BaseException as exc:
             job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
             if self.world == 1:
@@ -418,8 +431,10 @@ class Pipeline:
         if self.local is not None:
             job.local_part = (await self._to_tier(self.local, job, fast))[self.rank]
             _resolve(job.futures["local"], job.step)
+            if job.promote:
+                self._owed = job.step
             assert self.local_retention is not None
-            await self.local_retention.apply()
+            await self.local_retention.apply(frozenset() if self._owed is None else frozenset({self._owed}))
         if job.sdc and self.check.mode == "raise":
             self._promoted.add(job.step)  # close() must not promote it to durable either
         self.check.verdict(job, self.tracker.event)
@@ -460,6 +475,8 @@ class Pipeline:
         finally:
             job.durable_data = None  # unmaps the local files
         self._promoted.add(job.step)
+        if self._owed is not None and self._owed <= job.step:
+            self._owed = None
         assert self.durable_retention is not None
         await self.durable_retention.apply()
 
@@ -506,7 +523,7 @@ class Pipeline:
 
     def _manifest(self, job: StepJob, parts: list[dict[str, Any]]) -> Manifest:
         manifest = build_manifest(job.shared["tree"], job.shared["tensors"], parts, self.world)
-        manifest.meta.update({"step": job.step, "job": self.options.job})
+        manifest.meta.update({"step": job.step, "job": self.options.job, "cadence": job.cadence})
         if job.sdc is not None:
             manifest.meta["sdc"] = {"policy": self.check.mode, "mismatches": job.sdc}
         return manifest
@@ -539,6 +556,66 @@ class Pipeline:
                 f.set_exception(exc)
 
     # ------------------------------------------------------------------------------ draining, closing
+
+    def resume(self, meta: dict[str, Any], *, durable_holds_it: bool) -> None:
+        """Count on from a committed step (its manifest's ``meta``): the newest one the tiers hold at
+        start-up, or the one a restore loaded. Older manifests, without ``meta.cadence``, count from 0."""
+        cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
+        since = {}
+        for lane in ("durable", "peer"):
+            count = cadence.get(lane)
+            since[lane] = count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else 0
+        if durable_holds_it:
+            since["durable"] = 0
+        self.since = since
+
+    def promote_restored(self, step: int, meta: dict[str, Any]) -> concurrent.futures.Future | None:
+        """After a restart, promote the step a restore loaded when the durable tier lacks it: a job
+        that crashes before its next promotion would otherwise never reach the durable tier. Each
+        rank promotes its part of the step from this node's local files (or, without a local tier,
+        its RAM slot), in the durable lane; when some rank has no such copy (its node was replaced)
+        the promotion waits for the next regular one. Collective; returns the promotion's future."""
+        snap, source = self._restored_part(step)
+        if not all(self.groups.trainer.all_gather(snap is not None)):
+            log.warning("ckptstore: step %d is not in the durable tier, and not every rank holds its part on this "
+                        "node: it is promoted with the next save that goes to the durable tier", step)
+            return None
+        assert snap is not None and source is not None
+        promoted: concurrent.futures.Future = concurrent.futures.Future()
+        job = StepJob(step, futures={"durable": promoted}, snap=snap, promote=True)
+        job.shared = {"tree": source.tree, "tensors": {k: (e.dtype, e.shape) for k, e in source.tensors.items()}}
+        cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
+        job.cadence = {"durable": 0, "peer": cadence.get("peer", 0)}
+        self.since["durable"] = 0
+        self._owed = max(step, self._owed or step)
+        place = self.durable_lane.reserve()
+        if "slot" in snap.meta:  # read from a RAM slot: the next save into it waits for the promotion
+            self._busy[snap.meta["slot"]] = promoted
+
+        async def run() -> None:
+            try:
+                await Lane.run(place, lambda: self._promote(job))
+                _resolve(job.futures["durable"], step)
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
+                self._failed(job, exc)
+
+        done = self.loop.submit(run())
+        self._outstanding = {f for f in self._outstanding if not f.done()} | {done}
+        return job.futures["durable"]
+
+    def _restored_part(self, step: int) -> tuple[Snapshot | None, Manifest | None]:
+        """This rank's part of ``step`` from a copy on this node, and the manifest of that copy."""
+        try:
+            if self.local is not None and step in self.local.node_steps():
+                snap = self.local.snapshot_of(step, self.rank)
+                if snap is not None:
+                    return snap, self.local.manifest_sync(step)
+            if step in self.ram.steps_sync():
+                manifest = self.ram.manifest_sync(step)
+                return self.ram.snapshot_of(step, manifest), manifest
+        except (CheckpointError, OSError) as exc:
+            log.warning("ckptstore: cannot read this rank's part of step %d on this node: %s", step, exc)
+        return None, None
 
     def drain(self) -> None:
         """Wait until every step handed to the background is done (committed or failed)."""

@@ -29,11 +29,21 @@ from ..format.manifest import Manifest
 from ..names import MANIFEST
 from ..storage.targets import Source
 from ..tiers.base import Tier
-from .exchange import FetchedSource, Inventory, exchange, get_manifest
+from .exchange import (
+    DURABLE_PREFERENCE,
+    Inventory,
+    NodeInventory,
+    PeerUnavailable,
+    RemoteSource,
+    Transfers,
+    exchange,
+    get_manifest,
+    layout_digest,
+)
 from .replicas import ReplicaCheck
 
 log = logging.getLogger("ckptstore")
-_RESTORE_BUFFER = 256 << 20
+RESTORE_BUFFER = 256 << 20
 _ATTEMPTS = 3
 
 
@@ -46,6 +56,9 @@ class Restorer:
         self.job, self.groups, self.node_tiers, self.durable = job, groups, list(node_tiers), durable
         self.check, self.peer_timeout_s = check, peer_timeout_s
         self.rank, self.world = groups.rank, groups.world
+        self.buffer_bytes = RESTORE_BUFFER  # the restore's read budget (store.restore(buffer_bytes=))
+        self._round = 0  # exchange rounds so far, the same count on every rank
+        self._durable_digest: tuple[int | None, str | None] = (None, None)
 
     def _durable_steps(self) -> set[int]:
         if self.durable is None:
@@ -96,46 +109,135 @@ class Restorer:
         steps = set().union(*map(set, self.groups.trainer.all_gather(sorted(seen))))
         return max(steps) if steps else None
 
+    def newest_held(self) -> tuple[int, dict[str, Any], bool] | None:
+        """The newest step any tier of any rank holds committed, its manifest's ``meta`` and whether
+        the durable tier holds it (collective); None when there is none. What a new store counts on
+        from: steps only grow past it, and its cadence continues."""
+        durable = self._durable_steps()
+        node = self._node_steps()
+        newest = max(node | durable, default=None)
+        mine = None if newest is None else (newest, self._meta(newest, newest in durable))
+        found = [m for m in self.groups.trainer.all_gather(mine) if m is not None]
+        if not found:
+            return None
+        step = max(m[0] for m in found)
+        meta: dict[str, Any] = next((m[1] for m in found if m[0] == step and m[1] is not None), {})
+        in_durable = any(self.groups.trainer.all_gather(step in durable))
+        return step, meta, in_durable
+
+    def meta_of(self, step: int) -> tuple[dict[str, Any], bool]:
+        """The ``meta`` of ``step``'s manifest as this node or the durable tier holds it, and whether
+        the durable tier holds the step (collective: every rank gets rank 0's answer)."""
+        durable = step in self._durable_steps()
+        first = self.groups.trainer.all_gather((self._meta(step, durable), durable))[0]
+        return first[0], first[1]
+
+    def _meta(self, step: int, in_durable: bool) -> dict[str, Any]:
+        first = NodeInventory.of(self.node_tiers, step).first()
+        if first is not None and first.parsed is not None:
+            return dict(first.parsed.meta)
+        if in_durable and self.durable is not None:
+            try:
+                return dict(self.durable.manifest_sync(step).meta)
+            except (CheckpointError, OSError) as exc:
+                log.warning("ckptstore: cannot read the manifest of step %d in the durable tier: %s", step, exc)
+        return {}
+
+    def _durable_layout(self, step: int) -> str | None:
+        """The layout of ``step``'s durable copy (its manifest read once per step and rank), or None
+        when it cannot be read."""
+        if self._durable_digest[0] != step:
+            digest = None
+            if self.durable is not None:
+                try:
+                    digest = layout_digest(self.durable.manifest_sync(step))
+                except (CheckpointError, OSError) as exc:
+                    log.warning("ckptstore: cannot read the manifest of step %d in the durable tier: %s", step, exc)
+            self._durable_digest = (step, digest)
+        return self._durable_digest[1]
+
     def _attempt(self, state: Any, step: int, in_durable: bool, per_rank: str) -> tuple[bool, str]:
-        """One collective attempt (retried with bad copies excluded) to load ``step`` on every rank."""
+        """Load ``step`` on every rank, one layout after another (collective): the layouts the
+        nodes hold, in the order every rank agrees on (the staged slot's, then the local tier's),
+        then the durable tier's own when it differs from all of them."""
         fg = self.groups.trainer
-        durable = self.durable if in_durable else None
+        node = NodeInventory.of(self.node_tiers, step)
+        mine = sorted((inv.preference, d) for d, inv in node.layouts.items())
+        preference: dict[str, int] = {}
+        for listed in (fg.all_gather(mine) if self.world > 1 else [mine]):
+            for p, d in listed:
+                preference[d] = min(preference.get(d, p), p)
+        ranked = sorted(preference, key=lambda d: (preference[d], d))
+        order: list[str | None] = list(ranked)
+        excluded: set[str] = set()  # damaged copies, by where they lie: never read again in this step
+        details: list[str] = []
+        if in_durable:
+            own = self._durable_layout(step)
+            known = own is not None and own in preference
+            if not all(fg.all_gather(known) if self.world > 1 else [known]):
+                order.append(_DURABLE)
+        if not order:
+            order = [None]  # nothing readable anywhere: one attempt says why (or that a newer reader is needed)
+        for digest in order:
+            ok, detail = self._attempt_layout(state, step, node, digest, in_durable, excluded, per_rank)
+            if ok:
+                return True, detail
+            details.append(detail)
+            if digest != order[-1]:
+                log.warning("ckptstore: %s; trying the next copy of the step laid out differently", detail)
+        return False, "; then ".join(details)
+
+    def _attempt_layout(self, state: Any, step: int, node: NodeInventory, digest: str | None, in_durable: bool,
+                        excluded: set[str], per_rank: str) -> tuple[bool, str]:
+        """Collective attempts (retried with bad copies excluded) to load ``step`` on every rank from
+        the copies in one layout: the nodes' copies in it, fetched across nodes where a node lacks
+        a file, and the durable copy when it is laid out alike (or is the layout, ``_DURABLE``)."""
+        fg = self.groups.trainer
+        from_durable = digest == _DURABLE
+        inv = Inventory(None, DURABLE_PREFERENCE) if from_durable else node.layout(digest)
+        durable: Tier | _Lazy | None
+        if from_durable:
+            durable = self.durable
+        elif in_durable and self.durable is not None:
+            durable = _Lazy(self.durable, step, lambda: self._durable_layout(step) == digest)
+        else:
+            durable = None
         display = f"step {step} of job {self.job}"
-        excluded: set[str] = set()
         bad_owners: set[tuple[str, int]] = set()
         detail = ""
-        for attempt in range(_ATTEMPTS):
-            inv = Inventory.of(self.node_tiers, step)
+        for _try in range(_ATTEMPTS):
             fatal: Exception | None = None
-            retry = False
             problem = ""
+            retry = False
             used: set[str] = set()
-            manifest = get_manifest(fg, inv, f"{display}/{MANIFEST}")
+            manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}")
             try:
-                if manifest is None and durable is not None:
-                    manifest = durable.manifest_sync(step)
-                if manifest is None and inv.unsupported is not None:
-                    raise inv.unsupported  # written by a newer ckptstore: say so, do not fall back silently
+                if manifest is None and from_durable:
+                    assert self.durable is not None
+                    manifest = self.durable.manifest_sync(step)
+                if manifest is None and node.unsupported is not None:
+                    raise node.unsupported  # written by a newer ckptstore: say so, do not fall back silently
                 if manifest is None:
-                    raise CheckpointNotFoundError(f"no copy of the manifest of {display}")
+                    raise CheckpointNotFoundError(f"no sound copy of the manifest of {display}")
                 self.check.refuse(manifest, display)
-                wanted = chunks_needed(state, manifest, display, self.rank, self.world)
+                wanted = sorted({name for name, _offset, _length in
+                                 chunks_needed(state, manifest, display, self.rank, self.world)})
             except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
                 wanted, problem = [], f"{exc}"
             except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint
                 wanted, fatal = [], exc
-            fetched, slow = exchange(fg, self.groups.transfer, inv, wanted, excluded, bad_owners, display,
-                                     attempt=attempt, timeout_s=self.peer_timeout_s)
-            if slow:
-                bad_owners |= slow
-                problem = "no answer within peer_timeout_s from " + ", ".join(f"rank {o} ({n})" for n, o in sorted(slow))
-                retry = True
-            if not problem and fatal is None:
-                assert manifest is not None
-                opener = _Opener(fetched, inv, excluded, durable.opener(step) if durable is not None else None,
-                                 display, used)
-                problem, retry, fatal = self._load(state, manifest, display, opener, per_rank, fetched, inv, excluded,
-                                                   bad_owners)
+            self._round += 1  # every rank counts the same rounds: the tags of this one are its own
+            transfers = exchange(fg, self.groups.transfer, inv, wanted, excluded, bad_owners, display,
+                                 tags=(2 * self._round + 1, 2 * self._round + 2), timeout_s=self.peer_timeout_s)
+            try:
+                if not problem and fatal is None:
+                    assert manifest is not None
+                    opener = _Opener(transfers.sources, inv, excluded, durable.opener(step) if durable else None,
+                                     display, used)
+                    problem, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers, inv,
+                                                       excluded, bad_owners)
+            finally:
+                transfers.close()
             mine: dict[str, Any] = {"fatal": None if fatal is None else f"rank {self.rank}: {fatal}",
                                     "failure": None if fatal is None else failure_record(self.rank, fatal),
                                     "problem": problem, "retry": retry, "used": sorted(used)}
@@ -158,15 +260,18 @@ class Restorer:
         return False, detail
 
     def _load(self, state: Any, manifest: Manifest, display: str, opener: _Opener, per_rank: str,
-              fetched: dict[str, FetchedSource], inv: Inventory, excluded: set[str],
+              transfers: Transfers, inv: Inventory, excluded: set[str],
               bad_owners: set[tuple[str, int]]) -> tuple[str, bool, Exception | None]:
         """Load this rank's part; returns (a problem with the copies read, whether another copy is
         worth a retry, an error of the caller's state)."""
         try:
             load_manifest(state, manifest, display, opener, group=self.groups.trainer, strict=True, per_rank=per_rank,
-                          buffer_bytes=_RESTORE_BUFFER, decode_per_rank=decode_value)
+                          buffer_bytes=self.buffer_bytes, decode_per_rank=decode_value)
+        except PeerUnavailable as exc:
+            bad_owners.update((name, exc.owner) for name in exc.names)
+            return str(exc), True, None
         except CorruptCheckpointError as exc:
-            bad = _exclude(exc, fetched, inv, excluded, bad_owners)
+            bad = _exclude(exc, transfers.sources, inv, excluded, bad_owners)
             return str(exc) + (f" (the copy read was {bad})" if bad else ""), bad is not None, None
         except (CheckpointNotFoundError, StorageError, OSError) as exc:
             return str(exc), False, None
@@ -175,10 +280,35 @@ class Restorer:
         return "", False, None
 
 
-class _Opener:
-    """Opens a chunk file for a restore: fetched from a peer, from this node, or from durable."""
+_DURABLE = "durable"  # the durable tier's own layout, tried after every layout the nodes hold
 
-    def __init__(self, fetched: dict[str, FetchedSource], inv: Inventory, excluded: set[str],
+
+class _Lazy:
+    """The durable tier as a fallback within a layout: usable only when its copy has that layout,
+    which is checked (its manifest read) the first time a rank needs a file no node holds."""
+
+    def __init__(self, tier: Tier, step: int, same_layout: Callable[[], bool]) -> None:
+        self.tier, self.step, self.same_layout = tier, step, same_layout
+
+    def opener(self, step: int) -> Callable[[str | None], Source]:
+        inner: list[Callable[[str | None], Source]] = []
+
+        def open_file(rel: str | None) -> Source:
+            if not inner:
+                if not self.same_layout():
+                    raise CheckpointNotFoundError(
+                        f"{self.tier.display(step)} is laid out differently from the copies being read (its own "
+                        "manifest says where its bytes are); it is tried on its own next")
+                inner.append(self.tier.opener(step))
+            return inner[0](rel)
+
+        return open_file
+
+
+class _Opener:
+    """Opens a chunk file for a restore: another node's copy, this node's, or the durable one."""
+
+    def __init__(self, fetched: dict[str, RemoteSource], inv: Inventory, excluded: set[str],
                  durable: Callable[[str | None], Source] | None, display: str, used: set[str]) -> None:
         self.fetched, self.inv, self.excluded, self.durable = fetched, inv, excluded, durable
         self.display, self.used = display, used
@@ -192,12 +322,13 @@ class _Opener:
             self.used.add(opened[0].tier)
             return opened[1]
         if self.durable is not None:
+            source = self.durable(rel)
             self.used.add("durable")
-            return self.durable(rel)
+            return source
         raise CheckpointNotFoundError(f"{self.display}: no rank holds {rel} and the durable tier lacks the step")
 
 
-def _exclude(exc: CorruptCheckpointError, fetched: dict[str, FetchedSource], inv: Inventory, excluded: set[str],
+def _exclude(exc: CorruptCheckpointError, fetched: dict[str, RemoteSource], inv: Inventory, excluded: set[str],
              bad_owners: set[tuple[str, int]]) -> str | None:
     """Mark the copy a corruption came from, so the next attempt reads another; returns it."""
     location = exc.location or str(exc)

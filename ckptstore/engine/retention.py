@@ -19,12 +19,13 @@ class Retention:
     def __init__(self, tier: Tier, keep: int | None, *, owner: bool) -> None:
         self.tier, self.keep, self.owner = tier, keep, owner
 
-    async def apply(self) -> None:
+    async def apply(self, protect: frozenset[int] = frozenset()) -> None:
         if self.keep is None or not self.owner:
             return
         try:
             steps = await self.tier.steps()
             for step in steps[: -self.keep]:
-                await self.tier.remove(step)
+                if step not in protect:
+                    await self.tier.remove(step)
         except (CheckpointError, OSError) as exc:
             log.warning("ckptstore: retention in the %s tier failed (old steps are kept): %s", self.tier.name, exc)

@@ -169,6 +169,14 @@ class CheckpointStore:
                                   loop=self._loop)
         node_tiers = [t for t in (self.ram, self.local, self.peer) if t is not None]
         self._restorer = Restorer(opts.job, self._groups, node_tiers, self.durable, check, opts.peer.timeout_s)
+        # A new store takes up where the job's tiers left off: steps only grow past the newest one
+        # any tier holds (a committed step is never saved again), and the promotion and replication
+        # cadence counts on from it, so a job that keeps crashing still reaches the durable tier.
+        newest = self._restorer.newest_held()
+        if newest is not None:
+            step, meta, in_durable = newest
+            self._pipeline.last_step = step
+            self._pipeline.resume(meta, durable_holds_it=in_durable)
 
     def _sweep(self, local_owner: bool) -> None:
         if self.local is not None and local_owner:
@@ -259,6 +267,10 @@ class CheckpointStore:
         last = self._pipeline.last_step
         self._pipeline.last_step = found if last is None else max(last, found)
         self._tracker.event("restore", step=found, tier=tiers, seconds=seconds)
+        meta, in_durable = self._restorer.meta_of(found)
+        self._pipeline.resume(meta, durable_holds_it=in_durable)
+        if self.durable is not None and not in_durable:
+            self._pipeline.promote_restored(found, meta)
         return found
 
     def latest_step(self) -> int | None:

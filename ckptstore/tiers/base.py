@@ -77,18 +77,25 @@ class Snapshot:
 @dataclass(frozen=True)
 class Held:
     """A copy of one data file of a step that this node can serve: its name in the manifest, where
-    it lies (for messages, and to exclude it after damage), the tier holding it, and an opener."""
+    it lies (for messages, and to exclude it after damage), the tier holding it, an opener, and
+    ``manifest``: the ``where`` of the copy of the step's manifest (one of the same Holdings'
+    ``manifests``) whose chunk table gives this copy's offsets. Tiers lay a step out differently
+    (the local tier splits off the frozen region, a compressing tier changes every offset), so a
+    copy is only ever read with its own tier's manifest; a copy without one is read only when
+    every manifest its tier lists describes the same layout."""
 
     file: str
     where: str
     tier: str
     open: Callable[[], Source]
+    manifest: str = ""
 
 
 @dataclass
 class Holdings:
     """What a node-local tier holds of one step on this node: data files and manifest copies
-    (``(body, where)``, each checked by whoever reads it)."""
+    (``(body, where)``, each checked by whoever reads it); each file names the manifest copy that
+    describes it (``Held.manifest``)."""
 
     files: list[Held] = field(default_factory=list)
     manifests: list[tuple[bytes, str]] = field(default_factory=list)

@@ -38,8 +38,20 @@ from ..checkpoint.sharded import Directory, read_manifest
 from ..checkpoint.single_file import write_raw
 from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError
 from ..format import codecs
+from ..format.container import align_up
 from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
-from ..names import MANIFEST, data_file, frozen_file, is_temporary, parse_step_dir, part_file, step_dir, writer_variant
+from ..names import (
+    MANIFEST,
+    data_file,
+    data_file_rank,
+    frozen_file,
+    is_frozen_file,
+    is_temporary,
+    parse_step_dir,
+    part_file,
+    step_dir,
+    writer_variant,
+)
 from ..storage import small
 from ..storage.targets import Source, Target, WriteTuning, open_sink, open_source, storage_error, transport_errors
 from .base import Capabilities, Held, Holdings, Snapshot, Tier
@@ -347,6 +359,42 @@ class DirectoryTier(Tier):
             return None
 
 
+    def snapshot_of(self, step: int, rank: int) -> Snapshot | None:
+        """Rank ``rank``'s files of the committed ``step`` as a snapshot another tier can take (a
+        restored step promoted to the durable tier): its chunks as this tier's manifest lists them,
+        addressed like the staged slot they were written from (the frozen file, then the rest).
+        None when this is not a local directory or the files cannot be mapped."""
+        if self.local_root is None:
+            return None
+        manifest = read_manifest(self._dir(step))
+        chunks: dict[str, list[dict[str, Any]]] = {}
+        files: set[str] = set()
+        for key, entry in manifest.tensors.items():
+            for c in entry.chunks:
+                if c.file is not None and data_file_rank(c.file) == rank:
+                    chunks.setdefault(key, []).append(c.to_json())
+                    files.add(c.file)
+        frozen = sorted(f for f in files if is_frozen_file(f))
+        rest = sorted(f for f in files if not is_frozen_file(f))
+        if len(frozen) > 1 or len(rest) > 1:
+            return None
+        where = os.path.join(self.local_root, step_dir(step))
+        try:
+            frozen_map = _map(os.path.join(where, frozen[0])) if frozen else None
+            rest_map = _map(os.path.join(where, rest[0])) if rest else None
+        except (OSError, ValueError) as exc:
+            log.warning("ckptstore: cannot map the local files of step %d: %s", step, exc)
+            return None
+        frozen_end = align_up(int(frozen_map.numel())) if frozen_map is not None else 0
+        for table in chunks.values():
+            for doc in table:
+                if not is_frozen_file(doc["file"]):
+                    doc["offset"] += frozen_end
+        size = frozen_end + (int(rest_map.numel()) if rest_map is not None else 0)
+        data = _SlotFiles(frozen_map, rest_map, frozen_end, size)
+        return Snapshot(step, rank, int(manifest.meta.get("world_size", 1)), data, chunks, frozen_end)
+
+
 def committed_steps(root: str | None) -> set[int]:
     """The committed steps (a manifest present) directly under the local directory ``root``."""
     if root is None or not os.path.isdir(root):
@@ -369,7 +417,7 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
         path = os.path.join(data, name)
         # Never a symbolic link: the writers make none, and one could point anywhere.
         if name.endswith(".bin") and not name.startswith(".") and not os.path.islink(path):
-            held.files.append(Held(f"data/{name}", path, tier, _opener(path)))
+            held.files.append(Held(f"data/{name}", path, tier, _opener(path), manifest=manifest))
     if os.path.getsize(manifest) > max_manifest_bytes():
         log.warning("ckptstore: %s is over the manifest size cap; not using it", manifest)
         return held

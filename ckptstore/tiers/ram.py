@@ -46,6 +46,10 @@ from ..storage.targets import Source, Target, open_source
 from .base import Capabilities, Held, Holdings, Snapshot, Tier
 
 RAM_FORMAT = "ckptstore-ram/1"
+# Frozen tensors smaller than this are copied at every save: copying them costs about what checking
+# them would, and nothing stale can come of a copy.
+_REUSE_MIN_BYTES = 64 << 10
+_SAMPLES = 16
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,7 @@ class RamTier(Tier):
         self._slot_sums: dict[int, dict[str, Any]] = {}
         self._streams: dict[Any, Any] = {}
         self._slots: dict[int, Slot] = {}
+        self._uses: dict[int, int] = {}  # slot -> saves staged into it by this process
         # Staging never goes into the slot holding this rank's newest committed snapshot (unless
         # there is only one slot), so a crash while staging, or a save that never commits, never
         # destroys the newest RAM copy (after a restart too).
@@ -208,16 +213,18 @@ class RamTier(Tier):
 
     def stage(
         self, step: int, items: list[tuple[str, torch.Tensor]], *, may_skip: frozenset[str] = frozenset(),
-        breaks: frozenset[int] = frozenset(), slot: int | None = None,
+        breaks: frozenset[int] = frozenset(), slot: int | None = None, refresh_every: int | None = None,
     ) -> Staged:
         """Copy ``items`` into the next slot; the blocking part of a save. Returns what was staged.
 
-        Keys in ``may_skip`` are not copied when the slot already holds the same source tensor at
-        the same version counter (frozen weights in fine-tuning). This is opt-in because writes
-        through ``.data``, numpy views or DLPack change a tensor without bumping its version
-        counter: the caller decides which tensors are truly frozen and refreshes them now and then
-        (an empty ``may_skip`` copies everything). ``breaks``: see :meth:`Layout.of`. ``slot``: the
-        slot to stage into, as :attr:`next_slot` named it to a caller that waited for it to be free.
+        Keys in ``may_skip`` (frozen weights in fine-tuning) of at least 64 KiB are not copied when
+        the slot already holds the same source tensor at the same version counter and a sample of
+        its elements, taken afresh at every save, still equals the slot's copy. Writes through
+        ``.data``, numpy views or DLPack change a tensor without bumping its version counter: the
+        sample catches a change of much of a tensor at once, and every ``refresh_every``-th use of
+        each slot copies everything, which catches the rest. ``breaks``: see :meth:`Layout.of`.
+        ``slot``: the slot to stage into, as :attr:`next_slot` named it to a caller that waited for
+        it to be free.
 
         The slot's previous manifest is removed first, so a crash mid-copy never leaves a
         committed-looking snapshot with half-overwritten bytes.
@@ -229,6 +236,9 @@ class RamTier(Tier):
             self._newest = None  # one slot only: its snapshot goes now
         remove_file(self._name(index, "json"))
         self._by_step = {s: st for s, st in self._by_step.items() if st.slot != index}
+        self._uses[index] = self._uses.get(index, 0) + 1
+        if refresh_every and self._uses[index] % refresh_every == 0:
+            may_skip = frozenset()  # this slot's periodic refresh: counted per slot, so every slot gets one
         segment = self._slot(index, layout.total)
         if self._layout_sig.get(index) != layout.signature:
             self._sources[index] = {}  # another layout (or a new segment): nothing in the slot is reusable
@@ -238,10 +248,12 @@ class RamTier(Tier):
         copied, reused = 0, []
         t0 = time.perf_counter()
         stream = self._side_stream(items)
+        sampler = torch.Generator().manual_seed(step)
         with torch.no_grad(), _on(stream):
             for (key, src), e in zip(items, layout.entries):
                 identity = (src.data_ptr(), src._version, tuple(src.shape), tuple(src.stride()), src.dtype, src.device)
-                if key in may_skip and held.get(key) == identity:
+                if (key in may_skip and e.nbytes >= _REUSE_MIN_BYTES and held.get(key) == identity
+                        and _sample_matches(src, segment.view(e), sampler, key)):
                     reused.append(key)
                     continue
                 held.pop(key, None)  # a failed copy must not leave a stale identity behind
@@ -371,6 +383,20 @@ class RamTier(Tier):
         return out
 
     # ------------------------------------------------------------------ the Tier contract
+
+    def snapshot_of(self, step: int, manifest: Manifest) -> Snapshot | None:
+        """This rank's committed slot of ``step`` as a snapshot another tier can take (a restored
+        step promoted to the durable tier), its chunks as ``manifest`` (the step's RAM manifest)
+        lists them; None when no committed slot of this rank holds the step."""
+        doc = next((d for d in self._docs(self.rank) if d["step"] == step), None)
+        if doc is None:
+            return None
+        mine = data_file(self.rank)
+        chunks = {key: [c.to_json() for c in entry.chunks if c.file == mine] for key, entry in manifest.tensors.items()}
+        chunks = {key: table for key, table in chunks.items() if table}
+        data = self._slot(doc["slot"], doc["size"]).buffer.narrow(0, 0, doc["size"])
+        return Snapshot(step, self.rank, int(manifest.meta.get("world_size", 1)), data, chunks,
+                        meta={"slot": doc["slot"]})
 
     def snapshot(self, staged: Staged, world: int, boxes: dict[str, tuple[int, ...]], frozen_end: int = 0) -> Snapshot:
         """The staged slot as every tier receives it (after :meth:`checksums`). ``boxes`` gives
@@ -566,7 +592,7 @@ def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool) -> Ho
         if (seg.src is not None) != replicas or doc["step"] != step:
             continue
         bin_path = path[:-5] + ".bin"
-        held.files.append(Held(data_file(seg.owner), bin_path, tier, _opener(bin_path)))
+        held.files.append(Held(data_file(seg.owner), bin_path, tier, _opener(bin_path), manifest=path))
         held.manifests.append((doc["extra"]["manifest"].encode(), path))
     return held
 
@@ -590,6 +616,23 @@ def _entries(doc: dict[str, Any]) -> list[SlotEntry]:
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed layout: {exc}") from None
     return entries
+
+
+def _sample_matches(src: torch.Tensor, held: torch.Tensor, sampler: torch.Generator, key: str) -> bool:
+    """Whether ``_SAMPLES`` elements of ``src``, at positions drawn afresh for this save, equal the
+    slot's copy ``held`` bit for bit. A frozen tensor changed behind the version counter's back
+    (through ``.data``, numpy, DLPack) is then copied, and named once in a warning."""
+    if not src.is_contiguous():
+        return True  # sampling would copy it first; the slot's periodic refresh covers it
+    n = src.numel()
+    index = torch.randint(0, n, (min(_SAMPLES, n),), generator=sampler)
+    now = src.detach().reshape(-1)[index.to(src.device)].cpu()
+    then = held.reshape(-1)[index]
+    if torch.equal(now.view(torch.uint8), then.view(torch.uint8)):
+        return True
+    _warn_once(key, f"ckptstore: {key!r} is declared frozen but changed without its version counter moving "
+                    "(a write through .data, numpy or DLPack): it is copied again at every save that sees it")
+    return False
 
 
 def _pin(buffer: torch.Tensor) -> bool:
