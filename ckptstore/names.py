@@ -29,7 +29,7 @@ EVENTS_FILE = "events.jsonl"
 TMP_MARK = ".ckptstore-tmp-"
 
 _STEP = re.compile(r"^step-(\d{12,})$")
-_DATA = re.compile(r"^data/rank-(\d{5})(?:-frozen-[a-z+]+-[0-9a-f]+)?\.bin$")
+_DATA = re.compile(r"^data/rank-(\d{5})(?:-frozen-[a-z+]+-[0-9a-f]+)?(?:\.w[0-9a-f]+)?\.bin$")
 _JOB = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 _SEGMENT = re.compile(r"^ckptstore-(?P<job>.+)-r(?P<rank>\d{5})-(?:peer(?P<src>\d{5})-)?s(?P<slot>\d+)\.(?P<ext>bin|json)$")
 
