@@ -141,14 +141,17 @@ class DirectoryTier(Tier):
             self._frozen = {rel: (snap.step, table)}  # only the newest frozen file is ever reused
             chunks.update(table)
         data, part_rel = data_file(snap.rank), part_file(snap.rank)
-        if (d.base.path is None or await small.exists(d.target(data))
-                or await small.exists(d.target(part_rel))):
+        if await small.exists(d.target(data)) or await small.exists(d.target(part_rel)):
             # Left by a save of this step that crashed (the durable tier is never swept), or being
             # written right now by another writer of the same step, whose manifest may come to name
-            # it: never replace it, write ours beside it. On an object store always: a server may
-            # complete several conditional multipart uploads of one new key (SeaweedFS does; Ceph
-            # RGW ignores the condition), so only the manifest's conditional PUT decides a race.
+            # it: never replace it, write ours beside it.
             data, part_rel = writer_variant(data, self._token), writer_variant(part_rel, self._token)
+        elif d.base.path is None:
+            # On an object store the data object is always this writer's own: a server may complete
+            # several conditional multipart uploads of one new key (SeaweedFS does; Ceph RGW ignores
+            # the condition), so only a single conditional PUT (the part file, then the manifest)
+            # can decide a race, and the winner's manifest must name none of a loser's bytes.
+            data = writer_variant(data, self._token)
         if rest_keys:
             # Exclusive, so that of two writers racing for the same name neither replaces the other's
             # bytes (a manifest over someone else's data would be a torn checkpoint).
