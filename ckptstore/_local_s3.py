@@ -182,16 +182,16 @@ def start_local_s3(bucket: str = "ckptstore", *, own_process: bool = False, serv
         raise ImportError("the local S3 server needs moto: pip install 'moto[server]' boto3") from exc
     # werkzeug logs every request of the server to stderr.
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server: Any
+    moto: Any
     if own_process:
-        server = _ServerProcess()
+        moto = _ServerProcess()
     else:
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-    host, port = server.get_host_and_port()
+        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        moto.start()
+    host, port = moto.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     client = boto3.client(
         "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=KEY, aws_secret_access_key=SECRET
     )
     client.create_bucket(Bucket=bucket)
-    return LocalS3(endpoint_url=endpoint, bucket=bucket, _server=server, client=client)
+    return LocalS3(endpoint_url=endpoint, bucket=bucket, _server=moto, client=client)

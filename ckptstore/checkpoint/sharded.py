@@ -49,6 +49,7 @@ from ..format.tree import Decoder, Encoder, format_path
 from ..names import MANIFEST, data_file, part_file, writer_variant
 from ..planning.flatten import contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, intersect, read_plan, replica_writer, row_span, shard_box, spread
+from ..storage.small import write_small_exclusive
 from ..storage.targets import (
     ShortRead,
     Source,
@@ -59,7 +60,6 @@ from ..storage.targets import (
     resolve,
     write_bytes,
 )
-from ..storage.small import write_small_exclusive
 from .memory import alloc_bytes
 from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
 

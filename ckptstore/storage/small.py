@@ -135,6 +135,7 @@ async def remove_tree(target: Target) -> None:
         await asyncio.to_thread(shutil.rmtree, target.path, True)
         return
     if s3.is_s3(target.fs):
+        assert target.fspath is not None
         await asyncio.to_thread(s3.remove_tree, target.fs, target.fspath, target.display)
         return
     try:
