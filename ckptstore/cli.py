@@ -527,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="run the main job on embedded defaults (local directory + local S3 server)",
-        description="Train a small model with a CheckpointStore (local directory + a local S3 server, moto on "
+        description="Train a small model with a CheckpointStore (local directory + a local S3 server, SeaweedFS or moto on "
         "127.0.0.1), kill the training process halfway with SIGKILL, restore in a new process and finish; check "
         "that the resumed run is bitwise equal to an uninterrupted one and report what each tier holds.",
     )

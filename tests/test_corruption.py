@@ -70,6 +70,10 @@ class Copies:
         """Damage one file of ``step``'s copy in ``tier``; returns where (for the messages)."""
         rel = {"data": "data/rank-00000.bin", "manifest": "manifest.json", "part": "parts/rank-00000.json"}[what]
         if tier == "durable":
+            if what == "data":
+                # On an object store a data object is named for its writer: the manifest names it.
+                doc = json.loads(s3_object_bytes(self.s3, f"{self.prefix}/step-{step:012d}/manifest.json"))
+                rel = next(c["file"] for t in doc["tensors"].values() for c in t["chunks"])
             key = f"{self.prefix}/step-{step:012d}/{rel}"
             client, bucket = self.s3["client"], self.s3["bucket"]
             if kind == "delete":

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_same, s3_keys, s3_pending_uploads, wipe_ram
+from conftest import assert_same, s3_keys, s3_pending_uploads, s3_view, wipe_ram
 from s3_fault_proxy import FaultProxy
 
 import ckptstore
@@ -24,6 +24,13 @@ from ckptstore.storage import s3 as s3mod
 from ckptstore.storage.targets import READ_ATTEMPTS
 
 PART = 5 << 20  # the smallest part S3 takes: a 12 MiB rank file is a 3-part upload
+
+
+@pytest.fixture
+def s3(moto_s3_server, request):
+    """moto, not the session's real server: these faults are timed against a server that answers
+    at once (a 2 s deadline, say), and a real server sharing two loaded cores does not."""
+    return s3_view(moto_s3_server, request)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ from .._version import __version__
 from ..collective import Group
 from ..errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -44,9 +46,10 @@ from ..format.checksum import verify
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
-from ..names import MANIFEST, data_file, part_file
+from ..names import MANIFEST, data_file, part_file, writer_variant
 from ..planning.flatten import contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, intersect, read_plan, replica_writer, row_span, shard_box, spread
+from ..storage.small import write_small_exclusive
 from ..storage.targets import (
     ShortRead,
     Source,
@@ -166,6 +169,10 @@ class Directory:
 
     def write_small(self, rel: str, data: bytes) -> None:
         write_bytes(self.target(rel), data)
+
+    def create_small(self, rel: str, data: bytes) -> None:
+        """Create ``rel`` only if nothing is there (CheckpointExistsError otherwise): a commit point."""
+        write_small_exclusive(self.target(rel), data)
 
 
 # ------------------------------------------------------------------------------------------ save
@@ -389,8 +396,9 @@ def save(
         )
     t_plan = time.perf_counter()
 
+    part: dict[str, Any] = {}
     try:
-        part = _write_rank(directory, rank, group.world, local, mine, t0, t_plan)
+        part = _write_rank(directory, rank, group.world, local, mine, t0, t_plan, overwrite)
         result: dict[str, Any] = {"ok": True, "part": part}
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
         result = {"ok": False, "error": f"rank {rank} ({socket.gethostname()}): {exc}"}
@@ -403,10 +411,24 @@ def save(
             manifest = build_manifest(local.tree, local.tensors, [r["part"] for r in results], group.world)
             body = manifest.to_json_bytes()
             parse_manifest(body, where=f"{directory.display}/{MANIFEST}")  # never commit what we would refuse to read
-            directory.write_small(MANIFEST, body)
+            if overwrite:
+                directory.write_small(MANIFEST, body)
+            else:
+                # The commit point: of writers racing for one directory, the one whose manifest is
+                # created first wins; the others' data files are named for their writers, so the
+                # winning manifest never names a loser's bytes.
+                directory.create_small(MANIFEST, body)
+        except CheckpointExistsError as exc:
+            commit = {"exists": str(exc)}
         except Exception as exc:  # noqa: BLE001 - the other ranks wait for this verdict
             commit = f"rank 0 could not commit {directory.display}: {exc}"
     commit = group.all_gather(commit)[0]
+    if isinstance(commit, dict):
+        _remove_quietly(directory, part.get("files", []))
+        raise CheckpointExistsError(
+            f"{directory.display} was committed by another writer while this save wrote it; this save's files "
+            "were removed and the other writer's checkpoint is untouched. Save to a new directory, or pass "
+            "overwrite=True to replace it", location=directory.display)
     if commit is not None:
         raise CheckpointError(commit)
 
@@ -417,26 +439,51 @@ def _raise_if_failed(statuses: list[dict[str, Any]]) -> None:
         raise CheckpointError("save_sharded failed, nothing was committed: " + "; ".join(errors))
 
 
+def _remove_quietly(directory: Directory, files: list[str]) -> None:
+    for rel in files:
+        try:
+            directory.remove(rel)
+        except OSError:
+            pass  # a sweep or a later overwrite removes it; nothing names it
+
+
 def _write_rank(
-    directory: Directory, rank: int, world: int, local: Collected, mine: list[ItemMeta], t0: float, t_plan: float
+    directory: Directory, rank: int, world: int, local: Collected, mine: list[ItemMeta], t0: float, t_plan: float,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     chunks: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     written_bytes = 0
+    rel = data_file(rank)
+    if not overwrite and directory.base.path is None:
+        # On an object store every writer names its data objects for itself: a server may complete
+        # several conditional multipart uploads of one new key (SeaweedFS does, Ceph RGW ignores the
+        # condition), so only the manifest's conditional PUT can decide between racing writers.
+        rel = writer_variant(rel, secrets.token_hex(4))
     if mine:
-        sink = open_sink(directory.target(data_file(rank)))
-        try:
-            tensors = [local.items[(m.key, m.offsets, m.sizes)] for m in mine]
-            done = write_raw(sink, [functools.partial(contiguous_bytes, t) for t in tensors], block_size=BLOCK_SIZE)
-            sink.commit(b"")
-        except BaseException:
-            sink.abort()
-            raise
+        tensors = [local.items[(m.key, m.offsets, m.sizes)] for m in mine]
+        while True:
+            # Locally the data file is created exclusively (a link): a racing writer, or a save that
+            # crashed here, holds the usual name, and this writer takes one of its own.
+            sink = open_sink(directory.target(rel), exclusive=not overwrite)
+            try:
+                done = write_raw(sink, [functools.partial(contiguous_bytes, t) for t in tensors],
+                                 block_size=BLOCK_SIZE)
+                sink.commit(b"")
+                break
+            except CheckpointExistsError:
+                sink.abort()
+                if rel != data_file(rank):
+                    raise
+                rel = writer_variant(rel, secrets.token_hex(4))
+            except BaseException:
+                sink.abort()
+                raise
         for m, w in zip(mine, done):
             blocks = w.block_checksums
             chunk = Chunk(
                 m.offsets,
                 m.sizes,
-                data_file(rank),
+                rel,
                 w.offset,
                 w.length,
                 "raw",
@@ -453,6 +500,7 @@ def _write_rank(
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "bytes": written_bytes,
+        "files": [rel] if mine else [],
         "chunks": dict(chunks),
         "timings": {"plan_s": round(t_plan - t0, 6), "write_s": round(t_write - t_plan, 6)},
     }

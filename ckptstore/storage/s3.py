@@ -154,6 +154,28 @@ def call(fs: Any, display: str, method: str, **kwargs: Any) -> Any:
     return _result(asyncio.run_coroutine_threadsafe(fs._call_s3(method, **kwargs), fs.loop), limit, display)
 
 
+def remove_tree(fs: Any, path: str, display: str = "") -> None:
+    """Delete every object under ``path`` ("bucket/prefix"), then the directory entries a server
+    with a real namespace keeps for them: SeaweedFS's filer lists an emptied prefix as a common
+    prefix until its "key/" entry is deleted, deepest first, so a removed step would go on listing
+    (and a sweep would find it again at every start). On AWS those DELETEs are no-ops."""
+    dirs = {path.rstrip("/")}
+    try:
+        for root, _subdirs, _files in fs.walk(path):
+            dirs.add(root.rstrip("/"))
+    except FileNotFoundError:
+        pass
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    for d in sorted(dirs, key=lambda d: d.count("/"), reverse=True):
+        bucket, _, key = d.partition("/")
+        if key:
+            call(fs, display or d, "delete_object", Bucket=bucket, Key=key + "/")
+    fs.invalidate_cache(path)
+
+
 def is_s3(fs: Any) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "s3" in protocols and hasattr(fs, "_call_s3")

@@ -134,6 +134,10 @@ async def remove_tree(target: Target) -> None:
     if target.path is not None:
         await asyncio.to_thread(shutil.rmtree, target.path, True)
         return
+    if s3.is_s3(target.fs):
+        assert target.fspath is not None
+        await asyncio.to_thread(s3.remove_tree, target.fs, target.fspath, target.display)
+        return
     try:
         await asyncio.to_thread(target.fs.rm, target.fspath, recursive=True)
     except FileNotFoundError:

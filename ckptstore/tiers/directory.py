@@ -158,6 +158,12 @@ class DirectoryTier(Tier):
             # written right now by another writer of the same step, whose manifest may come to name
             # it: never replace it, write ours beside it.
             data, part_rel = writer_variant(data, self._token), writer_variant(part_rel, self._token)
+        elif d.base.path is None:
+            # On an object store the data object is always this writer's own: a server may complete
+            # several conditional multipart uploads of one new key (SeaweedFS does; Ceph RGW ignores
+            # the condition), so only a single conditional PUT (the part file, then the manifest)
+            # can decide a race, and the winner's manifest must name none of a loser's bytes.
+            data = writer_variant(data, self._token)
         if rest_keys:
             # Exclusive, so that of two writers racing for the same name neither replaces the other's
             # bytes (a manifest over someone else's data would be a torn checkpoint).
