@@ -198,8 +198,8 @@ class Collected:
     items: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # key -> (dtype, shape)
     # Who else holds each box: ("own",) per-rank values and GlobalBox pieces, ("all",) plain tensors
-    # (every rank of the same structure holds them), or ("replicas", count, my index, group) for
-    # DTensor boxes replicated over some mesh dimensions (group: the holders' global ranks).
+    # (every rank of the same structure holds them), or ("replicas", count, my index, group, mesh) for
+    # DTensor boxes (group: the global ranks holding this box; mesh: the global ranks of the mesh).
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple] = field(default_factory=dict)
     # How a DTensor was laid out when saved (for `ckptstore inspect`): key -> {"mesh", "names", "placements"}
     layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -300,8 +300,9 @@ def _replicas(t: torch.Tensor, cache: dict[Any, tuple]) -> tuple:
         index = tuple(slice(None) if d in replicated else c for d, c in enumerate(coordinate))
         group = tuple(int(r) for r in mesh.mesh[index].flatten().tolist())
         me = int(mesh.mesh[tuple(coordinate)])
-        cache[k] = ("replicas", len(group), group.index(me), group, mesh)  # the mesh keeps id() unique
-    return cache[k][:4]
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        cache[k] = ("replicas", len(group), group.index(me), group, ranks, mesh)  # the mesh keeps id() unique
+    return cache[k][:5]
 
 
 def my_writes(
@@ -347,8 +348,9 @@ def my_writes(
 
 def structure_digest(local: Collected) -> str:
     """What identifies a rank's structure: the keys, dtypes, global shapes and kinds of holding of
-    its shared tensors. Ranks of one digest hold the same keys (a pipeline stage, an expert group)."""
-    kinds = {k[0]: h[0] for k, h in local.holders.items()}
+    its shared tensors, a DTensor's mesh included. Ranks of one digest hold the same keys on the same
+    meshes (a pipeline stage, an expert group, one TP column of an FSDP x TP job's submesh tensors)."""
+    kinds = {k[0]: _kind(h) for k, h in local.holders.items()}
     shared = sorted((k, v[0], list(v[1]), kinds.get(k, "own")) for k, v in local.tensors.items() if "#rank" not in k)
     return hashlib.sha256(json.dumps(shared).encode()).hexdigest()
 
@@ -382,7 +384,7 @@ def agree_structure(group: Group, local: Collected, digests: list[str], cache: d
     if cache is not None and vector in cache:
         return cache[vector]
     reps = [digests.index(d) for d in distinct]
-    kinds = {k[0]: h[0] for k, h in local.holders.items()}
+    kinds = {k[0]: _kind(h) for k, h in local.holders.items()}
     table = {k: (v[0], list(v[1]), kinds.get(k, "own")) for k, v in local.tensors.items() if "#rank" not in k}
     tables = group.from_senders(table if group.rank in reps else None, reps)
     verdict: dict[str, Any] | None = None
@@ -399,28 +401,62 @@ def agree_structure(group: Group, local: Collected, digests: list[str], cache: d
     return result
 
 
+def _kind(holders: tuple) -> str:
+    """How a key is held, as the union's table compares it: "own", "all", or a DTensor's mesh."""
+    if holders[0] != "replicas":
+        return holders[0]
+    return "dtensor:" + hashlib.sha256(json.dumps(holders[4]).encode()).hexdigest()[:16]
+
+
 def union_verdict(tables: list[tuple[int, str, dict[str, tuple]]]) -> dict[str, Any]:
     """Rank 0's decision over the representatives' tables ((rank, digest, table) in rank order):
-    conflicting dtypes or shapes, and which keys each digest skips because an earlier one writes them."""
-    first: dict[str, tuple[int, str, tuple]] = {}
-    skip: dict[str, list[str]] = collections.defaultdict(list)
+    conflicting dtypes or shapes, and which keys each digest skips because another writes them.
+
+    A key several structures hold is written by one *copy* of it: each structure holding it as a
+    plain tensor is a full copy, and so is each DTensor mesh holding it (the structures sharing one
+    mesh hold parts of one copy, planned over that mesh). Copies go largest first to the least
+    loaded, so replicated keys (a DDP x TP job) are spread over the structures, not all on the first.
+    """
+    first: dict[str, tuple[int, tuple]] = {}
+    copies: dict[str, dict[str, list[str]]] = {}
+    load: dict[str, int] = collections.defaultdict(int)
+    nbytes: dict[str, int] = {}
     conflicts = []
     for rank, digest, table in tables:
         for key, (dtype, shape, kind) in table.items():
             seen = first.get(key)
             if seen is None:
-                first[key] = (rank, digest, (dtype, shape, kind))
+                first[key] = (rank, (dtype, shape))
+                nbytes[key] = math.prod(shape) * element_size(dtype_from_name(dtype, where=key))
+            elif seen[1] != (dtype, shape):
+                conflicts.append(f"{key!r} is {seen[1][0]} {seen[1][1]} on rank {seen[0]} but {dtype} {shape} on rank {rank}")
                 continue
-            if seen[2][:2] != (dtype, shape):
-                conflicts.append(
-                    f"{key!r} is {seen[2][0]} {seen[2][1]} on rank {seen[0]} but {dtype} {shape} on rank {rank}"
-                )
-            elif kind != "own" and seen[2][2] != "own":
-                skip[digest].append(key)  # a full copy of it is written by the earlier structure
+            if kind == "own":
+                copies.setdefault(key, {})["own"] = []
+                continue
+            copy = digest if kind == "all" else kind
+            copies.setdefault(key, {}).setdefault(copy, []).append(digest)
     if conflicts:
         shown = "; ".join(conflicts[:5]) + (f" and {len(conflicts) - 5} more" if len(conflicts) > 5 else "")
         return {"error": f"ranks hold one key as different tensors: {shown}. A key names one tensor in the whole "
                          "job: rename one of them, or make them agree", "skip": {}}
+    skip: dict[str, list[str]] = collections.defaultdict(list)
+    shared = []
+    for key, by_copy in copies.items():
+        if len(by_copy) == 1 or "own" in by_copy:
+            for digests in by_copy.values():
+                for d in digests:
+                    load[d] += nbytes[key]
+        else:
+            shared.append(key)
+    for key in sorted(shared, key=lambda k: (-nbytes[k], k)):
+        by_copy = copies[key]
+        owner = min(by_copy, key=lambda c: (load[by_copy[c][0]], c))
+        load[by_copy[owner][0]] += nbytes[key]
+        for c, digests in by_copy.items():
+            if c != owner:
+                for d in digests:
+                    skip[d].append(key)
     return {"error": None, "skip": dict(skip)}
 
 

@@ -1,0 +1,140 @@
+"""The parallel layouts of large training, in real processes (gloo over loopback, CPU, tiny models):
+FSDP2 over tensor parallelism (2-D, _StridedShard), pipeline stages (ranks holding different keys),
+experts (keys on some ranks only, and stacked experts sharded over an expert-parallel dim) and HSDP,
+each saved on one layout and loaded into others, compared bitwise with the full reference."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import dist_workers
+import layout_workers as lw
+import pytest
+import torch
+
+import ckptstore
+
+_spawn = dist_workers.spawn
+
+
+def _manifest(url: str) -> dict:
+    with open(os.path.join(url, "manifest.json")) as fh:
+        return json.load(fh)
+
+
+@pytest.fixture(scope="module")
+def two_d(tmp_path_factory):
+    """One 2x2 (dp x tp) save of model + AdamW after one step, shared by the load tests."""
+    root = tmp_path_factory.mktemp("two_d")
+    url = str(root / "ckpt")
+    _spawn(4, "layout_workers:two_d_save", root, url=url, dp=2, tp=2)
+    return root, url
+
+
+def test_fsdp_over_tp_resumes_on_the_same_layout_with_the_same_next_loss(two_d):
+    root, url = two_d
+    _spawn(4, "layout_workers:two_d_load", root, url=url, dp=2, tp=2, same_layout=True)
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 4)], ids=["fsdp-only-2", "tp-only-4"])
+def test_fsdp_over_tp_loads_into_fsdp_only_and_tp_only(two_d, dp, tp):
+    root, url = two_d
+    _spawn(dp * tp, "layout_workers:two_d_load", root, url=url, dp=dp, tp=tp)
+
+
+def test_fsdp_over_tp_loads_into_one_process(two_d):
+    root, url = two_d
+    lw.two_d_load(0, 1, url, 1, 1)
+    meta = _manifest(url)["meta"]  # the saved mesh and placements, for ckptstore inspect
+    layout = meta["layouts"]["model/layers.0.wq.weight"]
+    assert layout == {"mesh": [2, 2], "names": ["dp", "tp"], "placements": ["_S(0,2)", "S(0)"]}, layout
+
+
+def test_strided_split_factor_is_read_from_torch():
+    """The one private torch API ckptstore reads (checkpoint/sharded.py strided_split_factor)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckptstore.checkpoint.sharded import strided_split_factor
+
+    assert strided_split_factor(_StridedShard(0, split_factor=4)) == 4
+    assert strided_split_factor(Shard(0)) is None
+
+
+# ------------------------------------------------------------------------------------ pipeline
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """pp=2 x dp=2 x tp=2 on 8 ranks: each stage's keys on its own ranks, on its own sub-mesh."""
+    root = tmp_path_factory.mktemp("pp")
+    url = str(root / "ckpt")
+    _spawn(8, "layout_workers:pp_save", root, url=url, pp=2, dp=2, tp=2)
+    return root, url
+
+
+@pytest.mark.parametrize("pp,dp,tp", [(1, 2, 2), (2, 4, 1), (4, 1, 1), (2, 2, 2)])
+def test_pipeline_checkpoint_loads_into_other_stage_counts(pipeline, pp, dp, tp):
+    root, url = pipeline
+    _spawn(pp * dp * tp, "layout_workers:pp_load", root, url=url, pp=pp, dp=dp, tp=tp)
+
+
+def test_pipeline_checkpoint_loads_into_one_process_and_writes_each_key_once(pipeline):
+    root, url = pipeline
+    lw.pp_load(0, 1, url, 1, 1, 1)
+    tensors = _manifest(url)["tensors"]
+    assert sorted({k.split(".")[1] for k in tensors if k.startswith("model/")}) == ["0", "1", "2", "3"]
+    for key, entry in tensors.items():
+        covered = sum(torch.Size(c["sizes"]).numel() for c in entry["chunks"])
+        assert covered == torch.Size(entry["shape"]).numel(), key  # tiled exactly once: no duplicate writes
+
+
+def test_keys_missing_from_the_checkpoint_are_named(pipeline):
+    root, url = pipeline
+    state = {"model": {"layers.9.w1.weight": torch.zeros(2)}}
+    with pytest.raises(ckptstore.CheckpointError, match=r"layers\.9\.w1\.weight.*strict=False"):
+        ckptstore.load_sharded(state, url)
+    ckptstore.load_sharded(state, url, strict=False)
+
+
+# ----------------------------------------------------------------------------------------- MoE
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    url = str(root / "ckpt")
+    _spawn(4, "layout_workers:moe_save", root, url=url, ep=4)
+    return root, url
+
+
+def test_experts_ep4_load_into_ep2(moe):
+    root, url = moe
+    _spawn(2, "layout_workers:moe_load", root, url=url, ep=2)
+
+
+def test_experts_ep4_load_into_one_process(moe):
+    root, url = moe
+    lw.moe_load(0, 1, url, 1)
+
+
+def test_experts_ep2_load_into_ep4(tmp_path):
+    url = str(tmp_path / "ckpt")
+    _spawn(2, "layout_workers:moe_save", tmp_path, url=url, ep=2)
+    _spawn(4, "layout_workers:moe_load", tmp_path, url=url, ep=4)
+
+
+# ---------------------------------------------------------------------------------------- HSDP
+
+
+def test_hsdp_writes_each_replicated_shard_once_spread_over_the_replicas(tmp_path):
+    url = str(tmp_path / "ckpt")
+    _spawn(4, "layout_workers:hsdp_save", tmp_path, url=url)
+    per_rank = lw.written_bytes(url)
+    print("HSDP bytes written per rank:", per_rank)
+    total = sum(p.numel() * 4 for p in lw.Model().parameters())
+    assert sum(per_rank.values()) == total  # each shard once (2 replicas, yet no byte twice)
+    assert all(b > 0 for b in per_rank.values()), per_rank  # both replicas of each shard write
+    assert max(per_rank.values()) <= 1.5 * min(per_rank.values()), per_rank
+    lw.hsdp_load_one_process(url)
