@@ -167,6 +167,12 @@ class TrainState:
         if rng is not None:
             restore_rng(rng, self.generators)
 
+    def all_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer this state holds (one per model part, or the one)."""
+        if self.parts is not None:
+            return list(self.optimizers)
+        return [] if self.optimizer is None else [self.optimizer]  # type: ignore[list-item]
+
     def _pairs(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer | None]]:
         assert self.parts is not None
         if self.optimizers:

@@ -302,3 +302,43 @@ def written_bytes(url: str) -> dict[int, int]:
     with open(os.path.join(url, "manifest.json")) as fh:
         manifest = json.load(fh)
     return {r["rank"]: r["bytes"] for r in manifest["meta"]["ranks"]}
+
+
+# ------------------------------------------------------------------- 3-D through the store
+
+
+def three_d_save(rank: int, world: int, name: str, local: str, ref: str, pp: int, dp: int, tp: int) -> None:
+    """pp x dp x tp with TrainState(model=[stage]) through a CheckpointStore; then the process dies
+    by SIGKILL without closing anything (the test expects -9 from every rank)."""
+    import signal
+
+    model, stage = pp_model(pp, dp, tp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt)
+    state = ckptstore.TrainState(model=[model], optimizer=[opt], extra={"epoch": 1})
+    store = ckptstore.CheckpointStore(name, local=local)
+    store.save(1, state).wait("local")
+    mine = full_state(model, opt)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        union = {}
+        for r in gathered:
+            union.update(r)
+        torch.save(union, ref)
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def three_d_restore(rank: int, world: int, name: str, local: str, ref: str, pp: int, dp: int, tp: int) -> None:
+    torch.manual_seed(3)
+    model, stage = pp_model(pp, dp, tp)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1) if hasattr(p, "to_local") else p.add_(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = ckptstore.TrainState(model=[model], optimizer=[opt])
+    with ckptstore.CheckpointStore(name, local=local) as store:
+        assert store.restore(state, per_rank="skip") == 1
+    assert state.extra == {"epoch": 1}
+    assert_bitwise(full_state(model, opt), torch.load(ref, weights_only=True), f"pp={pp} dp={dp} tp={tp}")

@@ -12,6 +12,7 @@ import dist_workers
 import layout_workers as lw
 import pytest
 import torch
+from conftest import wipe_ram
 
 import ckptstore
 
@@ -138,3 +139,37 @@ def test_hsdp_writes_each_replicated_shard_once_spread_over_the_replicas(tmp_pat
     assert all(b > 0 for b in per_rank.values()), per_rank  # both replicas of each shard write
     assert max(per_rank.values()) <= 1.5 * min(per_rank.values()), per_rank
     lw.hsdp_load_one_process(url)
+
+
+# ------------------------------------------------------------------- 3-D through the store
+
+
+def _spawn_killed(world: int, job: str, tmp_path, **args) -> None:
+    """Like dist_workers.spawn, for a job whose ranks end by SIGKILL."""
+    import signal
+
+    import torch.multiprocessing as mp
+
+    store = tmp_path / f"store-{os.urandom(4).hex()}"
+    results = tmp_path / f"results-{os.urandom(4).hex()}"
+    results.mkdir()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=dist_workers.run, args=(r, world, str(store), job, args, str(results))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = {f.name: f.read_text() for f in results.iterdir() if f.name.startswith("error-")}
+    assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL] * world
+
+
+def test_three_d_train_state_through_the_store_restores_after_sigkill_into_other_layouts(tmp_path, job):
+    local, ref = str(tmp_path / "local"), str(tmp_path / "ref.pt")
+    _spawn_killed(8, "layout_workers:three_d_save", tmp_path, name=job, local=local, ref=ref, pp=2, dp=2, tp=2)
+    for pp, dp, tp in [(1, 2, 2), (2, 4, 1)]:
+        wipe_ram(job)  # another layout: from the local tier, which every rank of this node sees
+        _spawn(pp * dp * tp, "layout_workers:three_d_restore", tmp_path, name=job, local=local, ref=ref, pp=pp, dp=dp, tp=tp)
