@@ -140,6 +140,9 @@ def two_d_save(rank: int, world: int, url: str, dp: int, tp: int) -> None:
     strided = [k for k, v in msd.items() if isinstance(v, DTensor) and any(type(p).__name__ == "_StridedShard" for p in v.placements)]
     assert strided, "FSDP2 over TP should give _StridedShard placements"
     ckptstore.save_sharded({"model": msd, "optim": osd}, url)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=url + "-dcp")  # the same state by DCP, for conversions
     ref = full_state(model, opt)
     loss = train_step(model, opt)  # the uninterrupted run's next step
     if rank == 0:

@@ -52,6 +52,29 @@ def test_fsdp_over_tp_loads_into_one_process(two_d):
     assert layout == {"mesh": [2, 2], "names": ["dp", "tp"], "placements": ["_S(0,2)", "S(0)"]}, layout
 
 
+def _flat(sd: dict) -> dict:
+    """{"model": {fqn: t}, "optim": {"state": {fqn: {name: t}}}} as layout_workers.full_state keys it."""
+    out = {f"model.{k}": v for k, v in sd["model"].items()}
+    for fqn, st in sd["optim"]["state"].items():
+        out.update({f"optim.{fqn}.{name}": v for name, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def test_a_dcp_checkpoint_of_the_2d_run_converts_to_ckptstore_and_back(two_d, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ckptstore.convert import convert
+
+    root, url = two_d
+    ref = torch.load(os.path.join(root, "ref.pt"), weights_only=True)["state"]
+    convert(url + "-dcp", str(tmp_path / "from-dcp.ckpt"), "ckptstore")  # DCP's own save of the 2x2 run
+    lw.assert_bitwise(_flat(ckptstore.load(str(tmp_path / "from-dcp.ckpt"))), ref, "dcp -> ckptstore")
+    for src, name in ((str(tmp_path / "from-dcp.ckpt"), "back"), (url, "sharded")):
+        convert(src, str(tmp_path / f"{name}-dcp"), "dcp")  # read back by DCP's library
+        dcp_to_torch_save(str(tmp_path / f"{name}-dcp"), str(tmp_path / f"{name}.pt"))
+        lw.assert_bitwise(_flat(torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)), ref, f"{name} -> dcp")
+
+
 def test_strided_split_factor_is_read_from_torch():
     """The one private torch API ckptstore reads (checkpoint/sharded.py strided_split_factor)."""
     from torch.distributed.tensor import Shard
