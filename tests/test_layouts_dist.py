@@ -52,6 +52,25 @@ def test_fsdp_over_tp_loads_into_one_process(two_d):
     assert layout == {"mesh": [2, 2], "names": ["dp", "tp"], "placements": ["_S(0,2)", "S(0)"]}, layout
 
 
+def test_inspect_shows_the_saved_mesh_and_reshard_rewrites_the_2d_run(two_d, tmp_path, capsys):
+    from ckptstore.cli import main
+
+    root, url = two_d
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    assert "saved mesh and placements" in out
+    line = next(x for x in out.splitlines() if "model/layers.0.wq.weight " in x)
+    assert line.endswith("(dp=2, tp=2) _S(0,2) S(0)"), line
+    assert next(x for x in out.splitlines() if "model/layers.0.wo.weight " in x).endswith("(dp=2, tp=2) S(0) S(1)")
+    for ranks in (3, 1):
+        dst = str(tmp_path / f"r{ranks}")
+        assert main(["reshard", url, dst, "--ranks", str(ranks)]) == 0
+        sd = {"model": None, "optim": None}
+        (ckptstore.load_sharded(sd, dst) if ranks > 1 else sd.update(ckptstore.load(dst)))
+        ref = torch.load(os.path.join(root, "ref.pt"), weights_only=True)["state"]
+        lw.assert_bitwise(_flat(sd), ref, f"reshard --ranks {ranks}")
+
+
 def _flat(sd: dict) -> dict:
     """{"model": {fqn: t}, "optim": {"state": {fqn: {name: t}}}} as layout_workers.full_state keys it."""
     out = {f"model.{k}": v for k, v in sd["model"].items()}
