@@ -649,25 +649,33 @@ def test_plan_1000_ranks():
 # ------------------------------------------------------------------------------------------------
 
 
-def _local_rule_writers(shape, mesh_shape, placements, key="t"):
-    """Simulate every rank's own decision for one DTensor; return {box: [writing ranks]}."""
-    from ckptstore.planning.sharding import replica_writer
+def _local_rule_writers(shape, mesh_shape, placements, key="t", tensors=None):
+    """Simulate every rank's own decision (checkpoint/sharded.py my_writes) for DTensors on one mesh:
+    each rank spreads the boxes it holds over their replicas, and writes those that fall to its index.
+    Returns ({box: [writing ranks]}, bytes written per rank)."""
+    from ckptstore.planning.sharding import spread
 
+    tensors = tensors or [(key, shape)]
     writers: dict = {}
+    load = []
     for rank, coord in enumerate(itertools.product(*[range(n) for n in mesh_shape])):
-        box = shard_box(shape, mesh_shape, placements, coord)
-        if volume(box) == 0:
-            continue
         count, index = 1, 0
         for d, p in enumerate(placements):
             if p[0] == "replicate":
                 count *= mesh_shape[d]
                 index = index * mesh_shape[d] + coord[d]
-        if replica_writer(key, box[0], count) == index:
-            writers.setdefault(box, []).append(rank)
-        else:
-            writers.setdefault(box, [])
-    return writers
+        metas = []
+        for k, sh in tensors:
+            box = shard_box(sh, mesh_shape, placements, coord)
+            if volume(box):
+                metas.append(ItemMeta(k, box[0], box[1], volume(box) * 4))
+        chosen = [m for m, w in zip(metas, spread(metas, count)) if w == index]
+        for m in metas:
+            writers.setdefault((m.key, (m.offsets, m.sizes)), [])
+        for m in chosen:
+            writers[(m.key, (m.offsets, m.sizes))].append(rank)
+        load.append(sum(m.nbytes for m in chosen))
+    return {box: ranks for (k, box), ranks in writers.items() if k == key} if len(tensors) == 1 else writers, load
 
 
 @pytest.mark.parametrize(
@@ -682,10 +690,19 @@ def _local_rule_writers(shape, mesh_shape, placements, key="t"):
     ],
 )
 def test_local_rule_writes_every_nonempty_box_exactly_once(shape, mesh_shape, placements):
-    writers = _local_rule_writers(shape, mesh_shape, placements)
+    writers, _ = _local_rule_writers(shape, mesh_shape, placements)
     assert writers, "some box must exist"
     assert all(len(ranks) == 1 for ranks in writers.values()), writers
     assert sum(volume(box) for box in writers) == math.prod(shape)
+
+
+def test_hsdp_replicas_share_the_writes():
+    """HSDP (Replicate over 2 groups, Shard(0) over 2): every shard written once, and both replicas
+    of each shard write about half of the bytes (not all on one replica, as a per-box hash could)."""
+    tensors = [(f"w{i}", (8, 4 + i)) for i in range(12)]
+    writers, load = _local_rule_writers(None, (2, 2), [("replicate",), ("shard", 0)], tensors=tensors)
+    assert all(len(r) == 1 for r in writers.values()), writers
+    assert max(load) <= 1.2 * min(load), load
 
 
 def test_spread_balances_plain_tensors_and_agrees_everywhere():
@@ -754,9 +771,7 @@ def _parse(spec: str):
     for p in spec.split(","):
         if p == "R":
             out.append(Replicate())
-        elif p.startswith("R"):  # the mesh dims are given in order, the letter says the kind
-            out.append(Shard(int(p[1:])))
-        elif p.startswith("S"):
+        elif p.startswith("R") or p.startswith("S"):  # the mesh dims are given in order, the letter says the kind
             out.append(Shard(int(p[1:])))
         else:
             dim, sf = p[1:].split("/")

@@ -178,7 +178,7 @@ def assign_writers(items_by_rank: Sequence[Sequence[ItemMeta]]) -> list[list[Ite
     balanced. Deterministic.
 
     This needs every rank's box list, which costs O(ranks x tensors) to gather; save_sharded instead
-    decides locally with :func:`replica_writer` and :func:`spread`. This global version is the
+    decides locally with :func:`spread` (over a box's replicas, or the ranks of one structure). This global version is the
     reference the tests hold the local rule to, and an offline tool for re-planning a layout.
     """
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
@@ -214,8 +214,9 @@ def assign_writers(items_by_rank: Sequence[Sequence[ItemMeta]]) -> list[list[Ite
 
 def replica_writer(key: str, offsets: Sequence[int], replicas: int) -> int:
     """Which of ``replicas`` identical copies of a box writes it: a stable hash of the box, so every
-    holder reaches the same answer without any communication (used for DTensor boxes replicated
-    over some mesh dimensions)."""
+    holder reaches the same answer without any communication. save_sharded used it for DTensor boxes
+    replicated over some mesh dimensions; with few tensors a hash can put every box on one replica, so
+    replicas now :func:`spread` the list they all hold. Kept for the tests of the earlier rule."""
     return zlib.crc32(f"{key}|{','.join(map(str, offsets))}".encode()) % replicas
 
 
