@@ -44,6 +44,19 @@ def test_fsdp_over_tp_loads_into_fsdp_only_and_tp_only(two_d, dp, tp):
     _spawn(dp * tp, "layout_workers:two_d_load", root, url=url, dp=dp, tp=tp)
 
 
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 4)], ids=["from-fsdp-only-2", "from-tp-only-4"])
+def test_fsdp_only_and_tp_only_load_into_fsdp_over_tp(tmp_path, dp, tp):
+    url = str(tmp_path / "ckpt")
+    _spawn(dp * tp, "layout_workers:two_d_save", tmp_path, url=url, dp=dp, tp=tp)
+    _spawn(4, "layout_workers:two_d_load", tmp_path, url=url, dp=2, tp=2)
+
+
+def test_four_stages_load_into_two_stages_of_2d(tmp_path):
+    url = str(tmp_path / "ckpt")
+    _spawn(4, "layout_workers:pp_save", tmp_path, url=url, pp=4, dp=1, tp=1)
+    _spawn(8, "layout_workers:pp_load", tmp_path, url=url, pp=2, dp=2, tp=2)
+
+
 def test_fsdp_over_tp_loads_into_one_process(two_d):
     root, url = two_d
     lw.two_d_load(0, 1, url, 1, 1)
