@@ -57,7 +57,8 @@ class Model(nn.Module):
 TP_PLAN = {"wq": "col", "wk": "col", "wv": "col", "w1": "col", "wo": "row", "w2": "row"}
 
 
-def parallelize(model: nn.Module, dp: int, tp: int, *, hsdp: int = 1, mesh=None) -> nn.Module:
+def parallelize(model: nn.Module, dp: int, tp: int, *, hsdp: int = 1, mesh=None,
+                reshard_after_forward: bool = True) -> nn.Module:
     """torchtitan's order: tensor parallelism over mesh['tp'] first, then fully_shard over mesh['dp']
     (HSDP: replicate over mesh['rep'], shard over mesh['dp'])."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -77,8 +78,8 @@ def parallelize(model: nn.Module, dp: int, tp: int, *, hsdp: int = 1, mesh=None)
     dp_mesh = mesh["rep", "dp"] if "rep" in names else mesh["dp"]
     if dp_mesh.size() > 1:
         for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     return model
 
 
@@ -127,13 +128,13 @@ def _rank() -> int:
 # ---------------------------------------------------------------------------------------- 2-D
 
 
-def two_d_save(rank: int, world: int, url: str, dp: int, tp: int) -> None:
+def two_d_save(rank: int, world: int, url: str, dp: int, tp: int, reshard_after_forward: bool = True) -> None:
     """FSDP2 over TP (model + AdamW after one step, through get_state_dict), saved with save_sharded."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
-    model = parallelize(Model(), dp, tp)
+    model = parallelize(Model(), dp, tp, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_step(model, opt)
     msd, osd = get_state_dict(model, opt)
@@ -149,11 +150,12 @@ def two_d_save(rank: int, world: int, url: str, dp: int, tp: int) -> None:
         torch.save({"state": ref, "next_loss": loss}, os.path.join(url, "..", "ref.pt"))
 
 
-def two_d_load(rank: int, world: int, url: str, dp: int, tp: int, same_layout: bool = False) -> None:
+def two_d_load(rank: int, world: int, url: str, dp: int, tp: int, same_layout: bool = False,
+               reshard_after_forward: bool = True) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
-    model = parallelize(Model(), dp, tp)
+    model = parallelize(Model(), dp, tp, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}

@@ -38,6 +38,16 @@ def test_fsdp_over_tp_resumes_on_the_same_layout_with_the_same_next_loss(two_d):
     _spawn(4, "layout_workers:two_d_load", root, url=url, dp=2, tp=2, same_layout=True)
 
 
+def test_fsdp_over_tp_without_reshard_after_forward_saves_and_loads_into_the_default(tmp_path):
+    """FSDP2 with reshard_after_forward=False keeps the unsharded parameters between forward and
+    backward; its state dict after a step is the same sharded DTensors, and loads either way."""
+    url = str(tmp_path / "ckpt")
+    _spawn(4, "layout_workers:two_d_save", tmp_path, url=url, dp=2, tp=2, reshard_after_forward=False)
+    _spawn(4, "layout_workers:two_d_load", tmp_path, url=url, dp=2, tp=2, same_layout=True)
+    _spawn(4, "layout_workers:two_d_load", tmp_path, url=url, dp=2, tp=2, same_layout=True,
+           reshard_after_forward=False)
+
+
 @pytest.mark.parametrize("dp,tp", [(2, 1), (1, 4)], ids=["fsdp-only-2", "tp-only-4"])
 def test_fsdp_over_tp_loads_into_fsdp_only_and_tp_only(two_d, dp, tp):
     root, url = two_d
