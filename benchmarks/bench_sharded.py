@@ -10,6 +10,13 @@ A reshard load (saved by N ranks, loaded as Shard(1)) is timed for ckptstore and
 Times are taken on rank 0 between barriers. Loaded tensors are checked bitwise.
 
     python benchmarks/bench_sharded.py [--worlds 1 2 4] [--repeats 3] [--layers 24] [--out docs/benchmarks]
+
+``--layout 2d`` saves FSDP2 over TP instead (a (dp, tp) mesh of the world's ranks, every tensor
+``[_StridedShard(0, tp), Shard(0)]``, as fully_shard over a Colwise weight leaves it), and
+``--layout pp`` two pipeline stages (each half of the layers on half of the ranks, ``Shard(0)`` over
+its own dp sub-mesh: ranks hold different keys). Both load into the same layout, and as the reshard
+into ``Shard(1)`` over a 1-D mesh of all ranks (every rank asks for every key). The planning time
+reported is ckptstore's per-rank ``plan_s`` (collect, agree, decide the writes), from the manifest.
 """
 
 from __future__ import annotations
@@ -41,6 +48,17 @@ def _shapes(layers: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _values(i: int, shape, offsets, sizes, zeros: bool) -> torch.Tensor:
+    if zeros:
+        return torch.zeros(sizes)
+    full_rows = torch.Generator().manual_seed(i)
+    # Values depend on the global index only, so any layout can be checked against any other.
+    base = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).view(shape)
+    return base[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone() * (1.0 + i) + float(
+        torch.rand((), generator=full_rows)
+    )
+
+
 def _local_state(shapes, mesh, rank: int, world: int, placement_dim: int, zeros: bool):
     from torch.distributed.tensor import DTensor, Shard
 
@@ -50,16 +68,37 @@ def _local_state(shapes, mesh, rank: int, world: int, placement_dim: int, zeros:
     for i, (name, shape) in enumerate(shapes.items()):
         dim = placement_dim if len(shape) > placement_dim else 0
         offsets, sizes = shard_box(shape, (world,), [("shard", dim)], (rank,))
-        if zeros:
-            local = torch.zeros(sizes)
-        else:
-            full_rows = torch.Generator().manual_seed(i)
-            # Values depend on the global index only, so any layout can be checked against any other.
-            base = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).view(shape)
-            local = base[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone() * (1.0 + i) + float(
-                torch.rand((), generator=full_rows)
-            )
+        local = _values(i, shape, offsets, sizes, zeros)
         state[name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=shape, stride=_stride(shape))
+    return state
+
+
+def _layout_state(layout: str, shapes, mesh, rank: int, world: int, zeros: bool):
+    """The saved layout: FSDP2 over TP ('2d') or two pipeline stages over dp sub-meshes ('pp')."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckptstore.planning.sharding import shard_boxes
+
+    state = {}
+    half = world // 2
+    coordinate = mesh.get_coordinate()
+    names = list(shapes)
+    for i, (name, shape) in enumerate(shapes.items()):
+        if layout == "2d":
+            spec = [("strided", 0, half), ("shard", 0)]
+            placements = [_StridedShard(0, split_factor=half), Shard(0)]
+            (_, (offsets, sizes)), = shard_boxes(shape, (2, half), spec, coordinate)
+            sub = mesh
+        else:
+            stage = i * 2 // len(names)
+            if stage != coordinate[0]:
+                continue  # another stage's key
+            sub = mesh["dp"]
+            placements = [Shard(0)]
+            (_, (offsets, sizes)), = shard_boxes(shape, (half,), [("shard", 0)], (coordinate[1],))
+        state[name] = DTensor.from_local(_values(i, shape, offsets, sizes, zeros), sub, placements, run_check=False,
+                                         shape=shape, stride=_stride(shape))
     return state
 
 
@@ -82,7 +121,8 @@ def _drop_caches(rank: int) -> None:
     dist.barrier()
 
 
-def _worker(rank: int, world: int, store: str, workdir: str, layers: int, repeats: int, result: str) -> None:
+def _worker(rank: int, world: int, store: str, workdir: str, layers: int, repeats: int, result: str,
+            layout: str = "1d") -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -91,9 +131,15 @@ def _worker(rank: int, world: int, store: str, workdir: str, layers: int, repeat
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     shapes = _shapes(layers)
-    state = _local_state(shapes, mesh, rank, world, 0, zeros=False)
+    if layout == "1d":
+        saved = lambda zeros: _local_state(shapes, mesh, rank, world, 0, zeros=zeros)  # noqa: E731
+    else:
+        names = ("dp", "tp") if layout == "2d" else ("pp", "dp")
+        mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+        saved = lambda zeros: _layout_state(layout, shapes, mesh2, rank, world, zeros=zeros)  # noqa: E731
+    state = saved(False)
     times: dict[str, list[float]] = {k: [] for k in ("ckptstore_save", "dcp_save", "ckptstore_load", "dcp_load",
-                                                    "ckptstore_reshard_load", "dcp_reshard_load")}
+                                                    "ckptstore_reshard_load", "dcp_reshard_load", "ckptstore_plan")}
 
     def timed(fn) -> float:
         dist.barrier()
@@ -110,18 +156,21 @@ def _worker(rank: int, world: int, store: str, workdir: str, layers: int, repeat
         ]
         for lib, fn in order if r % 2 == 0 else order[::-1]:
             times[f"{lib}_save"].append(timed(fn))
+        with open(os.path.join(cdir, "manifest.json")) as fh:
+            plans = [x["timings"]["plan_s"] for x in json.load(fh)["meta"]["ranks"]]
+        times["ckptstore_plan"].append(statistics.median(plans))
         for suffix, dim in (("load", 0), ("reshard_load", 1)):
             loads = []
             for lib in ("ckptstore", "dcp"):
-                target = _local_state(shapes, mesh, rank, world, dim, zeros=True)
+                target = (saved(True) if suffix == "load" else _local_state(shapes, mesh, rank, world, dim, zeros=True))
                 fn = (lambda t=target, c=cdir: ckptstore.load_sharded(t, c)) if lib == "ckptstore" else (
                     lambda t=target, d=ddir: dcp.load(t, checkpoint_id=d))
                 loads.append((lib, fn, target))
             for lib, fn, target in loads if r % 2 == 0 else loads[::-1]:
                 _drop_caches(rank)
                 times[f"{lib}_{suffix}"].append(timed(fn))
-                expected = _local_state(shapes, mesh, rank, world, dim, zeros=False)
-                for name in shapes:
+                expected = saved(False) if suffix == "load" else _local_state(shapes, mesh, rank, world, dim, zeros=False)
+                for name in expected:
                     assert torch.equal(target[name].to_local(), expected[name].to_local()), (lib, suffix, name)
         dist.barrier()
         if rank == 0:
@@ -139,26 +188,34 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--layout", choices=["1d", "2d", "pp"], default="1d",
+                    help="the saved layout: Shard(0) over all ranks, FSDP2 over TP, or two pipeline stages")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
     args = ap.parse_args()
     nbytes = sum(int(torch.tensor(s).prod()) * 4 for s in _shapes(args.layers).values())
-    report: dict = {"benchmark": "sharded", "bytes": nbytes, "GiB": nbytes / 2**30, "repeats": args.repeats, "worlds": {}}
+    if args.layout != "1d" and any(w < 2 or w % 2 for w in args.worlds):
+        ap.error(f"--layout {args.layout} needs even world sizes of 2 or more")
+    report: dict = {"benchmark": "sharded", "layout": args.layout, "bytes": nbytes, "GiB": nbytes / 2**30,
+                    "repeats": args.repeats, "worlds": {}}
     for world in args.worlds:
         work = tempfile.mkdtemp(dir=args.dir)
         try:
             result = os.path.join(work, "result.json")
             mp.start_processes(
-                _worker, args=(world, os.path.join(work, "store"), work, args.layers, args.repeats, result),
+                _worker, args=(world, os.path.join(work, "store"), work, args.layers, args.repeats, result, args.layout),
                 nprocs=world, start_method="spawn",
             )
             with open(result) as fh:
                 times = json.load(fh)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        plan = times.pop("ckptstore_plan")
         med = {k: statistics.median(v) for k, v in times.items()}
         entry = {
             "seconds": times,
             "median_seconds": med,
+            "ckptstore_plan_s": statistics.median(plan),
+            "load_average": os.getloadavg(),
             "GB_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
             "ratios": {
                 "save_speedup_vs_dcp": med["dcp_save"] / med["ckptstore_save"],
@@ -172,13 +229,15 @@ def main() -> None:
             print(f"  {k:24s} {v:7.3f} s  [{min(times[k]):.3f}-{max(times[k]):.3f}]  {nbytes / v / 1e9:6.2f} GB/s")
         for k, v in entry["ratios"].items():
             print(f"  {k:30s} {v:5.2f}x")
+        print(f"  ckptstore plan (median rank)   {entry['ckptstore_plan_s'] * 1e3:.1f} ms; load average {entry['load_average']}")
         # Written after every world size, so a later one that fails (4 ranks on a small machine can
         # run out of memory) leaves the finished ones behind.
         report["machine"] = machine()
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "sharded.json"), "w") as fh:
+        suffix = "" if args.layout == "1d" else f"-{args.layout}"
+        with open(os.path.join(args.out, f"sharded{suffix}.json"), "w") as fh:
             json.dump(report, fh, indent=2)
-    _plot(report, os.path.join(args.out, "sharded.png"))
+    _plot(report, os.path.join(args.out, f"sharded{suffix}.png"))
 
 
 def _plot(report: dict, path: str) -> None:

@@ -77,13 +77,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info["pickled"]:
         print(f"  pickled objects (need weights_only=False): {', '.join(info['pickled'])}")
     width = max([len(t["key"]) for t in info["tensors"]] + [3])
-    print(f"  {'key':{width}s}  {'dtype':14s} {'shape':20s} {'bytes':>12s} chunks codec  split dims")
+    layouts = any(t.get("saved_layout") for t in info["tensors"])
+    print(f"  {'key':{width}s}  {'dtype':14s} {'shape':20s} {'bytes':>12s} chunks codec  split dims"
+          + ("  saved mesh and placements" if layouts else ""))
     for t in info["tensors"]:
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
         split = ",".join(map(str, t["split_dims"])) or "-"
+        saved = f"  {t.get('saved_layout') or '-'}" if layouts else ""
         print(
             f"  {t['key']:{width}s}  {t['dtype']:14s} {shape:20s} {format_bytes(t['bytes']):>12s} {t['chunks']:6d} "
-            f"{t['codec']:6s} {split}"
+            f"{t['codec']:6s} {split}{saved}"
         )
     return 0
 

@@ -57,6 +57,32 @@ class Group:
         self._dist.gather_object(obj, out, dst=self.global_rank(0), group=self.pg)
         return out or []
 
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=self.global_rank(0), group=self.pg)
+        return box[0]
+
+    def from_senders(self, obj: Any, senders: list[int]) -> dict[int, Any]:
+        """The ``obj`` of each rank in ``senders`` on rank 0 (an empty dict elsewhere), point to point:
+        unlike a gather, ranks that have nothing to say send nothing, and nothing is padded to the
+        largest message."""
+        if self.world == 1 or not senders:
+            return {0: obj} if 0 in senders else {}
+        if self.rank == 0:
+            out = {0: obj} if 0 in senders else {}
+            for r in senders:
+                if r != 0:
+                    box: list[Any] = [None]
+                    self._dist.recv_object_list(box, src=self.global_rank(r), group=self.pg)
+                    out[r] = box[0]
+            return out
+        if self.rank in senders:
+            self._dist.send_object_list([obj], dst=self.global_rank(0), group=self.pg)
+        return {}
+
     def all_gather(self, obj: Any) -> list[Any]:
         if self.world == 1:
             return [obj]

@@ -122,6 +122,7 @@ class Writer(StorageWriter):
             step = next_step(store)
         error: str | None = None
         mine: dict[str, Any] = {}
+        pieces: dict[str, list[tuple[torch.Tensor, tuple[int, ...]]]] = {}
         results: list[WriteResult] = []
         described: dict[str, Any] = {"tensors": {}, "bytes": {}, "planner_data": None}
         try:
@@ -136,21 +137,15 @@ class Writer(StorageWriter):
                     continue
                 td = item.tensor_data
                 assert td is not None
-                if fqn in mine:
-                    raise UnsupportedObjectError(
-                        f"{fqn!r}: this rank holds several chunks of it (a ShardedTensor with more than one local "
-                        "shard); ckptstore.dcp stores one box per rank and tensor"
-                    )
                 tensor: torch.Tensor = data.detach()  # type: ignore[union-attr,assignment]
                 name = dtype_name(td.properties.dtype)
                 if name is None:
                     raise UnsupportedObjectError(f"{fqn!r}: {td.properties.dtype} tensors cannot be stored")
-                mine[fqn] = tensor
-                described["tensors"][fqn] = {
-                    "dtype": name,
-                    "size": list(td.size),
-                    "chunks": [[list(td.chunk.offsets), list(td.chunk.sizes)]],
-                }
+                # A rank may hold several chunks of one tensor (a ShardedTensor with several local
+                # shards): each is a box of its own in the store.
+                pieces.setdefault(fqn, []).append((tensor, tuple(td.chunk.offsets)))
+                entry = described["tensors"].setdefault(fqn, {"dtype": name, "size": list(td.size), "chunks": []})
+                entry["chunks"].append([list(td.chunk.offsets), list(td.chunk.sizes)])
                 results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
                                            storage_data=step))
             described["planner_data"] = self._planner_data
@@ -171,9 +166,9 @@ class Writer(StorageWriter):
         boxes: dict[str, Any] = {}
         for fqn, t in meta["tensors"].items():
             dtype = dtype_from_name(t["dtype"], where=fqn)
-            held = mine.get(fqn)
-            offsets = tuple(described["tensors"][fqn]["chunks"][0][0]) if held is not None else (0,) * len(t["size"])
-            boxes[fqn] = GlobalBox(held, offsets, tuple(t["size"]), dtype)
+            held = pieces.get(fqn, [])
+            first, offsets = held[0] if held else (None, (0,) * len(t["size"]))
+            boxes[fqn] = GlobalBox(first, offsets, tuple(t["size"]), dtype, more=held[1:])
         for fqn, n in meta["bytes"].items():
             boxes[fqn] = GlobalBox(mine.get(fqn), (0,), (n,), torch.uint8)
         self.handle = store.save(step, {_DATA: boxes, _META: meta})

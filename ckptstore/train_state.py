@@ -14,7 +14,7 @@ into the tensors those helpers initialise.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,9 @@ from .checkpoint.sharded import PerRank
 from .errors import CheckpointError, InvalidArgumentError
 
 _VERSION = 1
+# Model parts (pipeline stages): optimizer state keyed flat by parameter name, as torchtitan keeps it,
+# so the stages' parts of the state never collide (nested param_groups lists would differ per stage).
+_VERSION_PARTS = 2
 
 
 class TrainState:
@@ -37,14 +40,20 @@ class TrainState:
     ``numpy.random.Generator``); the global python, numpy, torch CPU and CUDA states are always
     saved, per rank.
 
+    ``model`` may be a list of model parts (a pipeline rank's stages, as torchtitan's model wrapper
+    holds them; parameter names unique across parts) with ``optimizer`` a list of one optimizer per
+    part (or one optimizer over all of them). Then every part's model and optimizer state goes into
+    one flat dict of parameter-name keys, so ranks of other stages add their own keys to the
+    checkpoint and a load into any other split finds each parameter by name.
+
     After a restore, ``extra`` holds the saved extras.
     """
 
     def __init__(
         self,
         *,
-        model: torch.nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         scheduler: Any = None,
         scaler: Any = None,
         loader: Any = None,
@@ -56,7 +65,26 @@ class TrainState:
         for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("loader", loader)):
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise InvalidArgumentError(f"TrainState({name}=...) needs an object with state_dict() and load_state_dict()")
-        self.model, self.optimizer, self.scheduler, self.scaler, self.loader = model, optimizer, scheduler, scaler, loader
+        self.parts: list[torch.nn.Module] | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        if isinstance(model, (list, tuple)):
+            self.parts = list(model)
+            if not self.parts or not all(isinstance(m, torch.nn.Module) for m in self.parts):
+                raise InvalidArgumentError("TrainState(model=[...]) takes a non-empty list of torch.nn.Module parts")
+            opts: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [] if optimizer is None else [optimizer]
+            if len(opts) not in (0, len(self.parts)):
+                # One optimizer over several parts would key its state by its position in a wrapper,
+                # which another split of the stages does not reproduce (torchtitan keeps one per part).
+                raise InvalidArgumentError(
+                    f"TrainState got {len(self.parts)} model parts and {len(opts)} optimizers: give one optimizer per part"
+                )
+            self.optimizers = opts
+        elif isinstance(optimizer, (list, tuple)):
+            raise InvalidArgumentError("TrainState(optimizer=[...]) needs model=[...] parts, one per optimizer")
+        # A single module (and its optimizer) when parts is None; the parts are in self.parts.
+        self.model: Any = model
+        self.optimizer: Any = optimizer
+        self.scheduler, self.scaler, self.loader = scheduler, scaler, loader
         self.extra: dict[str, Any] = dict(extra or {})
         self.generators: dict[str, Any] = dict(generators or {})
 
@@ -66,10 +94,13 @@ class TrainState:
         """The state to save: plain values, tensors (DTensors for sharded models) and PerRank values."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        sd: dict[str, Any] = {"version": _VERSION}
-        if self.model is not None:
+        if self.parts is not None:
+            sd: dict[str, Any] = {"version": _VERSION_PARTS, **self._parts_state()}
+        else:
+            sd = {"version": _VERSION}
+        if self.model is not None and self.parts is None:
             sd["model"] = get_model_state_dict(self.model)
-        if self.optimizer is not None:
+        if self.optimizer is not None and self.parts is None:
             sd["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)  # type: ignore[arg-type]
         if self.scheduler is not None:
             sd["scheduler"] = self.scheduler.state_dict()
@@ -89,9 +120,11 @@ class TrainState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         sd: dict[str, Any] = {"version": None}
-        if self.model is not None:
+        if self.parts is not None:
+            sd.update(self._parts_state())  # initialises fresh optimizers' state, as below
+        elif self.model is not None:
             sd["model"] = get_model_state_dict(self.model)
-        if self.optimizer is not None:
+        if self.optimizer is not None and self.parts is None:
             # Initialises a fresh optimizer's state (with a zero learning rate), so sharded state
             # has shards to load into.
             sd["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)  # type: ignore[arg-type]
@@ -108,9 +141,17 @@ class TrainState:
         """Apply a filled :meth:`skeleton` to the live objects; the RNG states last."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        if sd.get("version") != _VERSION:
-            raise CheckpointError(f"TrainState version {sd.get('version')!r} is not {_VERSION}; use a matching ckptstore")
-        if self.optimizer is not None:
+        want = _VERSION if self.parts is None else _VERSION_PARTS
+        if sd.get("version") != want:
+            raise CheckpointError(
+                f"TrainState version {sd.get('version')!r} is not {want}: "
+                + ("this checkpoint holds model parts; restore it with TrainState(model=[...parts])" if sd.get("version") == _VERSION_PARTS
+                   else "this TrainState has model parts (model=[...]) but the checkpoint holds one model; pass model= the module"
+                   if want == _VERSION_PARTS else "use a matching ckptstore")
+            )
+        if self.parts is not None:
+            self._load_parts(sd)
+        elif self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])  # type: ignore[arg-type]
         elif self.model is not None:
             set_model_state_dict(self.model, sd["model"])
@@ -128,6 +169,49 @@ class TrainState:
         rng = sd["rng"].value if isinstance(sd["rng"], PerRank) else None
         if rng is not None:
             restore_rng(rng, self.generators)
+
+    def all_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer this state holds (one per model part, or the one)."""
+        if self.parts is not None:
+            return list(self.optimizers)
+        return [] if self.optimizer is None else [self.optimizer]  # type: ignore[list-item]
+
+    def _pairs(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer | None]]:
+        assert self.parts is not None
+        if self.optimizers:
+            return list(zip(self.parts, self.optimizers))
+        return [(m, None) for m in self.parts]
+
+    def _parts_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        out: dict[str, Any] = {"model": {}}
+        assert self.parts is not None
+        for part, opt in self._pairs():
+            out["model"].update(get_model_state_dict(part))
+            if opt is not None:
+                out.setdefault("optimizer", {}).update(get_optimizer_state_dict(part, opt, options=flat))
+        return out
+
+    def _load_parts(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        # Each part takes its own keys from the one flat dict; the others' are not its business.
+        options = StateDictOptions(strict=False, flatten_optimizer_state_dict=True)
+        assert self.parts is not None
+        for part, opt in self._pairs():
+            set_model_state_dict(part, sd["model"], options=options)
+            if opt is not None:
+                set_optimizer_state_dict(part, opt, sd["optimizer"], options=options)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore from a complete state dict (as returned by :meth:`state_dict` or loaded whole)."""

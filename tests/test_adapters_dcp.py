@@ -110,6 +110,36 @@ def load_job(job: str, local: str, layout: dict, step: int | None, scale: int) -
         _check(state, scale)
 
 
+# Rows of "w" (10 x 6) each rank holds as a ShardedTensor of two local shards, and how a later plan
+# (rows over 2 ranks as a DTensor on dim 1) asks for them.
+SPANS = {0: [(0, 3), (5, 3)], 1: [(3, 2), (8, 2)]}
+
+
+def several_shards_save_job(job: str, local: str) -> None:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    rank = dist.get_rank()
+    full = reference()["w"]
+    shards = [Shard(full[o : o + n].clone(), ShardMetadata([o, 0], [n, 6], f"rank:{rank}/cpu")) for o, n in SPANS[rank]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor is deprecated, yet DCP's tests still use it
+        state = {"w": init_from_local_shards(shards, [10, 6])}
+        with ckptstore.CheckpointStore(job, local=local) as store:
+            dcp.save(state, storage_writer=Writer(store), checkpoint_id=1)
+
+
+def several_shards_load_job(job: str, local: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    state = {"w": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)])}
+    with ckptstore.CheckpointStore(job, local=local) as store:
+        dcp.load(state, storage_reader=Reader(store, step=1))
+    assert_tensor_identical(state["w"].full_tensor(), reference()["w"], "w")
+
+
 def _spawn(world: int, fn: str, tmp_path, **args) -> None:
     dist_workers.spawn(world, fn, tmp_path, target=_run, **args)
 
@@ -210,3 +240,13 @@ def test_adapters_load_lazily_from_the_package():
     assert out.stdout.strip() == "ok", out.stderr
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         ckptstore.nope  # noqa: B018
+
+
+def test_several_local_shards_of_a_sharded_tensor_save_and_load_into_another_plan(tmp_path, job):
+    local = str(tmp_path / "local")
+    _spawn(2, "several_shards_save_job", tmp_path, job=job, local=local)
+    plain: dict = {"dcp": None}
+    ckptstore.load_sharded(plain, os.path.join(local, "step-000000000001"))
+    assert_tensor_identical(plain["dcp"]["w"], reference()["w"], "w")
+    wipe_ram(job)
+    _spawn(2, "several_shards_load_job", tmp_path, job=job, local=local)

@@ -649,25 +649,33 @@ def test_plan_1000_ranks():
 # ------------------------------------------------------------------------------------------------
 
 
-def _local_rule_writers(shape, mesh_shape, placements, key="t"):
-    """Simulate every rank's own decision for one DTensor; return {box: [writing ranks]}."""
-    from ckptstore.planning.sharding import replica_writer
+def _local_rule_writers(shape, mesh_shape, placements, key="t", tensors=None):
+    """Simulate every rank's own decision (checkpoint/sharded.py my_writes) for DTensors on one mesh:
+    each rank spreads the boxes it holds over their replicas, and writes those that fall to its index.
+    Returns ({box: [writing ranks]}, bytes written per rank)."""
+    from ckptstore.planning.sharding import spread
 
+    tensors = tensors or [(key, shape)]
     writers: dict = {}
+    load = []
     for rank, coord in enumerate(itertools.product(*[range(n) for n in mesh_shape])):
-        box = shard_box(shape, mesh_shape, placements, coord)
-        if volume(box) == 0:
-            continue
         count, index = 1, 0
         for d, p in enumerate(placements):
             if p[0] == "replicate":
                 count *= mesh_shape[d]
                 index = index * mesh_shape[d] + coord[d]
-        if replica_writer(key, box[0], count) == index:
-            writers.setdefault(box, []).append(rank)
-        else:
-            writers.setdefault(box, [])
-    return writers
+        metas = []
+        for k, sh in tensors:
+            box = shard_box(sh, mesh_shape, placements, coord)
+            if volume(box):
+                metas.append(ItemMeta(k, box[0], box[1], volume(box) * 4))
+        chosen = [m for m, w in zip(metas, spread(metas, count)) if w == index]
+        for m in metas:
+            writers.setdefault((m.key, (m.offsets, m.sizes)), [])
+        for m in chosen:
+            writers[(m.key, (m.offsets, m.sizes))].append(rank)
+        load.append(sum(m.nbytes for m in chosen))
+    return {box: ranks for (k, box), ranks in writers.items() if k == key} if len(tensors) == 1 else writers, load
 
 
 @pytest.mark.parametrize(
@@ -682,10 +690,19 @@ def _local_rule_writers(shape, mesh_shape, placements, key="t"):
     ],
 )
 def test_local_rule_writes_every_nonempty_box_exactly_once(shape, mesh_shape, placements):
-    writers = _local_rule_writers(shape, mesh_shape, placements)
+    writers, _ = _local_rule_writers(shape, mesh_shape, placements)
     assert writers, "some box must exist"
     assert all(len(ranks) == 1 for ranks in writers.values()), writers
     assert sum(volume(box) for box in writers) == math.prod(shape)
+
+
+def test_hsdp_replicas_share_the_writes():
+    """HSDP (Replicate over 2 groups, Shard(0) over 2): every shard written once, and both replicas
+    of each shard write about half of the bytes (not all on one replica, as a per-box hash could)."""
+    tensors = [(f"w{i}", (8, 4 + i)) for i in range(12)]
+    writers, load = _local_rule_writers(None, (2, 2), [("replicate",), ("shard", 0)], tensors=tensors)
+    assert all(len(r) == 1 for r in writers.values()), writers
+    assert max(load) <= 1.2 * min(load), load
 
 
 def test_spread_balances_plain_tensors_and_agrees_everywhere():
@@ -696,3 +713,117 @@ def test_spread_balances_plain_tensors_and_agrees_everywhere():
     loads = [sum(it.nbytes for it, w in zip(items, writers) if w == r) for r in range(4)]
     assert sorted(loads) == [10, 10, 12, 12]
     assert spread(list(items), 4) == writers  # deterministic: every rank computes the same
+
+
+# --------------------------------------------------------------------------------------------
+# _StridedShard (FSDP2 over TP): shard_boxes against torch's own split
+# --------------------------------------------------------------------------------------------
+
+
+def torch_local(t: torch.Tensor, mesh_shape, placements, coordinate) -> torch.Tensor:
+    """The local tensor torch's placements give a rank, split left to right with their own _split_tensor."""
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        pieces, _ = p._split_tensor(t, mesh_shape[mesh_dim], with_padding=False)
+        c = coordinate[mesh_dim]
+        t = pieces[c] if c < len(pieces) else t.narrow(p.dim, t.shape[p.dim], 0)
+    return t
+
+
+def ck_strided(placements) -> list[tuple]:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return [("strided", p.dim, p.split_factor) if isinstance(p, _StridedShard) else ck([p])[0] for p in placements]
+
+
+def assemble(g: torch.Tensor, boxes) -> torch.Tensor:
+    sizes = [0] * g.dim()
+    for local, _glob in boxes:
+        for d in range(g.dim()):
+            sizes[d] = max(sizes[d], local[0][d] + local[1][d])
+    out = torch.full(sizes, -1, dtype=g.dtype)
+    for local, glob in boxes:
+        out[slices(local)] = g[slices(glob)]
+    return out
+
+
+STRIDED = [
+    # torchtitan's FSDP2 over TP: fully_shard over dp of a Colwise (Shard(0)) weight on a (dp, tp) mesh
+    ((8, 8), (2, 2), "S0,s0/2"),
+    ((16, 4), (2, 4), "S0,s0/4"),
+    ((12, 6), (3, 2), "S0,s0/2"),
+    # Rowwise (Shard(1)) under FSDP's Shard(0): no strided placement, boxes from both dims
+    ((8, 8), (2, 2), "R1,S0"),
+    # strided over a dim the later placement does not cut: several runs per rank
+    ((8, 6), (2, 2), "s0/2,S1"),
+    ((12, 3), (2, 3), "s0/3,R"),
+    ((24,), (2, 2, 3), "s0/6,S0,S0"),
+    # HSDP over TP: (replicate, shard, tp)
+    ((8, 4), (2, 2, 2), "R,s0/2,S0"),
+]
+
+
+def _parse(spec: str):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out = []
+    for p in spec.split(","):
+        if p == "R":
+            out.append(Replicate())
+        elif p.startswith("R") or p.startswith("S"):  # the mesh dims are given in order, the letter says the kind
+            out.append(Shard(int(p[1:])))
+        else:
+            dim, sf = p[1:].split("/")
+            out.append(_StridedShard(int(dim), split_factor=int(sf)))
+    return out
+
+
+@pytest.mark.parametrize("shape,mesh_shape,spec", STRIDED, ids=[s for *_, s in STRIDED])
+def test_shard_boxes_agree_with_torch_strided_split(shape, mesh_shape, spec):
+    from ckptstore.planning.sharding import shard_boxes
+
+    placements = _parse(spec)
+    g = global_tensor(shape)
+    held = torch.zeros(shape, dtype=torch.int64)
+    for c in coords(mesh_shape):
+        boxes = shard_boxes(shape, mesh_shape, ck_strided(placements), c)
+        expected = torch_local(g, mesh_shape, placements, c)
+        got = assemble(g, boxes)
+        assert torch.equal(got, expected), (spec, c, boxes)
+        for _local, glob in boxes:
+            held[slices(glob)] += 1
+    replicas = math.prod(n for n, p in zip(mesh_shape, placements) if isinstance(p, Replicate))
+    assert bool((held == replicas).all()), spec
+
+
+def test_fsdp_over_tp_gives_one_contiguous_box_per_rank():
+    """The table of torch's _StridedShard docstring: rank (0, 1) holds rows 4-5 of 8."""
+    from ckptstore.planning.sharding import shard_boxes
+
+    rows = {c: shard_boxes((8, 8), (2, 2), [("strided", 0, 2), ("shard", 0)], c) for c in coords((2, 2))}
+    assert {c: [b[1][0][0] for b in boxes] for c, boxes in rows.items()} == {(0, 0): [0], (0, 1): [4], (1, 0): [2], (1, 1): [6]}
+    assert all(len(boxes) == 1 and boxes[0][1][1] == (2, 8) for boxes in rows.values())
+
+
+def test_a_strided_dim_left_uncut_gives_several_boxes():
+    from ckptstore.planning.sharding import shard_boxes
+
+    boxes = shard_boxes((8, 6), (2, 2), [("strided", 0, 2), ("shard", 1)], (1, 0))
+    assert [b[1] for b in boxes] == [((2, 0), (2, 3)), ((6, 0), (2, 3))]
+    assert [b[0] for b in boxes] == [((0, 0), (2, 3)), ((2, 0), (2, 3))]
+    with pytest.raises(ValueError, match="several boxes"):
+        shard_box((8, 6), (2, 2), [("strided", 0, 2), ("shard", 1)], (1, 0))
+
+
+@SETTINGS
+@given(layouts())
+def test_shard_boxes_equal_shard_box_without_strided(layout):
+    from ckptstore.planning.sharding import shard_boxes
+
+    shape, mesh_shape, tplacements = layout
+    for c in coords(mesh_shape):
+        boxes = shard_boxes(shape, mesh_shape, ck(tplacements), c)
+        assert len(boxes) == 1
+        if volume(boxes[0][1]):
+            assert boxes[0][1] == shard_box(shape, mesh_shape, ck(tplacements), c)

@@ -97,3 +97,50 @@ def test_bad_parts_are_refused_up_front():
         TrainState(optimizer=opt)
     with pytest.raises(ckptstore.InvalidArgumentError, match="loader=.*state_dict"):
         TrainState(model=model, loader=[1, 2, 3])
+
+
+def _split(layers: list[str], seed: int = 0) -> torch.nn.Module:
+    import layout_workers as lw
+
+    torch.manual_seed(seed)
+    model = lw.Model(4)
+    for name in list(model.layers):
+        if name not in layers:
+            del model.layers[name]
+    return model
+
+
+def test_model_parts_restore_into_another_split_of_the_stages(tmp_path):
+    import layout_workers as lw
+
+    parts = [_split(["0", "1"]), _split(["2", "3"])]
+    opts = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in parts]
+    for p, o in zip(parts, opts):
+        lw.train_step(p, o)
+    ckptstore.save_sharded(TrainState(model=parts, optimizer=opts, extra={"k": 1}).state_dict(), str(tmp_path / "c"))
+    saved = {}
+    for p, o in zip(parts, opts):
+        saved.update(lw.full_state(p, o))
+
+    whole = _split(["0", "1", "2", "3"], seed=9)  # other values: everything comes from the checkpoint
+    opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    state = TrainState(model=[whole], optimizer=[opt])
+    skeleton = state.skeleton()
+    ckptstore.load_sharded(skeleton, str(tmp_path / "c"), per_rank="skip")
+    state.load_skeleton(skeleton)
+    lw.assert_bitwise(lw.full_state(whole, opt), saved, "2 parts -> 1")
+    assert state.extra == {"k": 1}
+
+    single = TrainState(model=whole, optimizer=opt)  # one module: TrainState's version 1, which says so
+    skeleton = single.skeleton()
+    with pytest.raises(ckptstore.CheckpointError, match=r"model parts; restore it with TrainState\(model=\[...parts\]\)"):
+        ckptstore.load_sharded(skeleton, str(tmp_path / "c"), per_rank="skip", strict=False)
+        single.load_skeleton(skeleton)
+
+
+def test_model_parts_need_one_optimizer_each():
+    parts = [_split(["0"]), _split(["1"])]
+    with pytest.raises(ckptstore.InvalidArgumentError, match="one optimizer per part"):
+        TrainState(model=parts, optimizer=[torch.optim.SGD(parts[0].parameters(), lr=0.1)])
+    with pytest.raises(ckptstore.InvalidArgumentError, match=r"needs model=\[...\] parts"):
+        TrainState(model=parts[0], optimizer=[torch.optim.SGD(parts[0].parameters(), lr=0.1)])

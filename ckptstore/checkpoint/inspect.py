@@ -93,8 +93,18 @@ def _split_dims(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple
     return [d for d in range(len(shape)) if len({b[0][d] for b in boxes}) > 1]
 
 
+def saved_layout(layout: Any) -> str | None:
+    """A DTensor's saved mesh and placements as one line: ``(dp=2, tp=2) _S(0,2) S(0)``."""
+    if not isinstance(layout, dict) or not isinstance(layout.get("mesh"), list):
+        return None
+    names = layout.get("names") or [f"d{i}" for i in range(len(layout["mesh"]))]
+    mesh = ", ".join(f"{n}={s}" for n, s in zip(names, layout["mesh"]))
+    return f"({mesh}) " + " ".join(map(str, layout.get("placements", [])))
+
+
 def summary(opened: Opened) -> dict[str, Any]:
     m = opened.manifest
+    layouts: dict[str, Any] = m.meta["layouts"] if isinstance(m.meta.get("layouts"), dict) else {}
     tensors = []
     for key, e in m.tensors.items():
         codecs = sorted({c.codec for c in e.chunks})
@@ -111,6 +121,7 @@ def summary(opened: Opened) -> dict[str, Any]:
                 "files": files,
                 "codec": codecs[0] if len(codecs) == 1 else (",".join(codecs) or "-"),
                 "pickled": key in m.pickled,
+                "saved_layout": saved_layout(layouts.get(key)),  # None: a plain tensor, or not recorded
             }
         )
     tree = m.tree

@@ -23,7 +23,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size,
 from ..format.tree import Decoder, Encoder, format_path
 from ..names import MANIFEST, data_file, part_file, writer_variant
 from ..planning.flatten import contiguous_bytes, escape_key
-from ..planning.sharding import Box, ItemMeta, intersect, read_plan, replica_writer, row_span, shard_box, spread
+from ..planning.sharding import Box, ItemMeta, intersect, read_plan, row_span, shard_boxes, spread
 from ..storage.small import write_small_exclusive
 from ..storage.targets import (
     ShortRead,
@@ -64,6 +64,19 @@ from .memory import alloc_bytes
 from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
 
 BLOCK_SIZE = 4 << 20
+# A rank's second, third... box of one tensor travels through the tiers under its own name
+# (`<key>#box<n>`: a tier keys a rank's entries by name); build_manifest folds them back into <key>.
+BOX_ALIAS = "#box"
+
+
+def box_alias(key: str, n: int) -> str:
+    """The name of this rank's ``n``-th box of ``key`` (0: the key itself)."""
+    return key if n == 0 else f"{key}{BOX_ALIAS}{n}"
+
+
+def _unalias(key: str) -> str:
+    base, sep, n = key.rpartition(BOX_ALIAS)
+    return base if sep and n.isdigit() else key
 DEFAULT_READ_BUFFER = 256 << 20
 
 
@@ -89,14 +102,20 @@ class GlobalBox:
     """A box of a global tensor as a state-dict leaf, for callers whose framework already decided
     who holds which piece (``ckptstore.dcp`` hands torch.distributed.checkpoint's write items over
     this way). Saving: this rank writes ``tensor`` (None: it writes nothing of this tensor) at
-    ``offsets`` of a tensor of global ``shape`` and ``dtype``; the pieces of all ranks must tile it.
-    Loading: ``tensor`` is filled with the box at ``offsets`` (its shape is the box's sizes), from
-    whatever chunks the checkpoint holds."""
+    ``offsets`` of a tensor of global ``shape`` and ``dtype``, and each ``(tensor, offsets)`` of
+    ``more`` too (a rank holding several pieces, as a ShardedTensor with several local shards
+    does); the pieces of all ranks must tile it. Loading: every piece is filled with the box at its
+    offsets (its shape is the box's sizes), from whatever chunks the checkpoint holds."""
 
     tensor: torch.Tensor | None
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
+    more: list[tuple[torch.Tensor, tuple[int, ...]]] = field(default_factory=list)
+
+    def pieces(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        first = [] if self.tensor is None else [(self.tensor, tuple(self.offsets))]
+        return first + [(t, tuple(o)) for t, o in self.more]
 
 
 class Directory:
@@ -185,15 +204,39 @@ class Collected:
     tree: Any = None
     items: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # key -> (dtype, shape)
-    # Who else holds each box: ("own",) per-rank values, ("all",) plain tensors, or
-    # ("replicas", count, my index) for DTensor boxes replicated over some mesh dimensions.
+    # Who else holds each box: ("own",) per-rank values and GlobalBox pieces, ("all",) plain tensors
+    # (every rank of the same structure holds them), or ("replicas", count, my index, group, mesh) for
+    # DTensor boxes (group: the global ranks holding this box; mesh: the global ranks of the mesh).
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple] = field(default_factory=dict)
+    # How a DTensor was laid out when saved (for `ckptstore inspect`): key -> {"mesh", "names", "placements"}
+    layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def strided_split_factor(p: Any) -> int | None:
+    """The split factor of a ``_StridedShard`` placement (FSDP2 over TP), None for any other placement.
+
+    ``_StridedShard`` is private to torch and the one place ckptstore reads a private torch API:
+    torch has no public way to ask how a strided shard was cut. Kept here alone, and tested
+    (tests/test_layouts_dist.py), so a torch upgrade that moves it fails in one obvious place.
+    """
+    if type(p).__name__ != "_StridedShard":
+        return None
+    sf = getattr(p, "split_factor", None)
+    if not isinstance(sf, int) or sf < 1:
+        raise UnsupportedObjectError(
+            f"a _StridedShard placement without a usable split factor ({p!r}); this torch version is not supported by "
+            "ckptstore's sharded save, report it with the torch version"
+        )
+    return sf
 
 
 def _placements(dt: Any, where: str) -> list[tuple]:
     out: list[tuple] = []
     for p in dt.placements:
-        if p.is_shard() and type(p).__name__ == "Shard":
+        sf = strided_split_factor(p)
+        if sf is not None:
+            out.append(("strided", p.dim, sf))
+        elif p.is_shard():
             out.append(("shard", p.dim))
         elif p.is_replicate():
             out.append(("replicate",))
@@ -207,8 +250,13 @@ def _placements(dt: Any, where: str) -> list[tuple]:
     return out
 
 
-def local_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box]:
-    """The tensor data this rank holds for leaf ``t`` and the global box it covers."""
+def _spec(p: tuple) -> str:
+    return {"shard": lambda: f"S({p[1]})", "replicate": lambda: "R", "strided": lambda: f"_S({p[1]},{p[2]})"}[p[0]]()
+
+
+def local_boxes(t: torch.Tensor, where: str) -> list[tuple[torch.Tensor, Box]]:
+    """The pieces of leaf ``t`` this rank holds: a view of its local data per global box it covers
+    (one box, except for strided layouts that leave a rank separate runs of some dimension)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
@@ -216,68 +264,263 @@ def local_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box]:
         coordinate = mesh.get_coordinate()
         if coordinate is None:
             raise InvalidArgumentError(f"{where}: this rank is not part of the DTensor's device mesh")
-        box = shard_box(tuple(t.shape), tuple(mesh.shape), _placements(t, where), coordinate)
+        boxes = shard_boxes(tuple(t.shape), tuple(mesh.shape), _placements(t, where), coordinate)
         local = t.to_local()
-        if tuple(local.shape) != box[1]:
+        held = tuple(max(lb[0][d] + lb[1][d] for lb, _ in boxes) for d in range(t.dim()))
+        if tuple(local.shape) != held:
             raise UnsupportedObjectError(
-                f"{where}: the local shard has shape {tuple(local.shape)} but its placements give {box[1]} "
-                "(padded or strided shards are not supported yet)"
+                f"{where}: the local shard has shape {tuple(local.shape)} but its placements {list(t.placements)} give "
+                f"{held} (a padded local shard); ckptstore stores unpadded shards: pass to_local()'s unpadded view"
             )
-        return local, box
+        out = []
+        for lbox, gbox in boxes:
+            view = local
+            for d, (o, n) in enumerate(zip(*lbox)):
+                if n != local.shape[d]:
+                    view = view.narrow(d, o, n)
+            out.append((view, gbox))
+        return out
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedObjectError(f"{where} is a tensor subclass {type(t).__qualname__}, which save_sharded cannot store")
-    return t, ((0,) * t.dim(), tuple(t.shape))
+    return [(t, ((0,) * t.dim(), tuple(t.shape)))]
 
 
-def _replicas(t: torch.Tensor) -> tuple:
-    """How many ranks hold this rank's box of a DTensor, and this rank's index among them."""
+def local_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box]:
+    """The one box this rank holds of ``t`` (see :func:`local_boxes` for layouts with several)."""
+    boxes = local_boxes(t, where)
+    if len(boxes) != 1:
+        raise UnsupportedObjectError(f"{where}: this rank holds {len(boxes)} separate boxes of it; use local_boxes")
+    return boxes[0]
+
+
+def _replicas(t: torch.Tensor, cache: dict[Any, tuple]) -> tuple:
+    """Who holds the same box of a DTensor as this rank: ("replicas", count, my index, their global ranks)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return ("all",)
     mesh = t.device_mesh
-    coordinate: list[int] = list(mesh.get_coordinate() or [])
-    count, index = 1, 0
-    for d, p in enumerate(t.placements):
-        if p.is_replicate():
-            count *= mesh.shape[d]
-            index = index * mesh.shape[d] + coordinate[d]
-    return ("replicas", count, index)
+    replicated = tuple(d for d, p in enumerate(t.placements) if p.is_replicate())
+    k = (id(mesh), replicated)
+    if k not in cache:
+        coordinate: list[int] = list(mesh.get_coordinate() or [])
+        index = tuple(slice(None) if d in replicated else c for d, c in enumerate(coordinate))
+        group = tuple(int(r) for r in mesh.mesh[index].flatten().tolist())
+        me = int(mesh.mesh[tuple(coordinate)])
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        cache[k] = ("replicas", len(group), group.index(me), group, ranks, mesh)  # the mesh keeps id() unique
+    return cache[k][:5]
 
 
-def my_writes(local: Collected, world: int, rank: int) -> list[ItemMeta]:
+def my_writes(
+    local: Collected,
+    world: int,
+    rank: int,
+    *,
+    same: Sequence[int] | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> list[ItemMeta]:
     """The boxes this rank writes, decided without communication: each distinct box exactly once
-    across the job (empty boxes not at all), in the state dict's order."""
+    across the job (empty boxes not at all), in the state dict's order.
+
+    ``same``: the ranks whose state dicts have this rank's structure (all ranks by default), over
+    which plain tensors are spread; ``skip``: keys that ranks of another structure write
+    (:func:`agree_structure`). Boxes replicated over DTensor mesh dimensions are spread the same way
+    over their replicas: every replica holds the same list, so each computes the same assignment.
+    """
+    peers = list(range(world)) if same is None else list(same)
     metas, everywhere = [], []
+    groups: dict[tuple, list[ItemMeta]] = collections.defaultdict(list)
     for (key, offsets, sizes), tensor in local.items.items():
         meta = ItemMeta(key, offsets, sizes, int(tensor.numel() * tensor.element_size()))
-        if meta.nbytes == 0 and sizes:
+        if (meta.nbytes == 0 and sizes) or key in skip:
             continue
         metas.append(meta)
-        if local.holders[(key, offsets, sizes)][0] == "all":
+        holders = local.holders[(key, offsets, sizes)]
+        if holders[0] == "all":
             everywhere.append(meta)
-    spread_to_me = {m for m, w in zip(everywhere, spread(everywhere, world)) if w == rank}
+        elif holders[0] == "replicas":
+            groups[holders[3]].append(meta)
+    mine_at = peers.index(rank) if rank in peers else -1
+    chosen = {m for m, w in zip(everywhere, spread(everywhere, len(peers))) if w == mine_at}
+    for group, members in groups.items():
+        index = local.holders[(members[0].key, members[0].offsets, members[0].sizes)][2]
+        chosen.update(m for m, w in zip(members, spread(members, len(group))) if w == index)
 
     def writes(m: ItemMeta) -> bool:
-        holders = local.holders[(m.key, m.offsets, m.sizes)]
-        if holders[0] == "own":
-            return True
-        if holders[0] == "all":
-            return m in spread_to_me
-        return replica_writer(m.key, m.offsets, holders[1]) == holders[2]
+        return local.holders[(m.key, m.offsets, m.sizes)][0] == "own" or m in chosen
 
     return [m for m in metas if writes(m)]
 
 
 def structure_digest(local: Collected) -> str:
-    """What every rank must agree on: the keys, dtypes and global shapes of the shared tensors."""
-    shared = sorted((k, v[0], list(v[1])) for k, v in local.tensors.items() if "#rank" not in k)
+    """What identifies a rank's structure: the keys, dtypes, global shapes and kinds of holding of
+    its shared tensors, a DTensor's mesh included. Ranks of one digest hold the same keys on the same
+    meshes (a pipeline stage, an expert group, one TP column of an FSDP x TP job's submesh tensors)."""
+    kinds = {k[0]: _kind(h) for k, h in local.holders.items()}
+    shared = sorted((k, v[0], list(v[1]), kinds.get(k, "own")) for k, v in local.tensors.items() if "#rank" not in k)
     return hashlib.sha256(json.dumps(shared).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the ranks agreed on about the union of their state dicts (see :func:`agree_structure`)."""
+
+    same: tuple[int, ...]  # the ranks whose structure is this rank's (a pipeline stage, an expert group)
+    skip: frozenset[str]  # keys ranks of an earlier structure write for this one
+    representative: bool  # this rank carries its structure's tree and tensor table to the manifest
+
+
+def agree_structure(group: Group, local: Collected, digests: list[str], cache: dict[str, Structure] | None = None) -> Structure:
+    """Agree on the union of the ranks' structures, from every rank's digest (already gathered).
+
+    Ranks of one digest hold the same keys; with pipeline stages or experts there are several. Each
+    digest's lowest rank (its representative) sends its tensor table to rank 0, point to point; rank 0
+    checks that every key has one dtype and global shape, picks which structure writes a key that
+    several hold (a tied weight on the first and last stage: the structure of the lowest rank), and
+    broadcasts its verdict: the keys each structure leaves to another. Nobody gathers every rank's
+    table, and with ``cache`` nothing is exchanged while the digests stay as they were (digests
+    change only when the structure does). Raises the same CheckpointError on every rank on a conflict.
+    """
+    mine = digests[group.rank]
+    same = tuple(r for r, d in enumerate(digests) if d == mine)
+    distinct = list(dict.fromkeys(digests))
+    if len(distinct) == 1:
+        return Structure(same, frozenset(), same[0] == group.rank)
+    vector = hashlib.sha256("|".join(digests).encode()).hexdigest()
+    if cache is not None and vector in cache:
+        return cache[vector]
+    reps = [digests.index(d) for d in distinct]
+    kinds = {k[0]: _kind(h) for k, h in local.holders.items()}
+    table = {k: (v[0], list(v[1]), kinds.get(k, "own")) for k, v in local.tensors.items() if "#rank" not in k}
+    tables = group.from_senders(table if group.rank in reps else None, reps)
+    verdict: dict[str, Any] | None = None
+    if group.rank == 0:
+        verdict = union_verdict([(r, digests[r], tables[r]) for r in reps])
+    verdict = group.broadcast(verdict)
+    assert verdict is not None
+    if verdict["error"]:
+        raise CheckpointError(verdict["error"])
+    result = Structure(same, frozenset(verdict["skip"].get(mine, ())), same[0] == group.rank)
+    if cache is not None:
+        cache.clear()  # one structure at a time: a changed one replaces the old
+        cache[vector] = result
+    return result
+
+
+def _kind(holders: tuple) -> str:
+    """How a key is held, as the union's table compares it: "own", "all", or a DTensor's mesh."""
+    if holders[0] != "replicas":
+        return holders[0]
+    return "dtensor:" + hashlib.sha256(json.dumps(holders[4]).encode()).hexdigest()[:16]
+
+
+def union_verdict(tables: list[tuple[int, str, dict[str, tuple]]]) -> dict[str, Any]:
+    """Rank 0's decision over the representatives' tables ((rank, digest, table) in rank order):
+    conflicting dtypes or shapes, and which keys each digest skips because another writes them.
+
+    A key several structures hold is written by one *copy* of it: each structure holding it as a
+    plain tensor is a full copy, and so is each DTensor mesh holding it (the structures sharing one
+    mesh hold parts of one copy, planned over that mesh). Copies go largest first to the least
+    loaded, so replicated keys (a DDP x TP job) are spread over the structures, not all on the first.
+    """
+    first: dict[str, tuple[int, tuple]] = {}
+    copies: dict[str, dict[str, list[str]]] = {}
+    load: dict[str, int] = collections.defaultdict(int)
+    nbytes: dict[str, int] = {}
+    conflicts = []
+    for rank, digest, table in tables:
+        for key, (dtype, shape, kind) in table.items():
+            seen = first.get(key)
+            if seen is None:
+                first[key] = (rank, (dtype, shape))
+                nbytes[key] = math.prod(shape) * element_size(dtype_from_name(dtype, where=key))
+            elif seen[1] != (dtype, shape):
+                conflicts.append(f"{key!r} is {seen[1][0]} {seen[1][1]} on rank {seen[0]} but {dtype} {shape} on rank {rank}")
+                continue
+            if kind == "own":
+                copies.setdefault(key, {})["own"] = []
+                continue
+            copy = digest if kind == "all" else kind
+            copies.setdefault(key, {}).setdefault(copy, []).append(digest)
+    if conflicts:
+        shown = "; ".join(conflicts[:5]) + (f" and {len(conflicts) - 5} more" if len(conflicts) > 5 else "")
+        return {"error": f"ranks hold one key as different tensors: {shown}. A key names one tensor in the whole "
+                         "job: rename one of them, or make them agree", "skip": {}}
+    skip: dict[str, list[str]] = collections.defaultdict(list)
+    shared = []
+    for key, by_copy in copies.items():
+        if len(by_copy) == 1 or "own" in by_copy:
+            for digests in by_copy.values():
+                for d in digests:
+                    load[d] += nbytes[key]
+        else:
+            shared.append(key)
+    for key in sorted(shared, key=lambda k: (-nbytes[k], k)):
+        by_copy = copies[key]
+        owner = min(by_copy, key=lambda c: (load[by_copy[c][0]], c))
+        load[by_copy[owner][0]] += nbytes[key]
+        for c, digests in by_copy.items():
+            if c != owner:
+                for d in digests:
+                    skip[d].append(key)
+    return {"error": None, "skip": dict(skip)}
+
+
+def merge_structures(shared: list[tuple[int, dict[str, Any]]], where: str) -> dict[str, Any]:
+    """The union of the representatives' trees, tensor tables and layouts ((rank, shared) in rank order)."""
+    tree: Any = None
+    tensors: dict[str, Any] = {}
+    layouts: dict[str, Any] = {}
+    origin = 0
+    for i, (rank, part) in enumerate(shared):
+        if i == 0:
+            tree, origin = part["tree"], rank
+        else:
+            tree = _merge_tree(tree, part["tree"], [], origin, rank, where)
+        for k, v in part["tensors"].items():
+            tensors.setdefault(k, v)
+        for k, v in part.get("layouts", {}).items():
+            layouts.setdefault(k, v)
+    return {"tree": tree, "tensors": tensors, "layouts": layouts}
+
+
+def _is_plain_dict(node: Any) -> bool:
+    return isinstance(node, dict) and not any(isinstance(k, str) and k.startswith("$") for k in node)
+
+
+def _merge_tree(a: Any, b: Any, path: list[Any], ra: int, rb: int, where: str) -> Any:
+    """Dicts merge key by key (each stage adds its keys); anything else must be equal on both sides."""
+    if _is_plain_dict(a) and _is_plain_dict(b):
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = _merge_tree(a[k], v, path + [k], ra, rb, where) if k in a else v
+        return out
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and next(iter(a), None) in ("$dict", "$odict"):
+        tag = next(iter(a))
+        pairs = {json.dumps(k, sort_keys=True): [k, v] for k, v in a[tag]}
+        for k, v in b[tag]:
+            j = json.dumps(k, sort_keys=True)
+            pairs[j] = [k, _merge_tree(pairs[j][1], v, path + [k], ra, rb, where)] if j in pairs else [k, v]
+        out = {tag: list(pairs.values())}
+        if "meta" in a:
+            out["meta"] = _merge_tree(a["meta"], b["meta"], path + ["_metadata"], ra, rb, where)
+        return out
+    if a != b:
+        shown = lambda v: (s := json.dumps(v))[:80] + ("..." if len(s) > 80 else "")  # noqa: E731
+        raise CheckpointError(
+            f"{where}: ranks {ra} and {rb} hold different values at {format_path(path)} ({shown(a)} against {shown(b)}). "
+            "A value that is not a tensor is saved once for the whole job, so the ranks holding it must agree: mark "
+            "values that differ per rank with PerRank, or key them apart (for optimizer state of pipeline stages, "
+            "TrainState(model=[...parts]) keys it by parameter name)"
+        )
+    return a
 
 
 def collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> Collected:
     local = Collected()
     seen: dict[int, dict[str, Any]] = {}
+    meshes: dict[Any, tuple] = {}
     taken: set[str] = set()
 
     def unique(path: list[Any]) -> str:
@@ -285,9 +528,9 @@ def collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> C
         # structure in the same order, so the suffixes agree across ranks.
         base = escape_key(path)
         key, n = base, 1
-        while key in taken or "#rank" in key:
+        while key in taken or "#rank" in key or BOX_ALIAS in key:
             n += 1
-            key = f"{base.replace('#rank', '#_rank')}#{n}"
+            key = f"{base.replace('#rank', '#_rank').replace(BOX_ALIAS, '#_box')}#{n}"
         taken.add(key)
         return key
 
@@ -307,13 +550,21 @@ def collect(state: Any, rank: int, encode_per_rank: Callable[[Any], bytes]) -> C
                 return seen[id(obj)]
             where = format_path(path)
             key = unique(path)
-            data, box = local_box(obj, where)
             name = dtype_name(obj.dtype)
             if name is None or obj.is_quantized or obj.layout != torch.strided:
                 raise UnsupportedObjectError(f"{where}: {obj.dtype}/{obj.layout} tensors cannot be stored")
-            local.items[(key, box[0], box[1])] = data
-            local.holders[(key, box[0], box[1])] = _replicas(obj)
+            holders = _replicas(obj, meshes)
+            for data, box in local_boxes(obj, where):
+                local.items[(key, box[0], box[1])] = data
+                local.holders[(key, box[0], box[1])] = holders
             local.tensors[key] = (name, tuple(obj.shape))
+            if holders[0] == "replicas":
+                mesh = obj.device_mesh  # type: ignore[attr-defined]
+                local.layouts[key] = {
+                    "mesh": list(mesh.shape),
+                    "names": list(mesh.mesh_dim_names or []),
+                    "placements": [_spec(p) for p in _placements(obj, where)],
+                }
             node = {"$tensor": key}
             seen[id(obj)] = node
             return node
@@ -328,15 +579,17 @@ def _collect_box(local: Collected, box: GlobalBox, key: str, where: str) -> dict
     if name is None:
         raise UnsupportedObjectError(f"{where}: {box.dtype} tensors cannot be stored")
     local.tensors[key] = (name, tuple(box.shape))
-    if box.tensor is not None:
-        if box.tensor.dtype != box.dtype or len(box.offsets) != len(box.shape) or box.tensor.dim() != len(box.shape):
+    for tensor, offsets in box.pieces():
+        if tensor.dtype != box.dtype or len(offsets) != len(box.shape) or tensor.dim() != len(box.shape):
             raise InvalidArgumentError(
-                f"{where}: a {box.tensor.dtype} box of {box.tensor.dim()} dims at offsets {list(box.offsets)} does not fit "
+                f"{where}: a {tensor.dtype} box of {tensor.dim()} dims at offsets {list(offsets)} does not fit "
                 f"a {box.dtype} tensor of shape {list(box.shape)}"
             )
-        sizes = tuple(box.tensor.shape)
-        local.items[(key, tuple(box.offsets), sizes)] = box.tensor
-        local.holders[(key, tuple(box.offsets), sizes)] = ("own",)
+        sizes = tuple(tensor.shape)
+        if (key, offsets, sizes) in local.items:
+            raise InvalidArgumentError(f"{where}: the box at offsets {list(offsets)} of sizes {list(sizes)} is given twice")
+        local.items[(key, offsets, sizes)] = tensor
+        local.holders[(key, offsets, sizes)] = ("own",)
     return {"$tensor": key}
 
 
@@ -356,7 +609,11 @@ def save(
 
     # Rank 0 decides whether the destination may be written, so no rank starts on a committed step.
     verdict: Any = None
+    created: list[str] = []  # directories rank 0 made, removed again if the save fails
     if rank == 0:
+        if directory.base.path is not None:
+            root = directory.base.path
+            created = [p for p in (os.path.join(root, "data"), os.path.join(root, "parts"), root) if not os.path.isdir(p)]
         try:
             if directory.exists(MANIFEST):
                 if not overwrite:
@@ -377,60 +634,80 @@ def save(
         directory.makedirs()
 
     # Planning is local: which boxes this rank writes follows from its own boxes and placements
-    # (see my_writes); the ranks exchange only a digest of what they hold, so the cost does not
-    # grow with ranks x tensors.
+    # (see my_writes); the ranks exchange a digest of what they hold, and only when the digests
+    # differ (pipeline stages, experts) the representatives' tables (agree_structure), so the cost
+    # does not grow with ranks x tensors.
     status: dict[str, Any]
     try:
         local = collect(state, rank, encode_per_rank)
-        mine = my_writes(local, group.world, rank)
         status = {"ok": True, "digest": structure_digest(local)}
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
         status = {"ok": False, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
-    gathered = group.all_gather(status)
-    _raise_if_failed(gathered)
-    differing = [r for r, g in enumerate(gathered) if g["digest"] != gathered[0]["digest"]]
-    if differing:
-        raise CheckpointError(
-            f"ranks {differing} describe other tensors than rank 0 (keys, dtypes or global shapes differ): every "
-            "rank must pass the same state dict structure to save_sharded; nothing was written"
-        )
-    t_plan = time.perf_counter()
-
-    part: dict[str, Any] = {}
+    written: list[str] = []  # the files this rank wrote: a failed or losing save removes these, no others
     try:
-        part = _write_rank(directory, rank, group.world, local, mine, t0, t_plan, overwrite)
-        result: dict[str, Any] = {"ok": True, "part": part}
-    except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
-        result = {"ok": False, "error": f"rank {rank} ({socket.gethostname()}): {exc}"}
-    results = group.gather_to_root(result)  # parts go to rank 0 only
+        gathered = group.all_gather(status)
+        _raise_if_failed(gathered)
+        structure = agree_structure(group, local, [g["digest"] for g in gathered])
+        mine = my_writes(local, group.world, rank, same=structure.same, skip=structure.skip)
+        t_plan = time.perf_counter()
 
-    commit: Any = None
-    if rank == 0:
         try:
-            _raise_if_failed(results)
-            manifest = build_manifest(local.tree, local.tensors, [r["part"] for r in results], group.world)
-            body = manifest.to_json_bytes()
-            parse_manifest(body, where=f"{directory.display}/{MANIFEST}")  # never commit what we would refuse to read
-            if overwrite:
-                directory.write_small(MANIFEST, body)
-            else:
-                # The commit point: of writers racing for one directory, the one whose manifest is
-                # created first wins; the others' data files are named for their writers, so the
-                # winning manifest never names a loser's bytes.
-                directory.create_small(MANIFEST, body)
-        except CheckpointExistsError as exc:
-            commit = {"exists": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - the other ranks wait for this verdict
-            commit = f"rank 0 could not commit {directory.display}: {exc}"
-    commit = group.all_gather(commit)[0]
-    if isinstance(commit, dict):
-        _remove_quietly(directory, part.get("files", []))
-        raise CheckpointExistsError(
-            f"{directory.display} was committed by another writer while this save wrote it; this save's files "
-            "were removed and the other writer's checkpoint is untouched. Save to a new directory, or pass "
-            "overwrite=True to replace it", location=directory.display)
-    if commit is not None:
-        raise CheckpointError(commit)
+            part = _write_rank(directory, rank, group.world, local, mine, t0, t_plan, overwrite, written)
+            result: dict[str, Any] = {"ok": True, "part": part}
+            if structure.representative:
+                result["shared"] = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
+            result = {"ok": False, "error": f"rank {rank} ({socket.gethostname()}): {exc}"}
+        results = group.gather_to_root(result)  # parts go to rank 0 only
+
+        commit: Any = None
+        if rank == 0:
+            try:
+                _raise_if_failed(results)
+                union = merge_structures([(r, x["shared"]) for r, x in enumerate(results) if "shared" in x], directory.display)
+                manifest = build_manifest(union["tree"], union["tensors"], [r["part"] for r in results], group.world,
+                                          layouts=union["layouts"])
+                body = manifest.to_json_bytes()
+                parse_manifest(body, where=f"{directory.display}/{MANIFEST}")  # never commit what we would refuse to read
+                if overwrite:
+                    directory.write_small(MANIFEST, body)
+                else:
+                    # The commit point: of writers racing for one directory, the one whose manifest
+                    # is created first wins; each writer's data files are its own (_write_rank), so
+                    # the winning manifest never names a loser's bytes.
+                    directory.create_small(MANIFEST, body)
+            except CheckpointExistsError:
+                commit = {"exists": True}
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait for this verdict
+                commit = str(exc) if str(exc).startswith("save_sharded failed") else f"rank 0 could not commit {directory.display}: {exc}"
+        commit = group.all_gather(commit)[0]
+        if isinstance(commit, dict):
+            raise CheckpointExistsError(
+                f"{directory.display} was committed by another writer while this save wrote it; this save's files "
+                "were removed and the other writer's checkpoint is untouched. Save to a new directory, or pass "
+                "overwrite=True to replace it", location=directory.display)
+        if commit is not None:
+            raise CheckpointError(commit)
+    except CheckpointError:
+        # Every rank raises at the same point (each raise above follows a collective), so all of them
+        # clean up together: the directory is left as it was, and the error's "nothing was committed" holds.
+        _undo(directory, group, rank, created, written)
+        raise
+
+
+def _undo(directory: Directory, group: Group, rank: int, created: list[str], written: list[str]) -> None:
+    for rel in written:  # only this writer's own files: a racing writer may have committed the usual names
+        try:
+            directory.remove(rel)
+        except OSError:
+            pass  # the error being raised says more than this one
+    group.all_gather(None)  # every rank's files are gone before rank 0 removes the directories
+    if rank == 0 and directory.base.path is not None:
+        for path in created:  # deepest first
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass  # not empty: something else lives there, leave it
 
 
 def _raise_if_failed(statuses: list[dict[str, Any]]) -> None:
@@ -439,42 +716,38 @@ def _raise_if_failed(statuses: list[dict[str, Any]]) -> None:
         raise CheckpointError("save_sharded failed, nothing was committed: " + "; ".join(errors))
 
 
-def _remove_quietly(directory: Directory, files: list[str]) -> None:
-    for rel in files:
-        try:
-            directory.remove(rel)
-        except OSError:
-            pass  # a sweep or a later overwrite removes it; nothing names it
-
-
 def _write_rank(
     directory: Directory, rank: int, world: int, local: Collected, mine: list[ItemMeta], t0: float, t_plan: float,
-    overwrite: bool = False,
+    overwrite: bool = False, written: list[str] | None = None,
 ) -> dict[str, Any]:
+    """Write this rank's data file and part file; ``written`` collects their names as they appear."""
+    written = [] if written is None else written
     chunks: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     written_bytes = 0
-    rel = data_file(rank)
+    token = secrets.token_hex(4)
+    rel, part_rel = data_file(rank), part_file(rank)
     if not overwrite and directory.base.path is None:
-        # On an object store every writer names its data objects for itself: a server may complete
-        # several conditional multipart uploads of one new key (SeaweedFS does, Ceph RGW ignores the
+        # On an object store every writer names its files for itself: a server may complete several
+        # conditional multipart uploads of one new key (SeaweedFS does, Ceph RGW ignores the
         # condition), so only the manifest's conditional PUT can decide between racing writers.
-        rel = writer_variant(rel, secrets.token_hex(4))
+        rel, part_rel = writer_variant(rel, token), writer_variant(part_rel, token)
     if mine:
         tensors = [local.items[(m.key, m.offsets, m.sizes)] for m in mine]
         while True:
-            # Locally the data file is created exclusively (a link): a racing writer, or a save that
-            # crashed here, holds the usual name, and this writer takes one of its own.
+            # Locally the data file is created exclusively (a link): when a racing writer, or a save
+            # that crashed here, holds the usual name, this writer takes names of its own.
             sink = open_sink(directory.target(rel), exclusive=not overwrite)
             try:
                 done = write_raw(sink, [functools.partial(contiguous_bytes, t) for t in tensors],
                                  block_size=BLOCK_SIZE)
                 sink.commit(b"")
+                written.append(rel)
                 break
             except CheckpointExistsError:
                 sink.abort()
                 if rel != data_file(rank):
                     raise
-                rel = writer_variant(rel, secrets.token_hex(4))
+                rel, part_rel = writer_variant(rel, token), writer_variant(part_rel, token)
             except BaseException:
                 sink.abort()
                 raise
@@ -500,22 +773,28 @@ def _write_rank(
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "bytes": written_bytes,
-        "files": [rel] if mine else [],
         "chunks": dict(chunks),
         "timings": {"plan_s": round(t_plan - t0, 6), "write_s": round(t_write - t_plan, 6)},
     }
-    directory.write_small(part_file(rank), json.dumps(part, separators=(",", ":")).encode())
+    directory.write_small(part_rel, json.dumps(part, separators=(",", ":")).encode())
+    written.append(part_rel)
     return part
 
 
 def build_manifest(
-    tree: Any, tensors_meta: dict[str, tuple[str, tuple[int, ...]]], parts: list[dict[str, Any]], world: int
+    tree: Any,
+    tensors_meta: dict[str, tuple[str, tuple[int, ...]]],
+    parts: list[dict[str, Any]],
+    world: int,
+    *,
+    layouts: dict[str, Any] | None = None,
 ) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for key, (dtype, shape) in tensors_meta.items():
         tensors[key] = TensorEntry(dtype=dtype, shape=tuple(shape))
     for part in parts:
-        for key, chunk_list in part["chunks"].items():
+        for alias, chunk_list in part["chunks"].items():
+            key = _unalias(alias)
             if key not in tensors:  # another rank's per-rank value: one uint8 chunk
                 tensors[key] = TensorEntry(dtype="uint8", shape=tuple(chunk_list[0]["sizes"]))
             for c in chunk_list:
@@ -548,6 +827,7 @@ def build_manifest(
             "ranks": [
                 {k: p[k] for k in ("rank", "host", "pid", "bytes", "timings")} for p in sorted(parts, key=lambda p: p["rank"])
             ],
+            **({"layouts": {k: layouts[k] for k in sorted(layouts) if k in tensors}} if layouts else {}),
         },
     )
 
@@ -764,8 +1044,8 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
                     f"{where}: the checkpoint holds {entry.dtype} {list(entry.shape)} but the state dict asks for "
                     f"{dtype_name(caller.dtype)} {list(caller.shape)}"
                 )
-            if caller.tensor is not None:
-                ctx.targets.append(ReadTarget(saved.key, path, caller.tensor, (tuple(caller.offsets), tuple(caller.tensor.shape))))
+            for tensor, offsets in caller.pieces():
+                ctx.targets.append(ReadTarget(saved.key, path, tensor, (offsets, tuple(tensor.shape))))
             return caller
         if not isinstance(caller, torch.Tensor):
             # Nothing to load into: allocate the whole tensor (single-process loads into an empty slot),
@@ -785,13 +1065,13 @@ def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool 
             ctx.targets.append(ReadTarget(saved.key, path, fresh, ((0,) * len(entry.shape), entry.shape)))
             ctx.fresh[saved.key] = fresh
             return fresh
-        local, box = local_box(caller, where)
         if dtype_name(caller.dtype) != entry.dtype or tuple(caller.shape) != entry.shape:
             raise CheckpointError(
                 f"{where}: the checkpoint holds {entry.dtype} {list(entry.shape)} but the state dict has "
                 f"{dtype_name(caller.dtype)} {list(caller.shape)}; convert one side first"
             )
-        ctx.targets.append(ReadTarget(saved.key, path, local, box))
+        for local, box in local_boxes(caller, where):
+            ctx.targets.append(ReadTarget(saved.key, path, local, box))
         return caller
     if isinstance(caller, torch.Tensor):
         raise CheckpointError(f"{where} is a tensor in the state dict but {type(saved).__name__} in the checkpoint")

@@ -41,7 +41,18 @@ from typing import Any
 from .._aio import LoopThread
 from .._faults import crashpoint
 from ..checkpoint.materialize import encode_value
-from ..checkpoint.sharded import BLOCK_SIZE, build_manifest, collect, my_writes, structure_digest
+from ..checkpoint.sharded import (
+    BLOCK_SIZE,
+    Collected,
+    Structure,
+    agree_structure,
+    box_alias,
+    build_manifest,
+    collect,
+    merge_structures,
+    my_writes,
+    structure_digest,
+)
 from ..collective import Group, StoreGroups, agree_async, failure_record, settle
 from ..errors import (
     CheckpointError,
@@ -187,6 +198,11 @@ class Pipeline:
         # from zero: a job that crashes every few saves still promotes every durable_every-th.
         self.since = {"durable": 0, "peer": 0}
         self._slots_set = False
+        # The structure the ranks last agreed on (pipeline stages, experts: ranks hold different keys),
+        # by the vector of every rank's digest; a save assumes it and the vote confirms it.
+        self._structures: dict[str, Structure] = {}
+        self._structure: tuple[list[str], Structure] | None = None
+        self._local: Collected | None = None  # this save's collected state, between collect and the vote
 
     # ------------------------------------------------------------------------------ the trainer's part
 
@@ -210,7 +226,18 @@ class Pipeline:
             busy = not self._slot_free(slot)
         except Exception as exc:  # noqa: BLE001 - in a group every rank must reach the vote first
             error = exc
-        busy, plan = self._vote(step, error, busy, plan, pending)
+        busy, plan, digests = self._vote(step, error, busy, plan, pending, job.digest)
+        if self._structure is None or self._structure[0] != digests:
+            # The first save, or the ranks' structures changed: agree on their union, then plan again.
+            assert self._local is not None  # the vote raised if any rank failed to collect
+            structure = agree_structure(self.groups.trainer, self._local, digests, self._structures)
+            self._structure = (digests, structure)
+            try:
+                items, frozen_count, breaks = self._plan(job, self._local, structure)
+                slot = self.ram.next_slot
+            except Exception as exc:  # noqa: BLE001 - the step fails on every rank through the fast lane
+                job.error = exc
+        self._local = None
         self.tracker.planned(step, plan)
         if busy and self.options.policy == "skip":
             self.skipped += 1
@@ -218,7 +245,10 @@ class Pipeline:
             self.tracker.event("skip", step=step)
             return SaveHandle(step, {}, skipped=True)
         waited = self._wait_for_slot(slot)
-        self._stage(job, slot, items, frozen_count, breaks)
+        if job.error is None:
+            self._stage(job, slot, items, frozen_count, breaks)
+        elif self.world == 1:
+            raise job.error
         self.last_step = step
         job.promote = self.durable is not None and self.since["durable"] + 1 >= self.options.durable.every
         job.replicate = (self.options.peer.replicas > 0 and not self.peer_off
@@ -257,28 +287,36 @@ class Pipeline:
                 "saved again; restore first and continue after it, or give a new run its own job name and directories"
             )
         local = collect(state.state_dict() if isinstance(state, TrainState) else state, self.rank, encode_value)
-        mine = my_writes(local, self.world, self.rank)
+        job.digest = structure_digest(local)
+        self._local = local
+        if self._structure is None:
+            return [], 0, frozenset()  # the first save plans after the vote, once the ranks' structures are known
+        return self._plan(job, local, self._structure[1])  # the last save's structure: the vote confirms it
+
+    def _plan(self, job: StepJob, local: Collected, structure: Structure) -> tuple[list[tuple[str, Any]], int, frozenset[int]]:
+        mine = my_writes(local, self.world, self.rank, same=structure.same, skip=structure.skip)
         is_frozen = self.options.frozen or (lambda key: False)
         frozen = [m for m in mine if is_frozen(m.key)]
         rest = [m for m in mine if not is_frozen(m.key)]
-        items = [(m.key, local.items[(m.key, m.offsets, m.sizes)]) for m in frozen + rest]
+        names = [box_alias(m.key, n) for m, n in zip(frozen + rest, _box_numbers(frozen + rest))]
+        items = [(name, local.items[(m.key, m.offsets, m.sizes)]) for name, m in zip(names, frozen + rest)]
         breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
         items += self.check.items(local, mine, job)
-        job.tree, job.tensors, job.digest = local.tree, local.tensors, structure_digest(local)
-        job.boxes = {m.key: m.offsets for m in mine}
+        job.shared = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts} if structure.representative else {}
+        job.boxes = {name: m.offsets for name, m in zip(names, frozen + rest)}
         self._size_slots(items, breaks)
         return items, len(frozen), breaks
 
     def _vote(self, step: int, error: BaseException | None, busy: bool, plan: Any,
-              pending: tuple[int, BaseException] | None) -> tuple[bool, Any]:
+              pending: tuple[int, BaseException] | None, digest: str) -> tuple[bool, Any, list[str]]:
         """One vote per save keeps the ranks together: on the step, on this save's failures, on a
         background failure one rank has already seen (the others may learn of it a moment later:
         it is raised on all of them), on a busy slot and on the plan. Raises what must be raised."""
         if self.world == 1:
             if error is not None:
                 raise error
-            return busy, plan
-        mine = {"step": step, "busy": busy, "peer_off": self.peer_off, "plan": plan,
+            return busy, plan, [digest]
+        mine = {"step": step, "busy": busy, "peer_off": self.peer_off, "plan": plan, "digest": digest,
                 "ok": error is None, "failure": None if error is None else failure_record(self.rank, error),
                 "pending": None if pending is None else (pending[0], failure_record(self.rank, pending[1]))}
         votes = self.groups.trainer.all_gather(mine)
@@ -295,7 +333,7 @@ class Pipeline:
                 f"ranks passed different steps to save: {[v['step'] for v in votes]}; every rank saves the same step"
             )
         self.peer_off = any(v["peer_off"] for v in votes)
-        return any(v["busy"] for v in votes), votes[0]["plan"]
+        return any(v["busy"] for v in votes), votes[0]["plan"], [v["digest"] for v in votes]
 
     def _size_slots(self, items: list[tuple[str, Any]], breaks: frozenset[int]) -> None:
         """Fix the number of staging slots at the first save, from ram_budget_bytes."""
@@ -407,19 +445,17 @@ class Pipeline:
             part = await self.ram.put(job.snap)
             part["sdc"] = self.check.digest(job)
             part.update(step=job.step, digest=job.digest)
-            if self.rank == 0:
-                part["shared"] = {"tree": job.tree, "tensors": job.tensors}
+            if job.shared:  # one rank of each structure carries its tree and tensor table
+                part["shared"] = job.shared
             return part
 
         parts = await agree_async(fast, f"staging step {job.step}", stage_part)
-        if len({p["step"] for p in parts}) > 1 or len({p["digest"] for p in parts}) > 1:
+        if len({p["step"] for p in parts}) > 1:
             raise CheckpointError(
-                f"ranks staged different steps or different tensors (keys, dtypes or global shapes) for step "
-                f"{job.step}: every rank must save the same state dict structure at the same step"
+                f"ranks staged different steps for step {job.step}: every rank must save the same step"
             )
-        job.shared = parts[0].pop("shared")
-        for p in parts[1:]:
-            p.pop("shared", None)
+        job.shared = merge_structures([(r, p.pop("shared")) for r, p in enumerate(parts) if "shared" in p],
+                                      f"step {job.step}")
         job.sdc = await self.check.compare(job, parts, lambda what, fn: agree_async(fast, what, _threaded(fn)))
         manifest = self._manifest(job, parts)
         job.parts = parts
@@ -522,7 +558,8 @@ class Pipeline:
         return part
 
     def _manifest(self, job: StepJob, parts: list[dict[str, Any]]) -> Manifest:
-        manifest = build_manifest(job.shared["tree"], job.shared["tensors"], parts, self.world)
+        manifest = build_manifest(job.shared["tree"], job.shared["tensors"], parts, self.world,
+                                  layouts=job.shared.get("layouts"))
         manifest.meta.update({"step": job.step, "job": self.options.job, "cadence": job.cadence})
         if job.sdc is not None:
             manifest.meta["sdc"] = {"policy": self.check.mode, "mismatches": job.sdc}
@@ -583,7 +620,8 @@ class Pipeline:
         assert snap is not None and source is not None
         promoted: concurrent.futures.Future = concurrent.futures.Future()
         job = StepJob(step, futures={"durable": promoted}, snap=snap, promote=True)
-        job.shared = {"tree": source.tree, "tensors": {k: (e.dtype, e.shape) for k, e in source.tensors.items()}}
+        job.shared = {"tree": source.tree, "tensors": {k: (e.dtype, e.shape) for k, e in source.tensors.items()},
+                      "layouts": source.meta.get("layouts")}
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         job.cadence = {"durable": 0, "peer": cadence.get("peer", 0)}
         self.since["durable"] = 0
@@ -650,3 +688,11 @@ def _threaded(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
     return lambda: asyncio.to_thread(fn)
 
 
+def _box_numbers(metas: list[Any]) -> list[int]:
+    """Which box of its key each entry is on this rank (0, 1, ...): the later ones get names of their own."""
+    seen: dict[str, int] = {}
+    out = []
+    for m in metas:
+        out.append(seen.get(m.key, 0))
+        seen[m.key] = out[-1] + 1
+    return out

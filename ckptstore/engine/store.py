@@ -239,14 +239,15 @@ class CheckpointStore:
         # Building the skeleton initialises a fresh optimizer's state (DCP's helpers take a
         # zero-learning-rate step); with nothing to restore, that must not stay behind, or the
         # run would differ from one that never called restore.
-        fresh = state.optimizer is not None and not state.optimizer.state
+        fresh = [opt for opt in state.all_optimizers() if not opt.state]
         skeleton = state.skeleton()
         found: int | None = None
         try:
             found = self._restore(skeleton, step, per_rank)
         finally:
-            if fresh and found is None and state.optimizer is not None:
-                state.optimizer.state.clear()
+            if found is None:
+                for opt in fresh:
+                    opt.state.clear()
         if found is not None:
             state.load_skeleton(skeleton)
         return found

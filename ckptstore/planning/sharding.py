@@ -8,15 +8,19 @@ a process group or a tensor's data, so layouts of any size are planned and teste
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
-# A placement per mesh dimension: ("shard", tensor_dim) or ("replicate",) (partial sums are refused
-# before planning: a checkpoint holds reduced values).
+# A placement per mesh dimension: ("shard", tensor_dim), ("strided", tensor_dim, split_factor) or
+# ("replicate",) (partial sums are refused before planning: a checkpoint holds reduced values).
 Placement = tuple
+# Along one tensor dimension, the global index runs a rank holds, in the order of its local tensor:
+# (global start, length) each.
+Runs = list[tuple[int, int]]
 
 
 def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -34,6 +38,11 @@ def shard_box(
     Mesh dimensions apply in order: a tensor dimension sharded on mesh dims 0 and 1 is first cut
     across mesh dim 0, then each piece is cut again across mesh dim 1 (DTensor's convention).
     """
+    if any(p[0] == "strided" for p in placements):
+        boxes = shard_boxes(global_shape, mesh_shape, placements, coordinate)
+        if len(boxes) != 1:
+            raise ValueError("this layout gives the rank several boxes; use shard_boxes")
+        return boxes[0][1]
     offsets = [0] * len(global_shape)
     sizes = list(global_shape)
     for mesh_dim, placement in enumerate(placements):
@@ -45,6 +54,97 @@ def shard_box(
         elif placement[0] != "replicate":
             raise ValueError(f"unsupported placement {placement!r}")
     return tuple(offsets), tuple(sizes)
+
+
+def _take(runs: Runs, start: int, length: int) -> Runs:
+    """Local positions [start, start + length) of a dimension held as ``runs``."""
+    out: Runs = []
+    pos = 0
+    for g, n in runs:
+        lo, hi = max(start, pos), min(start + length, pos + n)
+        if hi > lo:
+            out.append((g + lo - pos, hi - lo))
+        pos += n
+    if not out:  # an empty piece still has a place: the end of what precedes it
+        pos, anchor = 0, runs[0][0] if runs else 0
+        for g, n in runs:
+            if pos + n <= start:
+                anchor = g + n
+            pos += n
+        out.append((anchor, 0))
+    return out
+
+
+def _merge_runs(runs: Runs) -> Runs:
+    out: Runs = []
+    for g, n in runs:
+        if out and out[-1][0] + out[-1][1] == g and n:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        elif n or not out:
+            out.append((g, n))
+    return out
+
+
+def dim_runs(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coordinate: Sequence[int]
+) -> list[Runs]:
+    """Per tensor dimension, the global index runs the rank at ``coordinate`` holds, in local order.
+
+    Placements apply left to right, each to what the ones before it left (DTensor's convention).
+    ``("strided", d, sf)`` is torch's ``_StridedShard``: the piece held so far is first cut into
+    ``sf`` parts (the cuts a later placement will make, as if sharding ran right to left, as FSDP2
+    over TP does), each part is cut across this mesh dim, and the rank holds its cut of every part,
+    concatenated. That can leave a rank several separate runs along one dimension.
+    """
+    runs: list[Runs] = [[(0, n)] for n in global_shape]
+    for mesh_dim, placement in enumerate(placements):
+        kind = placement[0]
+        if kind == "replicate":
+            continue
+        n, c = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        d = placement[1]
+        total = sum(length for _, length in runs[d])
+        if kind == "shard":
+            start, length = chunk_range(total, n, c)
+            runs[d] = _take(runs[d], start, length)
+        elif kind == "strided":
+            split = placement[2]
+            picked: Runs = []
+            for j in range(split):
+                p_start, p_len = chunk_range(total, split, j)
+                s, length = chunk_range(p_len, n, c)
+                if length:
+                    picked.extend(_take(runs[d], p_start + s, length))
+            runs[d] = picked or _take(runs[d], total, 0)
+        else:
+            raise ValueError(f"unsupported placement {placement!r}")
+        runs[d] = _merge_runs(runs[d])
+    return runs
+
+
+def shard_boxes(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coordinate: Sequence[int]
+) -> list[tuple[Box, Box]]:
+    """Every box of ``global_shape`` the rank at ``coordinate`` holds, as (box within the rank's
+    local tensor, box of the global tensor) pairs: one pair unless a strided placement leaves
+    several separate runs along some dimension (then the product of the runs of every dimension)."""
+    per_dim = dim_runs(global_shape, mesh_shape, placements, coordinate)
+    if all(len(r) == 1 for r in per_dim):
+        return [(((0,) * len(per_dim), tuple(r[0][1] for r in per_dim)), (tuple(r[0][0] for r in per_dim),
+                                                                          tuple(r[0][1] for r in per_dim)))]
+    locals_: list[list[tuple[int, int, int]]] = []
+    for r in per_dim:
+        pos, spans = 0, []
+        for g, n in r:
+            spans.append((pos, g, n))
+            pos += n
+        locals_.append(spans)
+    out = []
+    for combo in itertools.product(*locals_):
+        out.append(
+            ((tuple(c[0] for c in combo), tuple(c[2] for c in combo)), (tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
+        )
+    return out
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -78,7 +178,7 @@ def assign_writers(items_by_rank: Sequence[Sequence[ItemMeta]]) -> list[list[Ite
     balanced. Deterministic.
 
     This needs every rank's box list, which costs O(ranks x tensors) to gather; save_sharded instead
-    decides locally with :func:`replica_writer` and :func:`spread`. This global version is the
+    decides locally with :func:`spread` (over a box's replicas, or the ranks of one structure). This global version is the
     reference the tests hold the local rule to, and an offline tool for re-planning a layout.
     """
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
@@ -114,8 +214,9 @@ def assign_writers(items_by_rank: Sequence[Sequence[ItemMeta]]) -> list[list[Ite
 
 def replica_writer(key: str, offsets: Sequence[int], replicas: int) -> int:
     """Which of ``replicas`` identical copies of a box writes it: a stable hash of the box, so every
-    holder reaches the same answer without any communication (used for DTensor boxes replicated
-    over some mesh dimensions)."""
+    holder reaches the same answer without any communication. save_sharded used it for DTensor boxes
+    replicated over some mesh dimensions; with few tensors a hash can put every box on one replica, so
+    replicas now :func:`spread` the list they all hold. Kept for the tests of the earlier rule."""
     return zlib.crc32(f"{key}|{','.join(map(str, offsets))}".encode()) % replicas
 
 
