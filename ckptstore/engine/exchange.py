@@ -166,8 +166,8 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: list[tuple[str, i
         elif owner == group.rank:
             serve.append((requester, name, offset, length))
     if serve:
-        threading.Thread(target=_serve, args=(p2p, inv, excluded, serve, tag), daemon=True,
-                         name="ckptstore-serve").start()
+        _start(threading.Thread(target=_serve, args=(p2p, inv, excluded, serve, tag), daemon=True,
+                                name="ckptstore-serve"))
     # Wait in helper threads rather than wait(timeout): a gloo receive that times out closes the
     # connection to that peer, and the group with it. An abandoned receive stays posted under this
     # attempt's tag, and its thread ends when the late bytes land (or the group's timeout fires).
@@ -187,11 +187,35 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: list[tuple[str, i
     return fetched, slow
 
 
+# Transfer threads that may outlive the restore that started them (a send still draining, a
+# receive abandoned for a slow peer): each is inside a point-to-point operation on the store's
+# transfer group until it ends, so the store waits for them before it releases its groups.
+_transfers: set[threading.Thread] = set()
+_transfers_lock = threading.Lock()
+
+
+def _start(thread: threading.Thread) -> None:
+    with _transfers_lock:
+        _transfers.difference_update([t for t in _transfers if not t.is_alive()])
+        _transfers.add(thread)
+    thread.start()
+
+
+def transfers_ended(timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` for every transfer thread to end; whether they all did."""
+    deadline = time.monotonic() + timeout_s
+    with _transfers_lock:
+        threads = list(_transfers)
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
 class _Waiter:
     def __init__(self, work: Any) -> None:
         self.done = threading.Event()
         self.error: Exception | None = None
-        threading.Thread(target=self._run, args=(work,), daemon=True, name="ckptstore-recv").start()
+        _start(threading.Thread(target=self._run, args=(work,), daemon=True, name="ckptstore-recv"))
 
     def _run(self, work: Any) -> None:
         try:

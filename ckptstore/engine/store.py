@@ -33,6 +33,7 @@ from ..tiers.directory import DirectoryTier
 from ..tiers.peer import PeerTier
 from ..tiers.ram import RamTier
 from ..train_state import TrainState
+from .exchange import transfers_ended
 from .options import StoreOptions
 from .pipeline import Pipeline, SaveHandle
 from .replicas import ReplicaCheck
@@ -303,11 +304,21 @@ class CheckpointStore:
         self._closed = True
         if self._tracker is not None:
             self._tracker.close()  # its last records go out on the loop, before the loop stops
-        if self._loop is not None:
-            self._loop.close()
+        idle = self._loop.close() if self._loop is not None else True
         for tier in (self.ram, self.peer):
             if tier is not None:
                 tier.close()
+        groups = getattr(self, "_groups", None)
+        if groups is None or groups.world == 1:
+            return
+        # The caller tears its process group down next (destroy_process_group() shuts down every
+        # group, ours too): ours go first, but only once no thread of ours is in a transfer or
+        # collective on them, since a gloo group shut down under one aborts the process.
+        if idle and transfers_ended(self.options.timeout_s):
+            groups.release()
+        else:
+            log.warning("ckptstore: a transfer of this store is still running on its process groups after close(); "
+                        "they are left to it, and a destroy_process_group() before it ends may abort the process")
 
     def _check_open(self) -> None:
         if self._closed:
