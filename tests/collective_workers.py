@@ -62,7 +62,9 @@ def teardown_after_failed_save_job(rank: int, world: int, name: str, root: str, 
         os.chown(taken, 65534, 65534)
     store = ckptstore.CheckpointStore(name, local=os.path.join(root, f"local{rank}"), ram_dir=ram_dir, timeout_s=60,
                                       durable_timeout_s=30)
-    state = {"a": torch.full((1 << 16,), float(rank)), "b": torch.full((1 << 16,), 2.0)}
+    # Replicated tensors, each written by one rank: rank 0 stages and hashes the 64 MiB one, so its
+    # side of the staging agreement comes late, while rank 1 (the 4 KiB one) has already failed.
+    state = {"a": torch.full((16 << 20,), 1.0), "b": torch.full((1 << 10,), 2.0)}
     if rank == 1:
         try:
             store.save(1, state)
