@@ -13,6 +13,7 @@ missing and apt-get is there); where any is lacking the tests skip and say which
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from conftest import wipe_ram
 
 import ckptstore
 from ckptstore import CheckpointStore
+from ckptstore.storage.targets import DIR_FSYNC_UNSUPPORTED
 
 SERVER = Path(__file__).with_name("fuse_failing_fs.py")
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -175,10 +177,6 @@ def test_a_data_file_fsync_error_is_reported_once_and_never_retried(job, failing
 
 
 def test_filesystems_that_cannot_fsync_a_directory_are_accepted():
-    from ckptstore.storage.targets import DIR_FSYNC_UNSUPPORTED
-
     # EINVAL / ENOTSUP: the operation does not exist there; EBADF: refused on a read-only
     # descriptor, which a directory's always is. EIO, ENOSPC and the rest are reported.
-    import errno
-
     assert {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF} == DIR_FSYNC_UNSUPPORTED
