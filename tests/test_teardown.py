@@ -26,6 +26,7 @@ def test_a_failed_save_then_teardown_leaves_no_collective_in_flight(tmp_path, jo
 
 @needs_root
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 20 runs of two real processes
 def test_teardown_after_failed_saves_repeated(tmp_path, job):
     for i in range(10):
         for close in (True, False):
