@@ -35,16 +35,19 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def close(self, grace_s: float = 2.0) -> None:
+    def close(self, grace_s: float = 2.0) -> bool:
         """Stop the loop once its executor's threads (aiofiles', to_thread's) have ended, waiting
         at most ``grace_s`` for them: a thread stuck in a transfer to a peer that stopped answering
-        must not hang the caller (it ends with its group's timeout)."""
+        must not hang the caller (it ends with its group's timeout). Returns whether every one of
+        them ended (False: one may still be inside a collective)."""
         if self.loop.is_closed():
-            return
+            return True
+        ended = True
         try:
             self.submit(self.loop.shutdown_default_executor()).result(timeout=grace_s)
         except concurrent.futures.TimeoutError:
-            pass
+            ended = False
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
         self.loop.close()
+        return ended

@@ -173,6 +173,25 @@ class StoreGroups:
     def rank(self) -> int:
         return self.trainer.rank
 
+    def release(self) -> None:
+        """Destroy the store's own groups (never the caller's), once no thread of the store is in a
+        collective on them: the caller's ``destroy_process_group()`` then has none of ours left to
+        shut down, so it can never do so under a transfer still in flight. Groups the caller
+        already destroyed (with the world) are passed over."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        seen: set[int] = set()
+        for group in (self.trainer, self.fast, self.durable, self.peer, self.transfer):
+            if group.pg is None or id(group.pg) in seen:
+                continue
+            seen.add(id(group.pg))
+            try:
+                dist.destroy_process_group(group.pg)
+            except ValueError:
+                pass  # no longer registered: destroyed with the world already
+
     @property
     def world(self) -> int:
         return self.trainer.world

@@ -45,3 +45,48 @@ def one_rank_disk_fails_job(rank: int, world: int, name: str, root: str, ram_roo
         raise AssertionError("the failure of step 2 must reach the next save, as a StorageError")
     store.save(4, state).wait("local")  # raised once: the store goes on
     store.close()
+
+
+def teardown_after_failed_save_job(rank: int, world: int, name: str, root: str, close: bool) -> None:
+    """Rank 1's staging segment cannot be used (its name is taken by another user's file), so its
+    save fails at the call; it then tears the process group down at once, as a trainer that gives
+    up does (after close() or without it). Rank 0 must learn rank 1's own failure, not a broken
+    connection, and no rank may die (dist_workers.spawn checks every exit code)."""
+    import torch.distributed as dist
+
+    ram_dir = os.path.join(root, f"ram{rank}")
+    os.makedirs(ram_dir, exist_ok=True)
+    if rank == 1:
+        taken = os.path.join(ram_dir, f"ckptstore-{name}-r00001-s0.bin")
+        open(taken, "w").close()
+        os.chown(taken, 65534, 65534)
+    store = ckptstore.CheckpointStore(name, local=os.path.join(root, f"local{rank}"), ram_dir=ram_dir, timeout_s=60,
+                                      durable_timeout_s=30)
+    # Replicated tensors, each written by one rank: rank 0 stages and hashes the 64 MiB one, so its
+    # side of the staging agreement comes late, while rank 1 (the 4 KiB one) has already failed.
+    state = {"a": torch.full((16 << 20,), 1.0), "b": torch.full((1 << 10,), 2.0)}
+    if rank == 1:
+        try:
+            store.save(1, state)
+        except ckptstore.CheckpointError as exc:
+            assert "belongs to user 65534" in str(exc), str(exc)
+        else:
+            raise AssertionError("rank 1's save must fail at the call")
+    else:
+        handle = store.save(1, state)
+        try:
+            handle.wait("ram")
+        except ckptstore.CheckpointError as exc:
+            assert "rank 1" in str(exc) and "belongs to user 65534" in str(exc), str(exc)
+        else:
+            raise AssertionError("rank 0 must learn of rank 1's failure")
+    if close:
+        try:
+            store.close()
+        except ckptstore.CheckpointError:
+            pass  # the failure of step 1, raised once more
+        from torch.distributed import distributed_c10d
+
+        ours = [g for g in distributed_c10d._world.pg_map if g is not dist.group.WORLD]
+        assert not ours, f"close() left {len(ours)} process groups of the store for the caller to shut down"
+    dist.destroy_process_group()  # the caller's own teardown, right away (dist_workers.run sees it done)

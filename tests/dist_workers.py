@@ -67,7 +67,8 @@ def run(rank: int, world: int, store_path: str, job: str, args: dict, result_dir
         try:
             fn(rank, world, **args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a job may tear the group down itself, as trainers do
+                dist.destroy_process_group()
         open(os.path.join(result_dir, f"ok-{rank}"), "w").close()
     except BaseException:
         with open(os.path.join(result_dir, f"error-{rank}"), "w") as fh:
@@ -97,6 +98,10 @@ def spawn(world: int, job: str, tmp_path: Any, /, *, target: Any = None, **args:
             p.kill()
     assert not hung, f"ranks hung: {hung}"
     assert not errors, "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+    # A rank that wrote its ok-file and then died (SIGABRT from a group shut down under a transfer
+    # at teardown or at exit, issue 18 item 8) is a failure too.
+    died = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+    assert not died, f"ranks exited abnormally after their job (rank: exit code, negative = signal): {died}"
     assert sorted(f.name for f in results.iterdir()) == [f"ok-{r}" for r in range(world)]
 
 

@@ -169,6 +169,7 @@ def test_checkpoint_store_signature():
         ("keep_durable", P.KEYWORD_ONLY, None),
         ("ram_budget_bytes", P.KEYWORD_ONLY, None),
         ("ram_dir", P.KEYWORD_ONLY, "/dev/shm"),
+        ("ram_fallback", P.KEYWORD_ONLY, None),
         ("storage_options", P.KEYWORD_ONLY, None),
         ("process_group", P.KEYWORD_ONLY, None),
         ("policy", P.KEYWORD_ONLY, "block"),

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -326,8 +327,8 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: Sequence[str], ex
             size = int(offered[name])
             out.sources[name] = RemoteSource(channel, name, size, f"rank {owner}'s copy of {display}/{name}")
     for requester, names in sorted(serving.items()):
-        threading.Thread(target=_serve, args=(p2p, inv, excluded, requester, names, tags), daemon=True,
-                         name="ckptstore-serve").start()
+        _start(threading.Thread(target=_serve, args=(p2p, inv, excluded, requester, names, tags), daemon=True,
+                         name="ckptstore-serve"))
     return out
 
 
@@ -341,6 +342,30 @@ def _sizes(inv: Inventory, excluded: set[str]) -> dict[str, int]:
             out[name] = opened[1].size
             opened[1].close()
     return out
+
+
+# Transfer threads that may outlive the restore that started them (a send still draining, a
+# receive abandoned for a slow peer): each is inside a point-to-point operation on the store's
+# transfer group until it ends, so the store waits for them before it releases its groups.
+_transfers: set[threading.Thread] = set()
+_transfers_lock = threading.Lock()
+
+
+def _start(thread: threading.Thread) -> None:
+    with _transfers_lock:
+        _transfers.difference_update([t for t in _transfers if not t.is_alive()])
+        _transfers.add(thread)
+    thread.start()
+
+
+def transfers_ended(timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` for every transfer thread to end; whether they all did."""
+    deadline = time.monotonic() + timeout_s
+    with _transfers_lock:
+        threads = list(_transfers)
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 class _Waiter:
@@ -358,14 +383,14 @@ class _Waiter:
         self._lock = threading.Lock()
         self._abandoned = self._finished = False
         self._keep, self._drain = keep, drain
-        threading.Thread(target=self._run, args=(work, sent), daemon=True, name="ckptstore-recv").start()
+        _start(threading.Thread(target=self._run, args=(work, sent), daemon=True, name="ckptstore-recv"))
 
     def abandon(self) -> None:
         with self._lock:
             self._abandoned = True
             finished = self._finished
         if finished:  # the answer came between the timeout and now: its bytes follow
-            threading.Thread(target=self._drain_late, daemon=True, name="ckptstore-drain").start()
+            _start(threading.Thread(target=self._drain_late, daemon=True, name="ckptstore-drain"))
 
     def _run(self, work: Any, sent: Any) -> None:
         try:

@@ -18,6 +18,7 @@ from ..goodput.planner import parse_duration
 from ..names import valid_job
 from ..storage.targets import WriteTuning
 from ..storage.tuning import load_tuning
+from ..tiers.ram import RAM_FALLBACKS
 
 POLICIES = ("block", "skip")
 SDC_MODES = ("off", "warn", "raise")
@@ -63,6 +64,7 @@ class StoreOptions:
     keep_local: int | None
     ram_budget_bytes: int | None
     ram_dir: str
+    ram_fallback: str | None
     policy: str
     frozen: Callable[[str], bool] | None
     refresh_every: int
@@ -84,6 +86,7 @@ class StoreOptions:
         keep_durable: int | None,
         ram_budget_bytes: int | None,
         ram_dir: str,
+        ram_fallback: str | None,
         storage_options: dict[str, Any] | None,
         process_group: Any,
         policy: str,
@@ -140,6 +143,15 @@ class StoreOptions:
             raise InvalidArgumentError(f"frozen must be a function of a tensor's key (or None), not {type(frozen).__name__}")
         if not os.path.isdir(ram_dir):
             raise InvalidArgumentError(f"ram_dir {ram_dir!r} is not a directory (use a tmpfs such as /dev/shm)")
+        if ram_fallback not in RAM_FALLBACKS:
+            raise InvalidArgumentError(
+                f"ram_fallback must be None (a save whose staging slot ram_dir cannot hold fails) or 'private' "
+                f"(stage in process memory instead), not {ram_fallback!r}"
+            )
+        if ram_fallback == "private" and local is None and durable is None:
+            # Private staging memory dies with the process: without a lower tier nothing would be kept.
+            raise InvalidArgumentError("ram_fallback='private' persists snapshots to the lower tiers only: pass local= "
+                                       "or durable= too")
         if durable is not None and not isinstance(durable, (str, os.PathLike)):
             raise InvalidArgumentError(f"durable must be a path or an fsspec URL (or None), not {type(durable).__name__}")
         local_path = os.fspath(local) if local is not None else None
@@ -149,6 +161,7 @@ class StoreOptions:
             keep_local=keep_local,
             ram_budget_bytes=ram_budget_bytes,
             ram_dir=ram_dir,
+            ram_fallback=ram_fallback,
             policy=policy,
             frozen=frozen,
             refresh_every=refresh_every,

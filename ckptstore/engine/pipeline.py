@@ -268,6 +268,10 @@ class Pipeline:
         if job.staged is not None:
             self._busy[job.staged.slot] = job.slot_free
         if job.error is not None:
+            # The background run tells the other ranks of this failure through collectives on
+            # the store's groups; raising before they are over would let a caller that catches the
+            # error and tears its process group down destroy a group under them (issue 18 item 8).
+            concurrent.futures.wait([done])
             raise job.error
         handle = SaveHandle(step, job.futures, waited_s=waited, staged_s=job.staged.seconds if job.staged else 0.0)
         staged = job.staged

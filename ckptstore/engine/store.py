@@ -33,6 +33,7 @@ from ..tiers.directory import DirectoryTier
 from ..tiers.peer import PeerTier
 from ..tiers.ram import RamTier
 from ..train_state import TrainState
+from .exchange import transfers_ended
 from .options import StoreOptions
 from .pipeline import Pipeline, SaveHandle
 from .replicas import ReplicaCheck
@@ -48,7 +49,12 @@ class CheckpointStore:
     node's directory for the local tier (None: off); ``durable``: any fsspec URL (None: off), to which
     every ``durable_every``-th snapshot (and the last one, on close) is promoted; ``keep_local`` and
     ``keep_durable``: steps each tier keeps (None: all). ``ram_budget_bytes`` caps the staging memory
-    (default: two snapshots) in ``ram_dir``. ``process_group``: in a group every rank saves its
+    (default: two snapshots) in ``ram_dir``; each staging slot's memory is reserved there when it is
+    made, and a ``ram_dir`` too small for it (Docker's default /dev/shm is 64 MiB) fails that save
+    with a StorageError naming the size and the remedies. ``ram_fallback="private"`` stages into
+    this process's own memory instead when that happens: saves still reach the local and durable
+    tiers, but the RAM tier keeps no copy that another process can see, so a restart after a crash
+    restores from the local tier or lower, never from RAM. ``process_group``: in a group every rank saves its
     shard (default: the world, when torch.distributed is initialized). ``policy="skip"`` skips a save
     instead of waiting when every slot is still persisting. ``durable_compression="zstd"``
     compresses the durable tier's chunks.
@@ -95,6 +101,7 @@ class CheckpointStore:
         keep_durable: int | None = None,
         ram_budget_bytes: int | None = None,
         ram_dir: str = "/dev/shm",
+        ram_fallback: str | None = None,
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
         policy: str = "block",
@@ -117,7 +124,7 @@ class CheckpointStore:
         self.options = StoreOptions.from_arguments(
             job, local=local, durable=durable, durable_every=durable_every, keep_local=keep_local,
             keep_durable=keep_durable, ram_budget_bytes=ram_budget_bytes, ram_dir=ram_dir,
-            storage_options=storage_options, process_group=process_group, policy=policy,
+            ram_fallback=ram_fallback, storage_options=storage_options, process_group=process_group, policy=policy,
             durable_compression=durable_compression, frozen=frozen, refresh_every=refresh_every, timeout_s=timeout_s,
             peer_replicas=peer_replicas, peer_every=peer_every, node=node, peer_timeout_s=peer_timeout_s,
             peer_to_local=peer_to_local, interval=interval, mtbf=mtbf, events=events, sdc=sdc,
@@ -148,7 +155,7 @@ class CheckpointStore:
         where = (socket.gethostname(), os.path.realpath(opts.local) if opts.local else None)
         sharing = trainer.all_gather(where)
         local_owner = self.rank == min(r for r, w in enumerate(sharing) if w == where)
-        self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2)
+        self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2, fallback=opts.ram_fallback)
         self.local = (DirectoryTier("local", opts.local, manifest_writer=local_owner, tuning=opts.tuning,
                                     node_local=True) if opts.local else None)
         self.durable = (DirectoryTier("durable", opts.durable.url, storage_options=opts.durable.storage_options,
@@ -298,11 +305,21 @@ class CheckpointStore:
         self._closed = True
         if self._tracker is not None:
             self._tracker.close()  # its last records go out on the loop, before the loop stops
-        if self._loop is not None:
-            self._loop.close()
+        idle = self._loop.close() if self._loop is not None else True
         for tier in (self.ram, self.peer):
             if tier is not None:
                 tier.close()
+        groups = getattr(self, "_groups", None)
+        if groups is None or groups.world == 1:
+            return
+        # The caller tears its process group down next (destroy_process_group() shuts down every
+        # group, ours too): ours go first, but only once no thread of ours is in a transfer or
+        # collective on them, since a gloo group shut down under one aborts the process.
+        if idle and transfers_ended(self.options.timeout_s):
+            groups.release()
+        else:
+            log.warning("ckptstore: a transfer of this store is still running on its process groups after close(); "
+                        "they are left to it, and a destroy_process_group() before it ends may abort the process")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -158,6 +158,7 @@ async def copy(src: Target, dst: Target) -> None:
     storage can: a hard link on a local disk, a server-side copy in an object store."""
     if src.path is not None and dst.path is not None:
         await aiofiles.os.link(src.path, dst.path)
+        await _fsync_dir(os.path.dirname(dst.path))  # the new name is part of the step being committed
         return
     await asyncio.to_thread(src.fs.copy, src.fspath, dst.fspath)
 

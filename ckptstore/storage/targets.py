@@ -255,8 +255,9 @@ def _link_or_replace_absent(tmp: str, path: str) -> None:
 
 def makedirs_private(path: str) -> None:
     """``os.makedirs(path, exist_ok=True)``, except that every directory it creates is 0700 (owner
-    only; os.makedirs applies its mode to the last one alone). Existing directories are left as
-    they are: their modes are the user's choice."""
+    only; os.makedirs applies its mode to the last one alone), and is fsynced into its parent: a
+    file fsynced into a directory whose own entry was never made durable is lost with it on a power
+    failure. Existing directories are left as they are: their modes are the user's choice."""
     missing = []
     p = os.path.abspath(path)
     while not os.path.isdir(p):
@@ -265,25 +266,53 @@ def makedirs_private(path: str) -> None:
         if parent == p:
             break
         p = parent
+    created = []
     for d in reversed(missing):
         try:
             os.mkdir(d, 0o700)
+            created.append(d)
         except FileExistsError:
             if not os.path.isdir(d):
                 raise
+        except OSError as exc:
+            raise storage_error(exc, "create the directory", d) from None
+    for d in created:
+        fsync_dir(os.path.dirname(d))
+
+
+# What a filesystem answers when it cannot fsync a directory at all: EINVAL and ENOTSUP/EOPNOTSUPP
+# (POSIX: "fildes refers to a file on which this operation is impossible"; some FUSE, network and
+# virtual filesystems), EBADF (filesystems that refuse fsync on a descriptor opened read-only,
+# which a directory's always is). The rename is then as durable as that filesystem makes it and
+# nothing more can be done; every other error (EIO above all) means entries written there may be
+# lost, and is reported.
+DIR_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF})
 
 
 def fsync_dir(directory: str) -> None:
+    """Make the entries created, renamed or linked in ``directory`` durable; a StorageError if the
+    filesystem reports that it could not."""
+    where = directory or "."
     try:
-        fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _dir_fsync_error(where, exc) from None
     try:
         os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename itself is already done
+    except OSError as exc:
+        if exc.errno not in DIR_FSYNC_UNSUPPORTED:
+            raise _dir_fsync_error(where, exc) from None
     finally:
         os.close(fd)
+
+
+def _dir_fsync_error(directory: str, exc: OSError) -> StorageError:
+    return StorageError(
+        f"cannot fsync the directory {directory}: {exc.strerror or exc}. Files just written, renamed or linked "
+        "there may not survive a power loss or a crash of the machine, so the write is reported as failed; "
+        "check the device (dmesg, the storage's health) and save again, or choose another directory",
+        errno=exc.errno,
+    )
 
 
 class FileObjectSink(Sink):

@@ -19,6 +19,7 @@ rank's shard from the segments of the ranks on its node.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -35,7 +36,13 @@ import torch
 import xxhash
 
 from .._aio import run_sync
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    StorageError,
+)
 from ..format.checksum import ALGORITHM
 from ..format.container import SMALL_ALIGN, SMALL_BYTES, align_up
 from ..format.dtypes import dtype_from_name, dtype_name
@@ -46,6 +53,9 @@ from ..storage.targets import Source, Target, open_source
 from .base import Capabilities, Held, Holdings, Snapshot, Tier
 
 RAM_FORMAT = "ckptstore-ram/1"
+# What RamTier(fallback=...) and CheckpointStore(ram_fallback=...) accept: None fails a save whose
+# slot ram_dir cannot hold; "private" stages in process memory instead (see RamTier).
+RAM_FALLBACKS = (None, "private")
 # Frozen tensors smaller than this are copied at every save: copying them costs about what checking
 # them would, and nothing stale can come of a copy.
 _REUSE_MIN_BYTES = 64 << 10
@@ -93,26 +103,23 @@ class Layout:
 
 
 class Slot:
-    """One shared-memory segment, mapped; tensors are views into it."""
+    """One shared-memory segment, mapped; tensors are views into it.
 
-    def __init__(self, path: str, size: int) -> None:
-        self.path, self.size = path, size
-        # ram_dir is usually /dev/shm, writable by every user: never follow a link planted under
-        # our name (the staged bytes would go wherever it points), never use another user's file.
-        fd = small.open_nofollow(path, os.O_RDWR | os.O_CREAT)
-        try:
-            owner = os.fstat(fd).st_uid
-            if owner != os.geteuid():
-                raise CheckpointError(
-                    f"{path} belongs to user {owner}, not to this process's user {os.geteuid()}; refusing to use it "
-                    "as a staging segment. Remove it, or choose another job name or ram_dir"
-                )
-            os.fchmod(fd, 0o600)  # an existing segment keeps owner-only access too
-            if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    The segment's memory is reserved when it is made (``posix_fallocate``), after a check of the
+    space left in its directory: a tmpfs that is too small (Docker's default /dev/shm is 64 MiB)
+    then fails here with a StorageError naming the size, the directory and the remedies, instead
+    of killing the process with SIGBUS at the first copy into a page tmpfs cannot supply.
+
+    ``private``: process memory (an anonymous mapping) instead of a file in ``ram_dir``, for
+    ``ram_fallback="private"``; nothing of it is visible to another process."""
+
+    def __init__(self, path: str, size: int, *, private: bool = False) -> None:
+        self.path, self.size, self.private = path, size, private
+        if private:
+            self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            self.map = _map_segment(path, size)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pinned = _pin(self.buffer) if torch.cuda.is_available() else False
 
@@ -146,19 +153,31 @@ class RamTier(Tier):
     """Two (or more) reusable staging slots for one rank of one job.
 
     Node-local: the slots of every rank on a node lie in the same ``ram_dir``, so a restart on the
-    node restores any of those ranks' shards from RAM (``holdings``)."""
+    node restores any of those ranks' shards from RAM (``holdings``).
+
+    ``fallback``: what to do when ``ram_dir`` cannot hold a slot. None raises the StorageError of
+    :func:`shm_shortage`; ``"private"`` stages into this process's own memory from then on: the
+    snapshots still go to the lower tiers, but the RAM tier publishes nothing (a private slot is
+    no copy another process can read), so a crash leaves no RAM copy to restore from."""
 
     capabilities = Capabilities(node_local=True)
 
-    def __init__(self, job: str, rank: int = 0, *, ram_dir: str = "/dev/shm", slots: int = 2) -> None:
+    def __init__(self, job: str, rank: int = 0, *, ram_dir: str = "/dev/shm", slots: int = 2,
+                 fallback: str | None = None) -> None:
         if not valid_job(job):
             raise InvalidArgumentError(f"job {job!r} must be 1-100 characters of letters, digits, '.', '_' or '-'")
         if slots < 1:
             raise InvalidArgumentError("slots must be at least 1")
         if not os.path.isdir(ram_dir):
             raise InvalidArgumentError(f"ram_dir {ram_dir!r} is not a directory (use a tmpfs such as /dev/shm)")
+        if fallback not in RAM_FALLBACKS:
+            raise InvalidArgumentError(f"fallback must be one of {RAM_FALLBACKS}, not {fallback!r}")
         self.name = "ram"
         self.job, self.rank, self.ram_dir, self.nslots = job, rank, ram_dir, slots
+        self.fallback = fallback
+        # Once one slot did not fit, every later one is private too: a mix would publish some
+        # snapshots and not others, which a restart could not tell from a crash.
+        self.private = False
         self._by_step: dict[int, Staged] = {}  # staged, not yet committed
         self._slot_sums: dict[int, dict[str, Any]] = {}
         self._streams: dict[Any, Any] = {}
@@ -203,8 +222,29 @@ class RamTier(Tier):
         if slot is None or slot.size != size:
             if slot is not None:
                 slot.release()
-            slot = self._slots[index] = Slot(self._name(index, "bin"), size)
+            slot = self._slots[index] = self._new_slot(index, size)
         return slot
+
+    def _new_slot(self, index: int, size: int) -> Slot:
+        path = self._name(index, "bin")
+        if not self.private:
+            try:
+                return Slot(path, size)
+            except StorageError as exc:
+                if self.fallback != "private" or exc.errno not in SHORTAGE_ERRNOS:
+                    raise
+                self.private = True
+                logging.getLogger("ckptstore").warning(
+                    "ckptstore: %s; staging in private process memory instead (ram_fallback='private'): "
+                    "snapshots still reach the local and durable tiers, but no RAM copy survives a crash", exc)
+        return Slot(f"<private staging memory of {path}>", size, private=True)
+
+    def _committed_slot(self, doc: dict[str, Any]) -> Slot:
+        """The segment of a committed snapshot, to read: once staging went private, the cached slot
+        of that index is process memory, and the committed bytes are in the file."""
+        if self.private:
+            return Slot(self._name(doc["slot"], "bin"), doc["size"])
+        return self._slot(doc["slot"], doc["size"])
 
     @property
     def pinned(self) -> bool:
@@ -311,6 +351,8 @@ class RamTier(Tier):
 
     async def _publish(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None) -> None:
         """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes."""
+        if self.private:
+            return  # no other process can read a private slot: there is nothing to publish
         doc = {
             "format": RAM_FORMAT,
             "job": self.job,
@@ -363,7 +405,7 @@ class RamTier(Tier):
         layout = Layout(tuple(entries), doc["size"])
         if layout.signature != doc["signature"]:
             raise CorruptCheckpointError(f"RAM snapshot of step {doc['step']}: layout does not match its signature")
-        slot = self._slot(doc["slot"], doc["size"])
+        slot = self._committed_slot(doc)
         out = {}
         for e in entries:
             t = slot.view(e)
@@ -394,7 +436,7 @@ class RamTier(Tier):
         mine = data_file(self.rank)
         chunks = {key: [c.to_json() for c in entry.chunks if c.file == mine] for key, entry in manifest.tensors.items()}
         chunks = {key: table for key, table in chunks.items() if table}
-        data = self._slot(doc["slot"], doc["size"]).buffer.narrow(0, 0, doc["size"])
+        data = self._committed_slot(doc).buffer.narrow(0, 0, doc["size"])
         return Snapshot(step, self.rank, int(manifest.meta.get("world_size", 1)), data, chunks,
                         meta={"slot": doc["slot"]})
 
@@ -646,6 +688,86 @@ def _pin(buffer: torch.Tensor) -> bool:
         logging.getLogger("ckptstore").warning("ckptstore: cannot pin the RAM-tier slot (cudaHostRegister: %s)", rc)
         return False
     return True
+
+
+# Errors of a reservation that more memory (or a smaller snapshot) would cure; anything else
+# (permissions, a planted link) is reported as it is and never falls back to private memory.
+SHORTAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENOMEM})
+
+
+def shm_shortage(path: str, size: int, free: int | None, cause: str) -> StorageError:
+    """The error of a segment that cannot be reserved: what, where and what to do."""
+    directory = os.path.dirname(path) or "."
+    have = f"{free} bytes ({_mib(free)}) are free there" if free is not None else "the space left is unknown"
+    return StorageError(
+        f"cannot reserve {size} bytes ({_mib(size)}) of shared memory for the RAM-tier segment {path}: {have} "
+        f"({cause}). Give the job more shared memory (Docker: docker run --shm-size=<bytes>; Kubernetes: an "
+        f"emptyDir with medium: Memory mounted on /dev/shm), or point ram_dir= at a larger tmpfs, or cap staging "
+        f"with ram_budget_bytes= (one snapshot's size keeps a single slot), or pass ram_fallback='private' to "
+        f"stage in this process's own memory (saves still reach the local and durable tiers, but no RAM copy "
+        f"survives a crash for a same-node restore). Directory: {directory}",
+        errno=errno.ENOSPC,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _map_segment(path: str, size: int) -> mmap.mmap:
+    """Open (or create) the segment at ``path``, reserve ``size`` bytes of it and map it shared."""
+    # ram_dir is usually /dev/shm, writable by every user: never follow a link planted under
+    # our name (the staged bytes would go wherever it points), never use another user's file.
+    created = not os.path.lexists(path)
+    fd = small.open_nofollow(path, os.O_RDWR | os.O_CREAT)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise CheckpointError(
+                f"{path} belongs to user {st.st_uid}, not to this process's user {os.geteuid()}; refusing to use it "
+                "as a staging segment. Remove it, or choose another job name or ram_dir"
+            )
+        os.fchmod(fd, 0o600)  # an existing segment keeps owner-only access too
+        if st.st_size > size:
+            os.ftruncate(fd, size)  # shrink first: what is given back counts as free below
+        try:
+            _reserve(fd, path, size)
+        except StorageError:
+            if created:
+                remove_file(path)  # a half-reserved new segment would hold on to the memory it got
+            raise
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Allocate every page of the segment now. A file sized by ftruncate alone is sparse: tmpfs
+    supplies its pages at the first write into each, and one it cannot supply is a SIGBUS in the
+    middle of a copy, which no handler can turn into an error."""
+    if size == 0:
+        return
+    st = os.fstat(fd)
+    held = st.st_blocks * 512  # the pages this file already has (an existing, reserved segment: all)
+    free: int | None = None
+    try:
+        vfs = os.fstatvfs(fd)
+        free = vfs.f_bavail * vfs.f_frsize
+    except OSError:
+        pass
+    if free is not None and size - held > free:
+        raise shm_shortage(path, size, free, f"{size - held} more bytes are needed")
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        code = exc.errno
+        if code in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            # glibc emulates fallocate where the filesystem lacks it; a refusal that remains means
+            # the memory cannot be reserved here, which is the failure SIGBUS would have been.
+            raise shm_shortage(path, size, free, f"this filesystem cannot reserve space: {exc.strerror}") from None
+        if code in SHORTAGE_ERRNOS:
+            raise shm_shortage(path, size, free, f"posix_fallocate: {exc.strerror}") from None
+        raise StorageError(f"cannot reserve {size} bytes for the RAM-tier segment {path}: {exc.strerror}", errno=code) from None
 
 
 class _on:
