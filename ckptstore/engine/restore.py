@@ -61,13 +61,18 @@ class Restorer:
         self._durable_digest: tuple[int | None, str | None] = (None, None)
 
     def _durable_steps(self) -> set[int]:
+        listed = self._listed_durable()
+        return set() if listed is None else listed
+
+    def _listed_durable(self) -> set[int] | None:
+        """The durable tier's committed steps; None when it cannot be listed (an outage)."""
         if self.durable is None:
             return set()
         try:
             return set(self.durable.steps_sync())
         except (CheckpointError, OSError) as exc:
             log.warning("ckptstore: cannot list the durable tier: %s", exc)
-            return set()
+            return None
 
     def _node_steps(self) -> set[int]:
         return set().union(*(t.node_steps() for t in self.node_tiers))
@@ -125,12 +130,14 @@ class Restorer:
         in_durable = any(self.groups.trainer.all_gather(step in durable))
         return step, meta, in_durable
 
-    def meta_of(self, step: int) -> tuple[dict[str, Any], bool]:
+    def meta_of(self, step: int) -> tuple[dict[str, Any], bool | None]:
         """The ``meta`` of ``step``'s manifest as this node or the durable tier holds it, and whether
-        the durable tier holds the step (collective: every rank gets rank 0's answer)."""
-        durable = step in self._durable_steps()
-        first = self.groups.trainer.all_gather((self._meta(step, durable), durable))[0]
-        return first[0], first[1]
+        the durable tier holds the step: None when it could not be listed (collective: every rank
+        gets rank 0's answer)."""
+        listed = self._listed_durable()
+        durable = listed is not None and step in listed
+        first = self.groups.trainer.all_gather((self._meta(step, durable), durable, listed is not None))[0]
+        return first[0], (first[1] if first[2] else None)
 
     def _meta(self, step: int, in_durable: bool) -> dict[str, Any]:
         first = NodeInventory.of(self.node_tiers, step).first()

@@ -276,8 +276,10 @@ class CheckpointStore:
         self._pipeline.last_step = found if last is None else max(last, found)
         self._tracker.event("restore", step=found, tier=tiers, seconds=seconds)
         meta, in_durable = self._restorer.meta_of(found)
-        self._pipeline.resume(meta, durable_holds_it=in_durable)
-        if self.durable is not None and not in_durable:
+        self._pipeline.resume(meta, durable_holds_it=bool(in_durable))
+        # Only when the durable tier was listed and lacks the step: during an outage nothing is known,
+        # and the next regular promotion goes on from the restored step's cadence.
+        if self.durable is not None and in_durable is False:
             self._pipeline.promote_restored(found, meta)
         return found
 
