@@ -38,6 +38,7 @@ def test_fsdp_over_tp_resumes_on_the_same_layout_with_the_same_next_loss(two_d):
     _spawn(4, "layout_workers:two_d_load", root, url=url, dp=2, tp=2, same_layout=True)
 
 
+@pytest.mark.slow  # a variant of a default-run case; -m slow runs it
 def test_fsdp_over_tp_without_reshard_after_forward_saves_and_loads_into_the_default(tmp_path):
     """FSDP2 with reshard_after_forward=False keeps the unsharded parameters between forward and
     backward; its state dict after a step is the same sharded DTensors, and loads either way."""
@@ -48,12 +49,13 @@ def test_fsdp_over_tp_without_reshard_after_forward_saves_and_loads_into_the_def
            reshard_after_forward=False)
 
 
-@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 4)], ids=["fsdp-only-2", "tp-only-4"])
+@pytest.mark.parametrize("dp,tp", [(2, 1), pytest.param(1, 4, marks=pytest.mark.slow)], ids=["fsdp-only-2", "tp-only-4"])
 def test_fsdp_over_tp_loads_into_fsdp_only_and_tp_only(two_d, dp, tp):
     root, url = two_d
     _spawn(dp * tp, "layout_workers:two_d_load", root, url=url, dp=dp, tp=tp)
 
 
+@pytest.mark.slow  # the reverse of test_fsdp_over_tp_loads_into_fsdp_only_and_tp_only; -m slow runs it
 @pytest.mark.parametrize("dp,tp", [(2, 1), (1, 4)], ids=["from-fsdp-only-2", "from-tp-only-4"])
 def test_fsdp_only_and_tp_only_load_into_fsdp_over_tp(tmp_path, dp, tp):
     url = str(tmp_path / "ckpt")
@@ -61,6 +63,7 @@ def test_fsdp_only_and_tp_only_load_into_fsdp_over_tp(tmp_path, dp, tp):
     _spawn(4, "layout_workers:two_d_load", tmp_path, url=url, dp=2, tp=2)
 
 
+@pytest.mark.slow  # a reverse direction of a default-run case; -m slow runs it
 def test_four_stages_load_into_two_stages_of_2d(tmp_path):
     url = str(tmp_path / "ckpt")
     _spawn(4, "layout_workers:pp_save", tmp_path, url=url, pp=4, dp=1, tp=1)
@@ -140,7 +143,9 @@ def pipeline(tmp_path_factory):
     return root, url
 
 
-@pytest.mark.parametrize("pp,dp,tp", [(1, 2, 2), (2, 4, 1), (4, 1, 1), (2, 2, 2)])
+# Four stages and no pipeline in the default run; the other splits with -m slow.
+@pytest.mark.parametrize("pp,dp,tp", [(1, 2, 2), pytest.param(2, 4, 1, marks=pytest.mark.slow), (4, 1, 1),
+                                      pytest.param(2, 2, 2, marks=pytest.mark.slow)])
 def test_pipeline_checkpoint_loads_into_other_stage_counts(pipeline, pp, dp, tp):
     root, url = pipeline
     _spawn(pp * dp * tp, "layout_workers:pp_load", root, url=url, pp=pp, dp=dp, tp=tp)
@@ -185,6 +190,7 @@ def test_experts_ep4_load_into_one_process(moe):
     lw.moe_load(0, 1, url, 1)
 
 
+@pytest.mark.slow  # a reverse direction of a default-run case; -m slow runs it
 def test_experts_ep2_load_into_ep4(tmp_path):
     url = str(tmp_path / "ckpt")
     _spawn(2, "layout_workers:moe_save", tmp_path, url=url, ep=2)

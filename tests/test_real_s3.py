@@ -49,7 +49,8 @@ def _state(writer: int) -> dict[str, torch.Tensor]:
             "who": torch.tensor([writer])}
 
 
-@pytest.mark.parametrize("trial", range(TRIALS))
+# One race in the default run, the others with -m slow.
+@pytest.mark.parametrize("trial", [0, *(pytest.param(t, marks=pytest.mark.slow) for t in range(1, TRIALS))])
 def test_writers_racing_for_one_checkpoint_have_exactly_one_winner(s3, trial):
     url = f"s3://{s3['bucket']}/{s3['prefix']}/race"
     options = {k: v for k, v in s3["storage_options"].items() if k != "skip_instance_cache"}
