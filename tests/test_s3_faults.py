@@ -212,11 +212,11 @@ def test_stuck_upload_fails_by_its_deadline_and_later_promotions_succeed(s3, pro
     proxy.add("hold", "UploadPart")
     url = _durable(s3, job)
     local = tmp_path / "local"
-    with CheckpointStore(job, local=local, durable=url, durable_every=1, durable_timeout_s=2,
+    with CheckpointStore(job, local=local, durable=url, durable_every=1, durable_timeout_s=6,
                          storage_options=_through(s3, proxy, **QUICK)) as store:
         h1 = store.save(1, _state(1))
         h1.wait("local")
-        with pytest.raises(StorageError, match=r"durable_timeout_s=2 passed before the object store answered") as err:
+        with pytest.raises(StorageError, match=r"durable_timeout_s=6 passed before the object store answered") as err:
             h1.wait("durable")
         assert err.value.errno == errno.ETIMEDOUT
         with pytest.raises(ckptstore.CheckpointError, match=r"background save \(step 1\) failed"):
