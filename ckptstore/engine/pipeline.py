@@ -270,7 +270,7 @@ class Pipeline:
         if job.error is not None:
             # The background run tells the other ranks of this failure through collectives on
             # the store's groups; raising before they are over would let a caller that catches the
-            # error and tears its process group down destroy a group under them (issue 18 item 8).
+            # error and tears its process group down destroy a group under them.
             concurrent.futures.wait([done])
             raise job.error
         handle = SaveHandle(step, job.futures, waited_s=waited, staged_s=job.staged.seconds if job.staged else 0.0)
