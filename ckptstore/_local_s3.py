@@ -8,14 +8,20 @@ server does, at a server's speed. Otherwise moto's server, a Python model of S3.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,21 +111,101 @@ _WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.gr
                "s3.port.iceberg")
 
 
+_DIR_PREFIX = "ckptstore-seaweedfs-"
+_OWNER = "owner.json"  # in the server's directory: who started it (pid + start time) and the server's pid
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot; with the pid, a process's
+    identity, since pids are reused), or None when there is no such live process (a zombie is
+    dead: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """For Popen's preexec_fn: the child gets SIGKILL when its parent dies, so a server whose
+    owner is SIGKILLed (a test run killed, its finalizers never run) does not live on. Linux
+    delivers it when the thread that forked exits, so only the main thread, which lives as long as
+    the process, asks for it; a server started from another thread is left to the reaping at the
+    next start (:func:`reap_orphans`)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def reap_orphans(root: str | None = None) -> list[str]:
+    """Stop the servers whose owner process is gone and remove their directories (under ``root``,
+    the temporary directory by default); returns the directories removed. A directory without an
+    owner record is left alone: its server may be starting right now."""
+    root = root or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        where = os.path.join(root, name)
+        try:
+            with open(os.path.join(where, _OWNER)) as fh:
+                owner = json.load(fh)
+            pid, started, weed = int(owner["pid"]), owner["started"], int(owner["weed"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if started is None or _start_time(pid) == started:
+            continue  # its owner still runs, or cannot be told apart from a new process of its pid
+        # Only the server of this directory: a pid of a server long gone may name another process now.
+        with contextlib.suppress(OSError), open(f"/proc/{weed}/cmdline", "rb") as fh:
+            if f"-dir={where}".encode() in fh.read().split(b"\0"):
+                os.kill(weed, signal.SIGKILL)
+        shutil.rmtree(where, ignore_errors=True)
+        removed.append(where)
+    return removed
+
+
 class _SeaweedServer:
-    """``weed mini`` on loopback, its data in a temporary directory removed at stop."""
+    """``weed mini`` on loopback, its data in a temporary directory removed at stop. The server
+    dies with the process that started it, and the next start removes a dead owner's directory."""
 
     def __init__(self, binary: str, start_timeout_s: float = 60.0) -> None:
-        self.dir = tempfile.mkdtemp(prefix="ckptstore-seaweedfs-")
+        reap_orphans()
+        self.dir = tempfile.mkdtemp(prefix=_DIR_PREFIX)
         ports = {name: _free_port() for name in _WEED_PORTS}
         self.port = ports["s3.port"]
         cmd = [binary, "mini", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+               # Its unix sockets in its own directory (default: /tmp/seaweedfs-<kind>-<port>.sock,
+               # which nothing removes), so that they go with it.
+               f"-filer.localSocket={self.dir}/filer.sock", f"-s3.localSocket={self.dir}/s3.sock",
                *(f"-{name}={port}" for name, port in ports.items())]
+        self.ports = sorted(ports.values())
         env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
         self.log = os.path.join(self.dir, "weed.log")
         with open(self.log, "wb") as log:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent(os.getpid()))
+        self.pid = self._proc.pid
+        # Written whole under a temporary name, then renamed: a reader never sees half a record.
+        tmp = os.path.join(self.dir, f".{_OWNER}")
+        with open(tmp, "w") as fh:
+            json.dump({"pid": os.getpid(), "started": _start_time(os.getpid()), "weed": self.pid}, fh)
+        os.replace(tmp, os.path.join(self.dir, _OWNER))
         self.start_timeout_s = start_timeout_s
 
     def get_host_and_port(self) -> tuple[str, int]:
@@ -148,6 +234,11 @@ class _SeaweedServer:
                 self._proc.kill()
                 self._proc.wait(5)
         shutil.rmtree(self.dir, ignore_errors=True)
+        # The gRPC sockets that no flag places: named after this server's ports, in /tmp.
+        for port in self.ports:
+            for kind in ("master-grpc", "volume-grpc", "filer-grpc", "s3-grpc", "admin-grpc"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/tmp/seaweedfs-{kind}-{port}.sock")
 
 
 def local_s3_kind(server: str | None = None) -> str:
