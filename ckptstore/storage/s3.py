@@ -181,15 +181,37 @@ def is_s3(fs: Any) -> bool:
     return "s3" in protocols and hasattr(fs, "_call_s3")
 
 
-def _error_code(exc: BaseException) -> str | None:
-    """The S3 error code behind an s3fs exception (s3fs keeps botocore's ClientError as the cause)."""
+def _response(exc: BaseException) -> dict[str, Any] | None:
+    """The S3 response behind an s3fs exception (s3fs keeps botocore's ClientError as the cause)."""
     cause: BaseException | None = exc
     while cause is not None:
         response = getattr(cause, "response", None)
         if isinstance(response, dict):
-            return response.get("Error", {}).get("Code")
+            return response
         cause = cause.__cause__
     return None
+
+
+def _error_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an s3fs exception."""
+    response = _response(exc)
+    return None if response is None else response.get("Error", {}).get("Code")
+
+
+def precondition_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server's 412 to a conditional request: the write lost to an object
+    already there. s3fs turns a 412 into FileExistsError only when the error names the
+    If-None-Match condition (AWS does); SeaweedFS's, and any 412 without a body (botocore then
+    calls its code "412"), arrive as OSError(EINVAL), which s3fs also raises for every 400 (a bad
+    digest, an invalid argument). So the answer is read from the response itself: its status, or
+    its code when the response carries no status."""
+    response = _response(exc)
+    if response is None:
+        return isinstance(exc, FileExistsError)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if status is not None:
+        return bool(status == 412)
+    return response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
 
 
 def _holds(fs: Any, path: str, data: bytes) -> bool:
@@ -223,14 +245,13 @@ def put_if_absent(fs: Any, path: str, data: bytes, display: str = "") -> None:
         except StorageError:
             raise
         except OSError as exc:
-            code = _error_code(exc)
-            if isinstance(exc, FileExistsError) or code == "PreconditionFailed":
+            if precondition_failed(exc):
                 if _holds(fs, path, data):
                     break
                 raise FileExistsError(path) from None
             # AWS answers 409 while another conditional write to the key is in progress; retrying
             # gets the final answer (412 if that writer won, success if it failed).
-            if code == "ConditionalRequestConflict" and attempt < 3:
+            if _error_code(exc) == "ConditionalRequestConflict" and attempt < 3:
                 time.sleep(0.05 * 2**attempt)
                 continue
             raise
@@ -300,7 +321,7 @@ class S3Sink(Sink):
             except StorageError:
                 raise
             except transport_errors() as exc:
-                if isinstance(exc, FileExistsError) or _error_code(exc) == "PreconditionFailed":
+                if precondition_failed(exc):
                     raise FileExistsError(self.display) from None  # an exclusive write lost
                 raise storage_error(exc, "write", self.display, previous_kept=True) from None
 
@@ -369,7 +390,7 @@ class S3Sink(Sink):
                 self.upload_id = None
         except BaseException as exc:
             self.abort()
-            if isinstance(exc, FileExistsError) or _error_code(exc) == "PreconditionFailed":
+            if isinstance(exc, FileExistsError) or precondition_failed(exc):
                 from .base import already_exists
 
                 raise already_exists(self.display) from None
