@@ -133,6 +133,16 @@ class Directory:
         assert self.base.fspath is not None
         return Target(display=f"{self.display}/{rel}", fs=self.base.fs, fspath=f"{self.base.fspath.rstrip('/')}/{rel}")
 
+    def child(self, rel: str) -> Directory:
+        """The directory ``rel`` under this one, on this one's filesystem object. Resolving its URL
+        again builds a new filesystem, with a new S3 client and connection pool, wherever the
+        options bypass fsspec's instance cache (``skip_instance_cache``): about 0.9 s of CPU per
+        step, measured on a durable tier."""
+        d = Directory.__new__(Directory)
+        d.base = self.target(rel)
+        d.display = d.base.display.rstrip("/")
+        return d
+
     def makedirs(self) -> None:
         try:
             if self.base.path is not None:

@@ -99,7 +99,7 @@ class DirectoryTier(Tier):
         return self._base.base.path
 
     def _dir(self, step: int) -> Directory:
-        return Directory(f"{self.root}/{step_dir(step)}", self.storage_options)
+        return self._base.child(step_dir(step))
 
     def display(self, step: int) -> str:
         return self._dir(step).display
