@@ -680,8 +680,22 @@ class FsspecSource(Source):
         self.parallel = bool(getattr(fs, "async_impl", False))
 
     def readinto(self, offset: int, out: memoryview) -> None:
-        data = self.read(offset, len(out))
-        out[:] = data
+        if not s3.is_s3(self.fs) or not len(out):
+            out[:] = self.read(offset, len(out))
+            return
+        if offset + len(out) > self.size:
+            raise ShortRead(offset, len(out), max(0, self.size - offset))
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                got = s3.read_into(self.fs, self.path, offset, out)
+                break
+            except body_cut_errors() as exc:
+                if attempt == READ_ATTEMPTS - 1:
+                    raise storage_error(exc, "read", self.display) from None
+            except transport_errors() as exc:
+                raise storage_error(exc, "read", self.display) from None
+        if got != len(out):
+            raise ShortRead(offset, len(out), got)
 
     def read(self, offset: int, length: int) -> bytes:
         if length == 0:
