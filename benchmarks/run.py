@@ -11,7 +11,8 @@ another's memory or threads), writing its JSON and PNG to ``--out``:
                                local disk and to durable (moto S3)
     scale    bench_scale.py    the drop-in and blocking figures from 64 MiB to 4 GiB and 10 to 100,000 tensors
     loop     bench_loop.py     training-loop step-time overhead at several checkpoint intervals
-    tiers    bench_tiers.py    (extra) local/durable tier throughput against raw writes
+    tiers    bench_tiers.py    (extra) local/durable tier throughput against raw transfers (S3: SeaweedFS,
+                               boto3's transfer manager and ranged GETs with the same part size and concurrency)
     peer     bench_peer.py     (extra) peer replication against raw gloo, restore from peers
 
 Then it writes ``suite.json`` (every part's headline ratios, its status and wall time) and

@@ -221,24 +221,97 @@ class _Staged:
         self.restage()  # both slots touched before anything is timed
         self.restage()
         self.checksum_s = _timed(lambda: self.tier.checksums(self.staged, block_size=BLOCK_SIZE))
-        self.snap = self.tier.snapshot(self.staged, self.staged.step, {})
+        self.snap = self.tier.snapshot(self.staged, 1, {})
+        self.targets: dict[tuple[str, Any], Any] = {}
+        self.persisted = 0
 
     def restage(self) -> None:
         self.step += 1
         self.staged = self.tier.stage(self.step, self.items)
 
     def persist(self, root: str, storage_options: dict[str, Any] | None, tuning: WriteTuning | None) -> str:
-        """What the store's pipeline does per tier and step: this rank's files, then the manifest."""
+        """What the store's pipeline does per tier and step: this rank's files, then the manifest.
+        Each call writes the next step under ``root`` through one tier per root and tuning, as a
+        store's tiers live across its steps (a tier per call would time building an S3 client)."""
+        import dataclasses
+
         from .checkpoint.sharded import build_manifest
         from .tiers.directory import DirectoryTier
 
-        target = DirectoryTier("bench", root, storage_options=storage_options, tuning=tuning)
-        part = target.put_sync(self.snap)
-        target.commit_sync(self.snap.step, build_manifest(self.local.tree, self.local.tensors, [part], 1))
-        return target.display(self.snap.step)
+        target = self.targets.get((root, tuning))
+        if target is None:
+            target = self.targets[(root, tuning)] = DirectoryTier("bench", root, storage_options=storage_options,
+                                                                  tuning=tuning)
+        self.persisted += 1
+        snap = dataclasses.replace(self.snap, step=self.persisted)
+        part = target.put_sync(snap)
+        target.commit_sync(snap.step, build_manifest(self.local.tree, self.local.tensors, [part], 1))
+        return str(target.display(snap.step))
 
     def close(self) -> None:
         self.tier.close(unlink=True)
+
+
+class RawS3:
+    """The raw baseline of an S3 durable tier, on a boto3 client built from the s3fs filesystem's
+    own settings (endpoint, credentials, botocore config): the same bytes through boto3's transfer
+    manager (``upload_fileobj``) with the part size and parts in flight of ckptstore's promotion,
+    and read back by ranged GETs into preallocated memory, one per range that ckptstore's restore
+    requests (one per chunk) and as many at once as its reader threads.
+
+    Shared by ``ckptstore bench --durable`` and benchmarks/bench_tiers.py."""
+
+    def __init__(self, fs: Any, path: str, src: memoryview, dst: memoryview, upload: Any,
+                 ranges: list[tuple[int, int]], read_threads: int) -> None:
+        import concurrent.futures
+        import io
+
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.client = boto3.client("s3", aws_access_key_id=fs.key, aws_secret_access_key=fs.secret,
+                                   aws_session_token=fs.token, config=Config(**(fs.config_kwargs or {})),
+                                   **(fs.client_kwargs or {}))
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.transfer = TransferConfig(multipart_threshold=upload.part_size, multipart_chunksize=upload.part_size,
+                                       max_concurrency=upload.max_in_flight, use_threads=True)
+        self.upload, self.ranges, self.read_threads = upload, ranges, read_threads
+        self.body = io.BytesIO(src)  # one copy, made here: the rounds only rewind it
+        self.dst = dst
+        self.pool = concurrent.futures.ThreadPoolExecutor(read_threads, thread_name_prefix="ckptstore-bench-get")
+
+    @property
+    def read_part(self) -> int:
+        """The largest ranged GET."""
+        return max((n for _o, n in self.ranges), default=0)
+
+    def describe(self) -> dict[str, Any]:
+        return {"client": "boto3", "upload": "S3Transfer upload_fileobj", "upload_part_bytes": self.upload.part_size,
+                "upload_concurrency": self.upload.max_in_flight, "read": "ranged get_object into preallocated memory",
+                "read_requests": len(self.ranges), "read_part_bytes_max": self.read_part,
+                "read_concurrency": self.read_threads}
+
+    def put(self) -> None:
+        self.body.seek(0)
+        self.client.upload_fileobj(self.body, self.bucket, self.key, Config=self.transfer)
+
+    def get(self) -> None:
+        def part(rng: tuple[int, int]) -> None:
+            offset, end = rng[0], rng[0] + rng[1]
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={offset}-{end - 1}")["Body"]
+            while offset < end:
+                got = body.readinto(self.dst[offset:end])
+                if not got:
+                    raise OSError(f"the ranged GET of s3://{self.bucket}/{self.key} ended early at byte {offset}")
+                offset += got
+
+        for _ in self.pool.map(part, self.ranges):
+            pass
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.client.close()
 
 
 def _recommend(rows: list[dict[str, Any]], size_key: str) -> dict[str, Any]:
@@ -248,6 +321,12 @@ def _recommend(rows: list[dict[str, Any]], size_key: str) -> dict[str, Any]:
     near = [r for r in rows if (r["GB_per_s"] or 0) >= best * (1 - _TIE)]
     pick = min(near, key=lambda r: (r["concurrency"], r[size_key]))
     return {size_key: pick[size_key], "concurrency": pick["concurrency"], "GB_per_s": pick["GB_per_s"]}
+
+
+def _default_upload() -> Any:
+    from .storage.s3 import S3Upload
+
+    return S3Upload()
 
 
 def _url_join(root: str, name: str) -> str:
@@ -278,6 +357,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     fs = None
     durable_root = None
     if cfg.durable is not None:
+        # One filesystem object for every round, as a store's durable tier keeps one: options that
+        # bypass fsspec's instance cache would build a new S3 client (about 0.5 s of CPU) in every
+        # timed load_sharded call.
+        cfg.storage_options = {k: v for k, v in (cfg.storage_options or {}).items() if k != "skip_instance_cache"}
         target = resolve(cfg.durable, cfg.storage_options)
         if target.fs is None:
             raise InvalidArgumentError(
@@ -300,6 +383,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     dest = _pieces(dst, n)
     staged = _Staged(job, state, cfg.ram_dir)
     sweep_staged: _Staged | None = None
+    raw_s3: RawS3 | None = None
     doc = {"schema": SCHEMA, "bytes": n, "GiB": n / 2**30, "repeats": cfg.repeats, "targets": {}, "sweep": {},
            "recommended": {}}
     cache_drop: set[str] = set()
@@ -310,6 +394,20 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     notes: list[str] = []
     durable_s3 = fs is not None and is_s3(fs)
+    if durable_root is not None and durable_s3:
+        from .checkpoint.sharded import DEFAULT_READ_BUFFER
+        from .checkpoint.single_file import IO_THREADS
+        from .storage.s3 import upload_settings
+
+        try:
+            # ckptstore's reads of this state: one request per chunk (_PIECE, below the read
+            # buffer), IO_THREADS at once; its uploads: the multipart settings of a default store.
+            piece = min(_PIECE, DEFAULT_READ_BUFFER)
+            raw_s3 = RawS3(fs, str(resolve(_url_join(durable_root, "raw.bin"), cfg.storage_options).fspath),
+                           memoryview(src_buf)[:n], memoryview(dst_buf)[:n], upload_settings() or _default_upload(),
+                           [(o, min(piece, n - o)) for o in range(0, n, piece)], IO_THREADS)
+        except ImportError:
+            notes.append("the raw durable baseline is an fsspec put/get: boto3 is not installed (pip install boto3)")
     # A part size that does not cut the sweep's object in at least two parts measures a single PUT.
     parts = [p for p in cfg.durable_parts if 2 * p <= sweep_n]
     sweep_durable = ([(p, k) for p in parts for k in cfg.durable_concurrency]
@@ -335,12 +433,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             sweep_staged = _Staged(job + "-sweep", take, cfg.ram_dir)
         floor = [dest[k] for k in state]
         pairs = list(zip(floor, state.values()))
-        counter = [0]
-
-        def fresh(root: str) -> str:
-            counter[0] += 1
-            return os.path.join(root, f"r{counter[0]}") if "://" not in root else _url_join(root, f"r{counter[0]}")
-
         def memcpy() -> None:
             for d, s in pairs:
                 d.copy_(s)
@@ -360,8 +452,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 _raw_read(raw_path, memoryview(dst_buf)[:n])
 
             def persist() -> None:
-                root = fresh(local_root)
-                step_dir[:] = [staged.persist(root, None, None)]
+                step_dir[:] = [staged.persist(os.path.join(local_root, "r"), None, None)]
 
             def read() -> None:
                 load_sharded(dest, step_dir[0])
@@ -375,17 +466,22 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             step_dir: list[str] = []
 
             def raw_put() -> None:
+                if raw_s3 is not None:
+                    raw_s3.put()
+                    return
                 with fs.open(raw_key, "wb") as fh:
                     fh.write(memoryview(src_buf)[:n])
 
             def raw_get() -> None:
+                if raw_s3 is not None:
+                    raw_s3.get()
+                    return
                 data = fs.cat_file(raw_key)
                 if len(data) != n:
                     raise OSError(f"raw get returned {len(data)} bytes, not {n}")
 
             def persist() -> None:
-                root = fresh(durable_root)
-                step_dir[:] = [staged.persist(root, cfg.storage_options, None)]
+                step_dir[:] = [staged.persist(_url_join(durable_root, "r"), cfg.storage_options, None)]
 
             def read() -> None:
                 load_sharded(dest, step_dir[0], storage_options=cfg.storage_options)
@@ -413,7 +509,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                             if name.startswith("local/"):
                                 cache_drop.add(drop_cache([local_root] if local_root else []))
                         record(name, _timed(fn))
-                        if is_read and "ckptstore" in name and not torch.equal(dst, src):
+                        filled = "ckptstore" in name or (name == "durable/raw_get" and raw_s3 is not None)
+                        if is_read and filled and not torch.equal(dst, src):
                             raise RuntimeError(f"ckptstore bench: {name} read back different bytes (a bug: please "
                                                "report it)")
             if local_root:
@@ -428,6 +525,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     finally:
         bar.close()
         staged.close()
+        if raw_s3 is not None:
+            raw_s3.close()
         if sweep_staged is not None:
             sweep_staged.close()
         if local_root:
@@ -448,11 +547,19 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                         ("load_sharded (checksums verified)", times["local/ckptstore_cold_read"])),
         }}
     if durable_root:
+        if raw_s3 is not None:
+            up, get = raw_s3.upload, raw_s3
+            put_name = f"boto3 upload_fileobj {up.part_size >> 20} MiB x {up.max_in_flight}"
+            get_name = f"boto3 ranged GET {get.read_part >> 20} MiB x {get.read_threads}"
+        else:
+            put_name, get_name = "fsspec put", "fsspec get"
         targets["durable"] = {"where": cfg.durable, "ops": {
-            "write": _op(n, ("fsspec put", times["durable/raw_put"]), ("durable tier promote", times["durable/ckptstore_promote"])),
-            "read": _op(n, ("fsspec get", times["durable/raw_get"]),
+            "write": _op(n, (put_name, times["durable/raw_put"]), ("durable tier promote", times["durable/ckptstore_promote"])),
+            "read": _op(n, (get_name, times["durable/raw_get"]),
                         ("load_sharded (checksums verified)", times["durable/ckptstore_read"])),
         }}
+        if raw_s3 is not None:
+            targets["durable"]["baseline"] = raw_s3.describe()
     if sweep_local:
         rows = [{"chunk_bytes": c, "concurrency": k, **_entry(f"chunk {c >> 20} MiB x {k}", sweep_n,
                                                               times[f"sweep/local/{c}/{k}"])} for c, k in sweep_local]
@@ -491,12 +598,12 @@ def _sweep_round(cfg: BenchConfig, r: int, staged: _Staged | None, local_root: s
     jobs: list[tuple[str, Callable[[], Any]]] = []
     for c, k in sweep_local:
         assert local_root is not None
-        root = os.path.join(local_root, f"s-{c}-{k}-{r}")
+        root = os.path.join(local_root, f"s-{c}-{k}")
         tuning = WriteTuning(local_chunk_bytes=c, local_concurrency=k)
         jobs.append((f"sweep/local/{c}/{k}", functools.partial(staged.persist, root, None, tuning)))
     for p, k in sweep_durable:
         assert durable_root is not None
-        root = _url_join(durable_root, f"s-{p}-{k}-{r}")
+        root = _url_join(durable_root, f"s-{p}-{k}")
         tuning = WriteTuning(s3_part_bytes=p, s3_concurrency=k)
         jobs.append((f"sweep/durable/{p}/{k}", functools.partial(staged.persist, root, cfg.storage_options, tuning)))
     for name, fn in jobs if r % 2 == 0 else jobs[::-1]:
@@ -803,4 +910,4 @@ def plot(doc: dict[str, Any], path: str) -> bool:
     return True
 
 
-__all__ = ["BenchConfig", "drop_cache", "format_table", "plot", "run_bench"]
+__all__ = ["BenchConfig", "RawS3", "drop_cache", "format_table", "plot", "run_bench"]
