@@ -6,6 +6,9 @@ SeaweedFS answers a conditional PUT (If-None-Match: *) atomically, but completes
 uploads of one new key with 200 each (the last one wins). A commit that relied on conditional
 multipart completion lets every writer "win"; the manifest, a single conditional PUT unique to its
 writer, must decide alone, and no loser's bytes may ever be read.
+
+It also answers a lost conditional PUT with a 412 that s3fs raises as OSError(EINVAL), like a 400;
+and the server the tests start must not outlive a test run that is killed.
 """
 
 from __future__ import annotations
