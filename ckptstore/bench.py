@@ -23,6 +23,7 @@ imports this module.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import mmap
@@ -233,8 +234,6 @@ class _Staged:
         """What the store's pipeline does per tier and step: this rank's files, then the manifest.
         Each call writes the next step under ``root`` through one tier per root and tuning, as a
         store's tiers live across its steps (a tier per call would time building an S3 client)."""
-        import dataclasses
-
         from .checkpoint.sharded import build_manifest
         from .tiers.directory import DirectoryTier
 
@@ -356,19 +355,20 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         return doc
     fs = None
     durable_root = None
-    if cfg.durable is not None:
+    if (durable := cfg.durable) is not None:
         # One filesystem object for every round, as a store's durable tier keeps one: options that
         # bypass fsspec's instance cache would build a new S3 client (about 0.5 s of CPU) in every
         # timed load_sharded call.
-        cfg.storage_options = {k: v for k, v in (cfg.storage_options or {}).items() if k != "skip_instance_cache"}
-        target = resolve(cfg.durable, cfg.storage_options)
+        cfg = dataclasses.replace(cfg, storage_options={k: v for k, v in (cfg.storage_options or {}).items()
+                                                        if k != "skip_instance_cache"})
+        target = resolve(durable, cfg.storage_options)
         if target.fs is None:
             raise InvalidArgumentError(
-                f"--durable {cfg.durable!r} is a local path: give an fsspec URL (s3://bucket/prefix, ...), "
+                f"--durable {durable!r} is a local path: give an fsspec URL (s3://bucket/prefix, ...), "
                 "or measure a directory with --local"
             )
         fs = target.fs
-        durable_root = _url_join(cfg.durable, f"ckptstore-bench-{uuid.uuid4().hex[:8]}")
+        durable_root = _url_join(durable, f"ckptstore-bench-{uuid.uuid4().hex[:8]}")
     local_root = None
     if cfg.local is not None:
         os.makedirs(cfg.local, exist_ok=True)
