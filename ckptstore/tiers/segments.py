@@ -82,7 +82,10 @@ def inventory(ram_dir: str = "/dev/shm", job: str | None = None, *, owners: bool
     bins = {os.path.join(ram_dir, n) for ns in groups.values() for n in ns if n.endswith(".bin")}
     mapped = _mapped_by(bins) if owners else {}
     found = []
-    for (job_, rank, src, slot), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or -1, kv[0][3])):
+    def order(key: tuple[str, int, int | None, int]) -> tuple[str, int, int, int]:
+        return key[0], key[1], -1 if key[2] is None else key[2], key[3]
+
+    for (job_, rank, src, slot), members in sorted(groups.items(), key=lambda kv: order(kv[0])):
         record = _record(ram_dir, Segment(job_, rank, src, slot, "bin"), sorted(members), mapped)
         if record is not None:
             found.append(record)
@@ -106,10 +109,14 @@ def _record(ram_dir: str, seg: Segment, members: list[str], mapped: dict[str, in
         except (OSError, CheckpointError):
             doc = None
     if doc is not None and not (usable_doc(doc) and doc.get("job") == seg.job and doc.get("rank") == seg.rank
-                                and doc.get("slot") == seg.slot):
+                                and doc.get("src") == seg.src and doc.get("slot") == seg.slot):
         doc = None  # a document that is not this segment's commits nothing
     bin_path = os.path.join(ram_dir, f"{os.path.basename(paths[0]).rsplit('.', 1)[0]}.bin")
-    step = doc["step"] if doc is not None and os.path.exists(bin_path) else None
+    try:
+        whole = doc is not None and os.lstat(bin_path).st_size == doc["size"]
+    except FileNotFoundError:
+        whole = False
+    step = doc["step"] if doc is not None and whole else None  # what a restore would read, as scan() decides
     owner = doc.get("owner") if doc is not None else None
     pid, alive = None, False
     if isinstance(owner, dict) and type(owner.get("pid")) is int:
