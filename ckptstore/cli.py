@@ -584,6 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
         "ram",
+        usage="%(prog)s [-h] [--ram-dir DIR] [--json] [rm JOB [--force]]",
         help="list this node's RAM-tier segments (/dev/shm), or remove a job's",
         description="List the RAM-tier segments (staging slots and peer replicas) in a RAM directory by job, rank "
         "and step: their size, whether the process that owns them is alive, and whether their step exists at a "
@@ -593,14 +594,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ram-dir", default="/dev/shm", metavar="DIR", help="the RAM directory (default /dev/shm)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=cmd_ram, ram_command=None)
-    ram = p.add_subparsers(dest="ram_command", metavar="rm")
+    ram = p.add_subparsers(dest="ram_command", metavar="rm", prog="ckptstore ram")
     q = ram.add_parser(
         "rm",
         help="remove a job's segments",
         description="Remove the RAM-tier segments of JOB. Without --force, refuses (and removes nothing) when a "
         "segment's owner process is alive, or its step exists at no lower tier this node can see.",
     )
-    q.add_argument("job", help="the job name (CheckpointStore's first argument)")
+    q.add_argument("job", metavar="JOB", help="the job name (CheckpointStore's first argument)")
     q.add_argument("--ram-dir", default=argparse.SUPPRESS, metavar="DIR", help="the RAM directory (default /dev/shm)")
     q.add_argument("--force", action="store_true", help="remove them even so")
     p = sub.add_parser(
