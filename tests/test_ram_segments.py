@@ -23,6 +23,7 @@ from conftest import assert_same, wipe_ram
 from ckptstore import CheckpointStore
 from ckptstore.cli import main
 from ckptstore.names import parse_segment
+from ckptstore.tiers.peer import PeerTier
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -118,6 +119,25 @@ def test_a_newer_step_at_a_lower_tier_wins_over_older_segments_of_a_finished_run
         assert _segments(job) == []
     finally:
         shutil.rmtree(other_node, ignore_errors=True)
+
+
+def test_close_lets_a_replica_go_once_the_durable_tier_holds_its_step(tmp_path, job, caplog):
+    durable = str(tmp_path / "durable")
+    store = CheckpointStore(job, durable=durable, durable_every=1)
+    store.save(1, _state(1))
+    store.save(2, _state(2)).wait("durable")
+    # Replicas this rank holds of rank 1's snapshots (rank 1 on another node): step 2, which the
+    # durable tier holds, and step 5, which it does not.
+    holder = PeerTier(job, 0, durable=durable)
+    for step in (2, 5):
+        slot, buf = holder.replica_buffer(1, 4096)
+        buf.fill_(step)
+        holder.commit_replica(1, slot, step, 4096, b"{}")
+    holder.close()
+    store.close()
+    assert _segments(job) == [f"ckptstore-{job}-r00000-peer00001-s1.{ext}" for ext in ("bin", "json")]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "the durable tier lacks the replicas' step 5" in warnings[0], warnings
 
 
 _KILLED_RUN = textwrap.dedent("""
