@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ckptstore
@@ -69,10 +70,18 @@ def test_missing_file_is_a_clear_error_with_exit_2(tmp_path, capsys):
 
 
 def test_every_command_has_help():
-    for cmd in ([], ["inspect"], ["verify"], ["reshard"], ["convert"], ["demo"], ["ram"], ["ram", "rm"]):
+    for cmd in ([], ["inspect"], ["verify"], ["reshard"], ["convert"], ["demo"]):
         res = subprocess.run([sys.executable, "-m", "ckptstore.cli", *cmd, "--help"], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
         assert "usage: ckptstore" in res.stdout
+
+
+def test_ram_and_ram_rm_have_help(capsys):
+    for cmd, usage in ((["ram"], "usage: ckptstore ram [-h] [--ram-dir DIR] [--json] [rm JOB [--force]]"),
+                       (["ram", "rm"], "usage: ckptstore ram rm [-h] [--ram-dir DIR] [--force] JOB")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*cmd, "--help"])
+        assert exit_.value.code == 0 and capsys.readouterr().out.startswith(usage)
 
 
 def test_demo_crashes_resumes_exactly_and_reports_the_tiers(tmp_path):
