@@ -118,6 +118,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_ram(args: argparse.Namespace) -> int:
+    from .tiers.segments import inventory, remove_job
+
+    ram_dir = args.ram_dir
+    if args.ram_command == "rm":
+        removed = remove_job(args.job, ram_dir, force=args.force)
+        if not removed:
+            print(f"no RAM segments of job {args.job} in {ram_dir}")
+        else:
+            print(f"removed {len(removed)} RAM segment{'' if len(removed) == 1 else 's'} of job {args.job} from {ram_dir} "
+                  f"({format_bytes(sum(r.size for r in removed))} freed)")
+        return 0
+    records = inventory(ram_dir)
+    if args.json:
+        print(json.dumps([{"job": r.job, "rank": r.rank, "replica_of": r.src, "slot": r.slot, "step": r.step,
+                           "bytes": r.size, "owner_pid": r.owner_pid, "owner_alive": r.owner_alive,
+                           "elsewhere": None if r.elsewhere is None else list(r.elsewhere), "files": list(r.paths)}
+                          for r in records], indent=2))
+        return 0
+    print(f"RAM segments in {ram_dir}: {len(records)} ({format_bytes(sum(r.size for r in records))})")
+    if not records:
+        return 0
+    rows = [("job", "rank", "slot", "step", "size", "owner", "step elsewhere")]
+    for r in records:
+        owner = "unknown" if r.owner_pid is None else f"{r.owner_pid} ({'alive' if r.owner_alive else 'exited'})"
+        if r.step is None:
+            elsewhere = "-"
+        elif r.elsewhere is None:
+            elsewhere = "unknown"
+        else:
+            elsewhere = "+".join(r.elsewhere) or "nowhere"
+        slot = f"s{r.slot}" if r.src is None else f"s{r.slot} (replica of rank {r.src})"
+        rows.append((r.job, str(r.rank), slot, "-" if r.step is None else str(r.step), format_bytes(r.size), owner,
+                     elsewhere))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print("  step '-': nothing committed in the segment. 'step elsewhere': the lower tiers holding that step or a newer "
+          "one, read from the local directory and durable URL each segment's document records ('unknown': an object "
+          "store, which is not contacted, or a document that records no tiers). `ckptstore ram rm JOB` removes a job's segments.")
+    return 0
+
+
 def cmd_reshard(args: argparse.Namespace) -> int:
     from .checkpoint.inspect import open_any
     from .checkpoint.materialize import decode_value
@@ -539,6 +582,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60; the crash comes halfway)")
     p.add_argument("--no-s3", action="store_true", help="skip the local S3 server")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser(
+        "ram",
+        usage="%(prog)s [-h] [--ram-dir DIR] [--json] [rm JOB [--force]]",
+        help="list this node's RAM-tier segments (/dev/shm), or remove a job's",
+        description="List the RAM-tier segments (staging slots and peer replicas) in a RAM directory by job, rank "
+        "and step: their size, whether the process that owns them is alive, and whether their step exists at a "
+        "lower tier (the local directory, or a durable URL that is a path on this node, as each segment's document "
+        "records them). `ckptstore ram rm JOB` removes a job's segments.",
+    )
+    p.add_argument("--ram-dir", default="/dev/shm", metavar="DIR", help="the RAM directory (default /dev/shm)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=cmd_ram, ram_command=None)
+    ram = p.add_subparsers(dest="ram_command", metavar="rm", prog="ckptstore ram")
+    q = ram.add_parser(
+        "rm",
+        help="remove a job's segments",
+        description="Remove the RAM-tier segments of JOB. Without --force, refuses (and removes nothing) when a "
+        "segment's owner process is alive, or its step exists at no lower tier this node can see.",
+    )
+    q.add_argument("job", metavar="JOB", help="the job name (CheckpointStore's first argument)")
+    q.add_argument("--ram-dir", default=argparse.SUPPRESS, metavar="DIR", help="the RAM directory (default /dev/shm)")
+    q.add_argument("--force", action="store_true", help="remove them even so")
     p = sub.add_parser(
         "plan",
         help="the optimal checkpoint interval (Young, Daly) and the expected waste",

@@ -69,14 +69,24 @@ def render() -> str:
         *_arguments(parser),
         "",
     ]
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    out += _commands(parser, "ckptstore", "##")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str, heading: str) -> list[str]:
+    """A section per subcommand of ``parser``, and a subsection per subcommand of those (``ram rm``)."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None:
+        return []
+    out: list[str] = []
     helps = {c.dest: c.help for c in sub._choices_actions}
     for name, p in sub.choices.items():
-        out += [f"## ckptstore {name}", "", helps.get(name) or "", ""]
+        out += [f"{heading} {prefix} {name}", "", helps.get(name) or "", ""]
         if p.description:
             out += [p.description, ""]
         out += ["```text", _usage(p), "```", "", *_arguments(p), ""]
-    return "\n".join(out).rstrip() + "\n"
+        out += _commands(p, f"{prefix} {name}", heading + "#")
+    return out
 
 
 def main() -> int:

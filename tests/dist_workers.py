@@ -259,7 +259,7 @@ def store_save_job(rank: int, world: int, name: str, local: str, durable: str, s
     handles = [store.save(step, _scaled_state(mesh_shape, layouts, step, per_rank=True)) for step in steps]
     handles[-1].wait("local")
     assert all(h.done("ram") for h in handles)
-    store.close()
+    store.close(keep_ram=True)  # the next run restarts on this node, from RAM
 
 
 def store_restore_job(rank: int, world: int, name: str, local: str | None, durable: str | None, expect: int,
@@ -273,7 +273,7 @@ def store_restore_job(rank: int, world: int, name: str, local: str | None, durab
     assert any(f"restored step {expect} from the {expect_tier} tier" in m for m in records), records
     # The next save continues after the restored step, on every rank.
     store.save(expect + 1, _scaled_state(mesh_shape, layouts, expect + 1, per_rank=per_rank)).wait("local")
-    store.close()
+    store.close(keep_ram=True)  # the next run restarts on this node, from RAM
 
 
 def store_disagree_job(rank: int, world: int, name: str, local: str) -> None:
@@ -333,7 +333,7 @@ def peer_save_job(rank: int, world: int, name: str, ram_root: str, local_root: s
         handle = store.save(step, _scaled_state([world], _SHARD0, step, per_rank=True))
     handle.wait("peer")
     handle.wait("local")
-    store.close()
+    store.close(keep_ram=True)  # the next run restarts on these nodes, from their RAM and replicas
 
 
 def peer_restore_job(rank: int, world: int, name: str, ram_root: str, local_root: str, per_node: int, replicas: int,
@@ -447,7 +447,7 @@ def big_peer_save_job(rank: int, world: int, name: str, ram_root: str, local_roo
         handle = store.save(step, _big_shard(world, step, rank))
         handle.wait("peer")
         handle.wait("local")
-    store.close()
+    store.close(keep_ram=True)  # the next run restarts on these nodes, from their RAM and replicas
 
 
 def _status(field: str) -> int:
@@ -554,4 +554,4 @@ def small_peer_save_job(rank: int, world: int, name: str, ram_root: str, local_r
         handle = store.save(step, _small_shard(world, step, rank))
         handle.wait("peer")
         handle.wait("local")
-    store.close()
+    store.close(keep_ram=True)  # the next run restarts on these nodes, from their RAM and replicas

@@ -50,7 +50,7 @@ def goodput_job(rank: int, world: int, root: str, ram_dir: str, name: str) -> No
     out["decisions"] = decisions
     out["corrupt_step"] = corrupt_step
     out["plan"] = store.plan
-    store.close()
+    store.close(keep_ram=True)  # the replicas it holds serve the restore from peers below
     # A replica on a peer holds only what its source wrote (the staged-only copies are cut off): restore
     # from peers alone, with this rank's own RAM and disk copies gone.
     for fname in os.listdir(ram_dir):

@@ -99,6 +99,7 @@ def save_job(job: str, local: str) -> None:
         fut.result()
         # Without checkpoint_id the step follows the newest one.
         assert store.last_step == 6
+        store.close(keep_ram=True)  # the loads that follow on this node read these RAM segments
 
 
 def load_job(job: str, local: str, layout: dict, step: int | None, scale: int) -> None:

@@ -16,6 +16,7 @@ from conftest import assert_same, s3_keys
 from ckptstore import CheckpointStore, InvalidArgumentError
 from ckptstore._units import parse_size
 from ckptstore.cli import main
+from ckptstore.names import parse_segment
 from ckptstore.storage.targets import WriteTuning
 from ckptstore.storage.tuning import load_tuning
 
@@ -214,11 +215,19 @@ def test_store_uploads_durable_parts_of_the_tuned_size_and_concurrency(tmp_path,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _bench_segments() -> set[str]:
+    """The benchmarks' RAM segments in /dev/shm (their jobs are named bench*; other tests' are not)."""
+    return {n for n in os.listdir("/dev/shm") if (seg := parse_segment(n)) is not None and seg.job.startswith("bench")}
+
+
 def _suite(tmp_path, *only: str) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--quick", "--out", str(tmp_path / "out"),
            "--dir", str(tmp_path)]
+    before = _bench_segments()
     res = subprocess.run([*cmd, *(["--only", *only] if only else [])], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert _bench_segments() - before == set(), "the benchmarks left RAM segments in /dev/shm"
+    assert "leaked" not in res.stderr, res.stderr[-3000:]
     with open(tmp_path / "out" / "suite.json") as fh:
         return json.load(fh)
 

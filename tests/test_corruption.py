@@ -47,11 +47,12 @@ class Copies:
         self.local = str(tmp_path / "local")
         self.prefix = f"{s3['prefix']}/{job}/durable"  # parametrized tests share s3['prefix']
         self.durable = f"s3://{s3['bucket']}/{self.prefix}"
-        with self.store() as store:
-            for step in (1, 2):
-                handle = store.save(step, _state(step))
-                handle.wait("local")
-                handle.wait("durable")
+        store = self.store()
+        for step in (1, 2):
+            handle = store.save(step, _state(step))
+            handle.wait("local")
+            handle.wait("durable")
+        store.close(keep_ram=True)  # a restart on this node finds a copy in every tier, RAM too
 
     def store(self, **kw) -> CheckpointStore:
         return CheckpointStore(self.job, local=self.local, durable=self.durable, durable_every=1,
@@ -107,8 +108,12 @@ def _damaged(raw: bytes, kind: str) -> bytes:
 def _restore(copies: Copies, caplog, **kw) -> tuple[int | None, dict, str]:
     caplog.clear()
     target = _empty()
-    with copies.store(**kw) as store, caplog.at_level(logging.WARNING, logger="ckptstore"):
-        step = store.restore(target)
+    store = copies.store(**kw)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            step = store.restore(target)
+    finally:
+        store.close(keep_ram=True)  # the test's next restore finds the RAM copies as they were
     return step, target, caplog.text
 
 

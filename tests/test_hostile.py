@@ -637,8 +637,9 @@ def _ram_tampered_restore_falls_back(tmp_path, tamper: Callable[[str], None], ca
     job = f"hostile-{uuid.uuid4().hex[:10]}"
     ram_dir, local = str(tmp_path / "shm"), str(tmp_path / "local")
     os.mkdir(ram_dir)
-    with ckptstore.CheckpointStore(job, local=local, ram_dir=ram_dir) as store:
-        store.save(1, _state()).wait("local")
+    store = ckptstore.CheckpointStore(job, local=local, ram_dir=ram_dir)
+    store.save(1, _state()).wait("local")
+    store.close(keep_ram=True)  # the restart below finds the RAM copy, which the tampering reaches
     docs = _ram_docs(ram_dir)
     assert docs
     for path in docs:
@@ -818,9 +819,10 @@ def test_created_files_and_directories_are_owner_only(tmp_path, job, umask):
         ckptstore.save_sharded(_state(), str(tmp_path / "a" / "b" / "sharded"))
         ram_dir = tmp_path / "shm"
         os.mkdir(ram_dir, 0o755)
-        with ckptstore.CheckpointStore(job, local=str(tmp_path / "x" / "local"), ram_dir=str(ram_dir)) as store:
-            store.save(1, _state()).wait("local")
-            store.save(2, _state()).wait("local")
+        store = ckptstore.CheckpointStore(job, local=str(tmp_path / "x" / "local"), ram_dir=str(ram_dir))
+        store.save(1, _state()).wait("local")
+        store.save(2, _state()).wait("local")
+        store.close(keep_ram=True)  # the segments' modes are checked below
         from ckptstore.checkpoint.reshard import reshard
 
         reshard(str(tmp_path / "a" / "b" / "sharded"), str(tmp_path / "r" / "resharded"), 2)

@@ -159,6 +159,11 @@ def test_a_lost_node_is_restored_from_peer_replicas_without_any_durable_tier(tmp
     _spawn(6, "peer_save_job", tmp_path, steps=[1, 2, 3], **args)
     _lose_node(ram_root, str(tmp_path / "local"), 1)
     _spawn(6, "peer_restore_job", tmp_path, expect=3, expect_log="restored step 3 from the peer+ram tier", **args)
+    # That run's close() gave back each rank's own slots (step 3 is in its node's local tier) and
+    # kept the replicas, whose step no durable tier holds.
+    for node in (0, 2):
+        left = os.listdir(os.path.join(ram_root, f"node{node}"))
+        assert left and all("-peer" in name for name in left), left
 
 
 def test_a_corrupt_replica_is_detected_and_the_next_copy_used(tmp_path, job, ram_root):

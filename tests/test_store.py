@@ -65,8 +65,9 @@ def test_restore_without_any_checkpoint_returns_none(job, tmp_path):
 
 def test_a_damaged_ram_copy_falls_back_to_local(job, tmp_path, caplog):
     local = str(tmp_path / "local")
-    with CheckpointStore(job, local=local) as store:
-        store.save(1, _state(1)).wait("local")
+    store = CheckpointStore(job, local=local)
+    store.save(1, _state(1)).wait("local")
+    store.close(keep_ram=True)  # a restart on this node: the RAM copy is read first
     seg = f"/dev/shm/ckptstore-{job}-r00000-s0.bin"
     with open(seg, "r+b") as fh:
         fh.write(b"\xff" * 64)
@@ -189,8 +190,8 @@ def test_ram_budget_sets_the_number_of_slots(job, tmp_path):
     with CheckpointStore(job, local=str(tmp_path / "l"), ram_budget_bytes=3 * 724_992) as store:
         for step in range(1, 5):
             store.save(step, _state(step)).wait("local")
-    segments = sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"ckptstore-{job}-") and f.endswith(".bin"))
-    assert segments == [f"ckptstore-{job}-r00000-s{i}.bin" for i in range(3)]
+        segments = sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"ckptstore-{job}-") and f.endswith(".bin"))
+        assert segments == [f"ckptstore-{job}-r00000-s{i}.bin" for i in range(3)]
 
 
 def _part(root, step: int) -> dict:
@@ -332,8 +333,9 @@ def test_a_damaged_ram_copy_of_a_frozen_store_restores_the_same_step_from_local(
     # The local tier keeps the frozen region in a file of its own and shifts the rest's offsets:
     # its copy must be read with its own manifest, not the RAM copy's (issue 18, item 4).
     state, local = _base_and_head(), str(tmp_path / "local")
-    with CheckpointStore(job, local=local, frozen=lambda k: k.startswith("base/")) as store:
-        store.save(1, state).wait("local")
+    store = CheckpointStore(job, local=local, frozen=lambda k: k.startswith("base/"))
+    store.save(1, state).wait("local")
+    store.close(keep_ram=True)  # a restart on this node: the RAM copy is read first
     assert any("frozen" in f for f in os.listdir(tmp_path / "local" / "step-000000000001" / "data"))
     seg = _flip_ram_copy(job, damaged)
     with CheckpointStore(job, local=local) as store, caplog.at_level(logging.WARNING, logger="ckptstore"):
@@ -347,8 +349,9 @@ def test_a_damaged_ram_copy_of_a_frozen_store_restores_the_same_step_from_local(
 def test_a_damaged_ram_copy_of_a_zstd_durable_store_restores_the_same_step_from_durable(job, tmp_path, caplog):
     # The durable tier's chunks are compressed: other offsets, lengths and checksums than RAM's.
     state, durable = _base_and_head(), str(tmp_path / "durable")
-    with CheckpointStore(job, durable=durable, durable_every=1, durable_compression="zstd") as store:
-        store.save(1, state).wait("durable")
+    store = CheckpointStore(job, durable=durable, durable_every=1, durable_compression="zstd")
+    store.save(1, state).wait("durable")
+    store.close(keep_ram=True)  # a restart on this node: the RAM copy is read first
     seg = _flip_ram_copy(job, "head")
     with CheckpointStore(job, durable=durable) as store, caplog.at_level(logging.WARNING, logger="ckptstore"):
         target = {"base": {k: torch.zeros_like(v) for k, v in state["base"].items()},

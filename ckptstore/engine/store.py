@@ -28,10 +28,12 @@ from .._gc import gc_paused
 from ..collective import StoreGroups, store_groups
 from ..errors import CheckpointError, InvalidArgumentError
 from ..goodput.tracker import GoodputTracker
+from ..names import PEER_DIR
 from ..planning.placement import node_of_ranks, replica_holders, replicas_held
-from ..tiers.directory import DirectoryTier
+from ..tiers.directory import DirectoryTier, committed_steps
 from ..tiers.peer import PeerTier
 from ..tiers.ram import RamTier
+from ..tiers.segments import SegmentRecord, inventory, remove_segments
 from ..train_state import TrainState
 from .exchange import transfers_ended
 from .options import StoreOptions
@@ -155,7 +157,8 @@ class CheckpointStore:
         where = (socket.gethostname(), os.path.realpath(opts.local) if opts.local else None)
         sharing = trainer.all_gather(where)
         local_owner = self.rank == min(r for r, w in enumerate(sharing) if w == where)
-        self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2, fallback=opts.ram_fallback)
+        self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2, fallback=opts.ram_fallback,
+                           lower={"local": opts.local, "durable": opts.durable.url})
         self.local = (DirectoryTier("local", opts.local, manifest_writer=local_owner, tuning=opts.tuning,
                                     node_local=True) if opts.local else None)
         self.durable = (DirectoryTier("durable", opts.durable.url, storage_options=opts.durable.storage_options,
@@ -163,7 +166,8 @@ class CheckpointStore:
                         if opts.durable.url else None)
         self.peer = PeerTier(opts.job, self.rank, ram_dir=opts.ram_dir, group=self._groups.peer,
                              send_to=holders[self.rank], hold_for=replicas_held(holders, self.rank),
-                             local_root=opts.local, to_local=opts.peer.to_local, keep=opts.keep_local)
+                             local_root=opts.local, to_local=opts.peer.to_local, keep=opts.keep_local,
+                             durable=opts.durable.url)
         self._sweep(local_owner)
         trainer.all_gather(None)  # nobody saves into a directory another rank is still sweeping
         self._loop = LoopThread()
@@ -292,16 +296,91 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------------------ closing
 
-    def close(self) -> None:
+    def close(self, *, keep_ram: bool = False) -> None:
         """Drain the pipeline, promote the last snapshot if it was not, and stop the loop.
-        Re-raises a background failure that nothing surfaced yet."""
+        Re-raises a background failure that nothing surfaced yet.
+
+        Then this rank's RAM segments (its staging slots, and the peer replicas it holds) leave
+        ``ram_dir``: their memory belongs to the node, and stays taken after the process exits
+        until someone removes them. The slots go once their newest step is committed at a lower
+        tier (local or durable), a replica once the durable tier (or this node's disk, with
+        ``peer_to_local``) holds its step. ``keep_ram=True`` keeps them all, for a restart on this
+        node that restores from RAM. A store without a local or durable tier keeps them in any case
+        (they are the only copy), and says so in a warning, as it does for any it keeps because
+        their step reached no lower tier; ``ckptstore ram`` lists what is left, ``ckptstore ram rm
+        JOB`` removes it."""
         if self._closed:
             return
         try:
             self._pipeline.close()
+            if not keep_ram:
+                self._release_ram()
         finally:
             self._release()
         self._pipeline.errors.raise_pending(self._pipeline.errors.pending())
+
+    def _release_ram(self) -> None:
+        """Remove this rank's segments whose steps exist at a lower tier (see :meth:`close`)."""
+        opts = self.options
+        try:
+            records = [r for r in inventory(opts.ram_dir, self.job, owners=False) if r.rank == self.rank]
+        except CheckpointError as exc:
+            log.warning("ckptstore: cannot list the RAM segments of job %s to release them: %s", self.job, exc)
+            return
+        if not records:
+            return
+        newest = max((r.step for r in records if r.src is None and r.step is not None), default=None)
+        local = self._listed(self.local)
+        # The durable tier is listed only when the answer depends on it (a request to an object store).
+        covered = newest is None or max(local or set(), default=-1) >= newest
+        replicas = any(r.src is not None and r.step is not None for r in records)
+        durable = self._listed(self.durable) if replicas or not covered else None
+        peer_disk = (committed_steps(os.path.join(opts.local, PEER_DIR))
+                     if self.peer is not None and self.peer.to_local and opts.local else set())
+        lower = max((local or set()) | (durable or set()), default=None)
+        if self.local is None and self.durable is None:
+            own_kept = "the store has no local or durable tier, so they are the only copy of their steps"
+        elif lower is None or (newest is not None and lower < newest):
+            own_kept = f"step {newest} is committed at no lower tier"
+        else:
+            own_kept = ""
+        replicas_at = max((durable or set()) | peer_disk, default=-1)
+        go: list[SegmentRecord] = []
+        kept: list[SegmentRecord] = []
+        reasons: set[str] = set()
+        for r in records:
+            if r.step is None:
+                why = ""  # nothing committed in it: no restore could use it
+            elif r.src is None:
+                why = own_kept
+            else:
+                why = "" if replicas_at >= r.step else f"the durable tier lacks the replicas' step {r.step}"
+            (kept if why else go).append(r)
+            if why:
+                reasons.add(why)
+        try:
+            remove_segments(go)
+        except CheckpointError as exc:
+            log.warning("ckptstore: cannot release the RAM segments of job %s: %s", self.job, exc)
+        if kept:
+            size = sum(r.size for r in kept)
+            where = "" if opts.ram_dir == "/dev/shm" else f" --ram-dir {opts.ram_dir}"
+            log.warning("ckptstore: close() keeps %d RAM segment%s of job %s, rank %d (%.1f MiB in %s): %s. A restart on "
+                        "this node restores from them; `ckptstore ram rm %s%s` frees them (close(keep_ram=True) keeps "
+                        "them without this warning)", len(kept), "" if len(kept) == 1 else "s", self.job, self.rank, size / (1 << 20), opts.ram_dir,
+                        "; ".join(sorted(reasons)), self.job, where)
+
+    def _listed(self, tier: DirectoryTier | None) -> set[int] | None:
+        """The committed steps of ``tier``; None without one or when it cannot be listed (then it
+        counts as holding nothing, and the segments stay)."""
+        if tier is None:
+            return None
+        try:
+            return set(tier.steps_sync())
+        except (CheckpointError, OSError) as exc:
+            log.warning("ckptstore: cannot list the %s tier while closing (the RAM segments it would let go stay): %s",
+                        tier.name, exc)
+            return None
 
     def _release(self) -> None:
         self._closed = True

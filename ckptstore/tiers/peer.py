@@ -42,7 +42,7 @@ from ..storage import small
 from ..storage.targets import Source, Target, makedirs_private, open_sink, open_source
 from .base import Capabilities, Holdings, Snapshot, Tier
 from .directory import committed_steps, directory_holdings
-from .ram import RAM_FORMAT, Slot, read_doc, remove_file, scan, segment_holdings, write_doc
+from .ram import RAM_FORMAT, Slot, lower_record, owner_record, read_doc, remove_file, scan, segment_holdings, write_doc
 
 _SIZE_TAG, _DATA_TAG = 1, 2
 
@@ -59,8 +59,11 @@ class PeerTier(Tier):
 
     def __init__(self, job: str, rank: int = 0, *, ram_dir: str = "/dev/shm", group: Group | None = None,
                  send_to: list[int] | None = None, hold_for: list[int] | None = None, local_root: str | None = None,
-                 to_local: bool = False, keep: int | None = None) -> None:
+                 to_local: bool = False, keep: int | None = None, durable: str | None = None) -> None:
         self.name = "peer"
+        # Recorded in each replica's document, as the RAM tier does (``ckptstore ram``): a replica's
+        # step also exists on this node's disk with ``to_local``, or in the durable tier.
+        self.lower = lower_record(local_root if to_local else None, durable)
         self.job, self.rank, self.ram_dir = job, rank, ram_dir
         self.group, self.local_root, self.to_local, self.keep = group, local_root, to_local and local_root is not None, keep
         self.send_to, self.hold_for = list(send_to or []), list(hold_for or [])
@@ -135,7 +138,8 @@ class PeerTier(Tier):
     async def _publish(self, src: int, slot: int, step: int, size: int, manifest: bytes) -> None:
         """Make a received replica visible to restores (by rename, after the bytes)."""
         doc = {"format": RAM_FORMAT, "job": self.job, "rank": self.rank, "src": src, "step": step, "slot": slot,
-               "size": size, "committed_unix": round(time.time(), 3), "extra": {"manifest": manifest.decode()}}
+               "size": size, "committed_unix": round(time.time(), 3), "owner": owner_record(), "lower": self.lower,
+               "extra": {"manifest": manifest.decode()}}
         await write_doc(self._name(src, slot, "json"), doc)
 
     def _disk_target(self, step: int, rel: str) -> Target:

@@ -163,7 +163,7 @@ class RamTier(Tier):
     capabilities = Capabilities(node_local=True)
 
     def __init__(self, job: str, rank: int = 0, *, ram_dir: str = "/dev/shm", slots: int = 2,
-                 fallback: str | None = None) -> None:
+                 fallback: str | None = None, lower: dict[str, str | None] | None = None) -> None:
         if not valid_job(job):
             raise InvalidArgumentError(f"job {job!r} must be 1-100 characters of letters, digits, '.', '_' or '-'")
         if slots < 1:
@@ -175,6 +175,10 @@ class RamTier(Tier):
         self.name = "ram"
         self.job, self.rank, self.ram_dir, self.nslots = job, rank, ram_dir, slots
         self.fallback = fallback
+        # Where the store's lower tiers are ({"local": directory, "durable": URL}), recorded in every
+        # committed slot's document: what `ckptstore ram` and a node agent, which have no store,
+        # read to tell whether a segment's step exists elsewhere.
+        self.lower = lower_record(**(lower or {}))
         # Once one slot did not fit, every later one is private too: a mix would publish some
         # snapshots and not others, which a restart could not tell from a crash.
         self.private = False
@@ -364,6 +368,8 @@ class RamTier(Tier):
             "layout": staged.layout.to_json(),
             "checksums": checksums,
             "committed_unix": round(time.time(), 3),
+            "owner": owner_record(),
+            "lower": self.lower,
             "extra": extra or {},
         }
         await write_doc(self._name(staged.slot, "json"), doc)
@@ -533,6 +539,42 @@ class RamTier(Tier):
                 remove_file(self._name(index, "bin"))
                 remove_file(self._name(index, "json"))
         self._slots.clear()
+
+
+def owner_record() -> dict[str, Any]:
+    """Who committed a segment, as a document records it: the process id with its start time (a
+    pid alone may have been reused by another process since) and the host."""
+    pid = os.getpid()
+    return {"pid": pid, "start": process_start(pid), "host": socket.gethostname()}
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, /proc/<pid>/stat), or None when there
+    is no such live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    if len(fields) < 20 or fields[0] == b"Z":
+        return None
+    return int(fields[19])
+
+
+def lower_record(local: str | os.PathLike[str] | None = None, durable: str | None = None) -> dict[str, str | None]:
+    """The lower tiers of a store as a segment's document records them: the local directory as an
+    absolute path, the durable URL without any user or password in it."""
+    return {"local": os.path.realpath(local) if local is not None else None,
+            "durable": _without_credentials(durable) if durable is not None else None}
+
+
+def _without_credentials(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return os.path.abspath(url)
+    host, slash, path = rest.partition("/")
+    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
 
 
 _warned: set[tuple[str, str]] = set()
