@@ -193,6 +193,9 @@ class RamTier(Tier):
         # (storage pointer, version counter, shape, strides, dtype) -- the basis of skipping.
         self._layout_sig: dict[int, str] = {}
         self._sources: dict[int, dict[str, tuple]] = {}
+        # What the store that owns these slots does with a snapshot after RAM (its "store" member
+        # in each committed document): a node agent that finds the owner dead persists exactly that.
+        self.store_info: dict[str, Any] | None = None
 
     def _find_newest(self) -> None:
         mine = self._docs(self.rank)
@@ -365,7 +368,10 @@ class RamTier(Tier):
             "checksums": checksums,
             "committed_unix": round(time.time(), 3),
             "extra": extra or {},
+            "owner": owner_record(),
         }
+        if self.store_info is not None:
+            doc["store"] = self.store_info
         await write_doc(self._name(staged.slot, "json"), doc)
         if self._newest is None or staged.step >= self._newest[0]:
             self._newest = (staged.step, staged.slot)
@@ -533,6 +539,24 @@ class RamTier(Tier):
                 remove_file(self._name(index, "bin"))
                 remove_file(self._name(index, "json"))
         self._slots.clear()
+
+
+def owner_record() -> dict[str, Any]:
+    """Who committed a snapshot: this process, named so that a node agent can tell it is gone
+    even after its pid was reused (the start time, in clock ticks since boot, differs)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid())}
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22), or None
+    where /proc cannot say (gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read().decode("ascii", "replace")
+        # The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 _warned: set[tuple[str, str]] = set()
