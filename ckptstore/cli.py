@@ -125,14 +125,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     agent = NodeAgent(args.job, local=args.local, durable=args.durable, ram_dir=args.ram_dir, storage_options=options)
-    lock = args.lock_fd if args.lock_fd is not None else hold_agent_lock(args.job, args.ram_dir)
+    locks = [args.lock_fd if args.lock_fd is not None else hold_agent_lock(args.job, args.ram_dir)]
+
+    def release() -> None:
+        while locks:
+            os.close(locks.pop())
+
     try:
         if not args.once:
-            agent.watch(poll_s=args.poll, exit_when_idle=args.exit_when_idle)
+            agent.watch(poll_s=args.poll, exit_when_idle=args.exit_when_idle, release=release)
             return 0
         out = agent.run_once()
     finally:
-        os.close(lock)
+        release()
     for what, steps in (("committed in the local tier", out.local), ("committed in the durable tier", out.durable),
                         ("waiting in the durable tier for other nodes' parts", out.waiting),
                         ("failed (see the log above)", out.failed)):

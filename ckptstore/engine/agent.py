@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,9 @@ class NodeAgent:
         self.durable_url, self.storage_options = durable, storage_options
         self._durable: dict[str | None, DirectoryTier] = {}  # by codec: the store's durable_compression
         self._warned: set[tuple[int, str]] = set()
+        # Snapshots found complete (persisted, or never due anywhere else), by their segments'
+        # documents: a watching agent does not list the tiers for them again at every pass.
+        self._settled: set[tuple[tuple[str, Any], ...]] = set()
 
     def durable(self, codec: str | None) -> DirectoryTier | None:
         if self.durable_url is None:
@@ -164,7 +168,10 @@ class NodeAgent:
         durable_steps: dict[str | None, list[int]] = {}
         for step in sorted(by_step):
             try:
-                segments = by_step[step]
+                segments = _one_per_rank(by_step[step])
+                settled = tuple(sorted((path, doc.get("committed_unix")) for path, doc in segments))
+                if settled in self._settled:
+                    continue
                 manifest = parse_manifest(segments[0][1]["extra"]["manifest"].encode(), where=segments[0][0])
                 if not all(owner_gone(doc, manifest) for _path, doc in segments):
                     continue  # a live store is persisting it
@@ -176,8 +183,9 @@ class NodeAgent:
                                        else None)
                 if durable is not None and durable.codec not in durable_steps:
                     durable_steps[durable.codec] = await durable.steps()
-                await self._step(step, segments, manifest, info, local_steps or [],
-                                 durable_steps.get(durable.codec, []) if durable else [], durable, out)
+                if await self._step(step, segments, manifest, info, local_steps or [],
+                                    durable_steps.get(durable.codec, []) if durable else [], durable, out):
+                    self._settled.add(settled)
             except Exception as exc:  # noqa: BLE001 - one bad segment must not stop the others
                 log.error("ckptstore agent: step %d of job %s in %s was not persisted: %s: %s", step, self.job,
                           self.ram_dir, type(exc).__name__, exc)
@@ -186,7 +194,8 @@ class NodeAgent:
 
     async def _step(self, step: int, segments: list[tuple[str, dict[str, Any]]], manifest: Manifest,
                     info: dict[str, Any], local_steps: list[int], durable_steps: list[int],
-                    durable: DirectoryTier | None, out: Outcome) -> None:
+                    durable: DirectoryTier | None, out: Outcome) -> bool:
+        """Persist one step where it is still missing; True once nothing more is to be done for it."""
         meta = manifest.meta
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         sdc = meta.get("sdc") if isinstance(meta.get("sdc"), dict) else None
@@ -202,7 +211,7 @@ class NodeAgent:
         need_durable = (due and durable is not None and step not in durable_steps
                         and step > max(durable_steps, default=-1))
         if not need_local and not need_durable:
-            return
+            return True
         sid = snapshot_id(manifest)
         snaps = []
         for path, doc in segments:
@@ -226,9 +235,10 @@ class NodeAgent:
                             "waits for ranks %s (their nodes' agents)", step, where, durable.display(step),
                             ", ".join(map(str, missing)))
                 out.waiting.append(step)
-            else:
-                log.warning("ckptstore agent: step %d committed in the durable tier %s", step, durable.display(step))
-                out.durable.append(step)
+                return False
+            log.warning("ckptstore agent: step %d committed in the durable tier %s", step, durable.display(step))
+            out.durable.append(step)
+        return True
 
     async def _commit_local(self, step: int, manifest: Manifest, snaps: list[Snapshot], sid: str,
                             cadence: dict[str, Any], sdc: dict[str, Any] | None) -> None:
@@ -284,9 +294,11 @@ class NodeAgent:
 
     # ------------------------------------------------------------------------------ watching
 
-    def watch(self, *, poll_s: float = 2.0, exit_when_idle: bool = False) -> None:
+    def watch(self, *, poll_s: float = 2.0, exit_when_idle: bool = False,
+              release: Callable[[], None] | None = None) -> None:
         """Pass after pass, ``poll_s`` apart. ``exit_when_idle`` (how a store's agent runs): return once
-        no store of the job on this node holds the stores lock and a last pass found nothing to do."""
+        no store of the job on this node holds the stores lock and a last pass found nothing to do,
+        calling ``release`` (which gives up the agent lock) while still holding the stores lock."""
         stores_fd = None
         try:
             while True:
@@ -299,6 +311,8 @@ class NodeAgent:
                         # and then finds the agent lock free and starts another agent.
                         last = self.run_once()
                         if not last.failed:
+                            if release is not None:
+                                release()  # before the stores lock: a store waiting on it then starts an agent
                             return
                         fcntl.flock(stores_fd, fcntl.LOCK_UN)
                 time.sleep(poll_s)
@@ -308,6 +322,18 @@ class NodeAgent:
 
 
 # ---------------------------------------------------------------------------------- the pieces
+
+
+def _one_per_rank(segments: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """One segment per rank (a rank never holds one step in two slots; if it did, the newer commit)."""
+    by_rank: dict[int, tuple[str, dict[str, Any]]] = {}
+    def committed(segment: tuple[str, dict[str, Any]]) -> float:
+        when = segment[1].get("committed_unix")
+        return float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else 0.0
+
+    for path, doc in sorted(segments, key=committed):
+        by_rank[doc["rank"]] = (path, doc)
+    return [by_rank[r] for r in sorted(by_rank)]
 
 
 def read_verified(path: str, doc: dict[str, Any], manifest: Manifest, sid: str) -> Snapshot:
