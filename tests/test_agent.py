@@ -223,11 +223,19 @@ def test_a_damaged_segment_is_logged_and_the_others_are_persisted(tmp_path, shm,
         fh.seek(100)
         fh.write(bytes([byte[0] ^ 0xFF]))
     (n["ram"] / f"ckptstore-{job}-r00007-s0.json").write_text("{not json")
-    out = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"])).run_once()
+    agent = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"]))
+    out = agent.run_once()
     assert (out.local, out.durable, out.failed) == ([2], [2], [1])
     assert "checksum mismatch" in caplog.text and str(segment) in caplog.text
     assert committed_steps(str(n["local"])) == {2} and durable_steps(n["durable"]) == [2]
     assert_loads(n["durable"], 2)
+    # A watching agent keeps going past it (retrying, logging it once), and one that exits when
+    # idle gives up on it after give_up_s.
+    caplog.clear()
+    agent.give_up_s = 0.5
+    agent.watch(poll_s=0.1, exit_when_idle=True)
+    assert "checksum mismatch" not in caplog.text
+    assert committed_steps(str(n["local"])) == {2} and durable_steps(n["durable"]) == [2]
 
 
 def test_one_agent_per_node(tmp_path, shm, job, capsys):

@@ -114,12 +114,14 @@ def snapshot_id(manifest: Manifest) -> str:
 @dataclass
 class Outcome:
     """What one pass did: steps committed per tier, steps whose durable manifest waits for other
-    nodes' parts, and failures (each already logged)."""
+    nodes' parts, and failures (each logged once); ``given_up``: those of the failures that have
+    kept failing for more than the agent's ``give_up_s``."""
 
     local: list[int] = field(default_factory=list)
     durable: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
+    given_up: list[int] = field(default_factory=list)
 
 
 class NodeAgent:
@@ -143,6 +145,11 @@ class NodeAgent:
         # Snapshots found complete (persisted, or never due anywhere else), by their segments'
         # documents: a watching agent does not list the tiers for them again at every pass.
         self._settled: set[tuple[tuple[str, Any], ...]] = set()
+        # When each failing snapshot first failed: a watching agent retries it at every pass (a
+        # durable tier may come back) but logs it once, and an agent that exits when idle stops
+        # waiting for it after give_up_s.
+        self._failing: dict[tuple[tuple[str, Any], ...], float] = {}
+        self.give_up_s = 600.0
 
     def durable(self, codec: str | None) -> DirectoryTier | None:
         if self.durable_url is None:
@@ -167,11 +174,11 @@ class NodeAgent:
         local_steps: list[int] | None = None
         durable_steps: dict[str | None, list[int]] = {}
         for step in sorted(by_step):
+            segments = _one_per_rank(by_step[step])
+            settled = tuple(sorted((path, doc.get("committed_unix")) for path, doc in segments))
+            if settled in self._settled:
+                continue
             try:
-                segments = _one_per_rank(by_step[step])
-                settled = tuple(sorted((path, doc.get("committed_unix")) for path, doc in segments))
-                if settled in self._settled:
-                    continue
                 manifest = parse_manifest(segments[0][1]["extra"]["manifest"].encode(), where=segments[0][0])
                 if not all(owner_gone(doc, manifest) for _path, doc in segments):
                     continue  # a live store is persisting it
@@ -186,10 +193,16 @@ class NodeAgent:
                 if await self._step(step, segments, manifest, info, local_steps or [],
                                     durable_steps.get(durable.codec, []) if durable else [], durable, out):
                     self._settled.add(settled)
+                self._failing.pop(settled, None)
             except Exception as exc:  # noqa: BLE001 - one bad segment must not stop the others
-                log.error("ckptstore agent: step %d of job %s in %s was not persisted: %s: %s", step, self.job,
-                          self.ram_dir, type(exc).__name__, exc)
+                seen = settled in self._failing
+                first = self._failing.setdefault(settled, time.monotonic())
+                (log.debug if seen else log.error)(
+                    "ckptstore agent: step %d of job %s in %s was not persisted: %s: %s", step, self.job,
+                    self.ram_dir, type(exc).__name__, exc)
                 out.failed.append(step)
+                if time.monotonic() - first > self.give_up_s:
+                    out.given_up.append(step)
         return out
 
     async def _step(self, step: int, segments: list[tuple[str, dict[str, Any]]], manifest: Manifest,
@@ -231,9 +244,10 @@ class NodeAgent:
             assert durable is not None
             missing = await self._commit_durable(durable, step, manifest, snaps, sid, cadence, sdc)
             if missing:
-                log.warning("ckptstore agent: step %d: parts of ranks %s are in the durable tier %s; the manifest "
+                (log.debug if (step, "waiting") in self._warned else log.warning)("ckptstore agent: step %d: parts of ranks %s are in the durable tier %s; the manifest "
                             "waits for ranks %s (their nodes' agents)", step, where, durable.display(step),
                             ", ".join(map(str, missing)))
+                self._warned.add((step, "waiting"))  # a watching agent says so once, not at every pass
                 out.waiting.append(step)
                 return False
             log.warning("ckptstore agent: step %d committed in the durable tier %s", step, durable.display(step))
@@ -303,14 +317,14 @@ class NodeAgent:
         try:
             while True:
                 out = self.run_once()
-                if exit_when_idle and not out.failed:
+                if exit_when_idle and set(out.failed) <= set(out.given_up):
                     if stores_fd is None:
                         stores_fd = _open_lock(os.path.join(self.ram_dir, stores_lock(self.job)))
                     if _try_lock(stores_fd, fcntl.LOCK_EX):
                         # No store is open; a new one blocks on its shared lock until this returns,
                         # and then finds the agent lock free and starts another agent.
                         last = self.run_once()
-                        if not last.failed:
+                        if set(last.failed) <= set(last.given_up):
                             if release is not None:
                                 release()  # before the stores lock: a store waiting on it then starts an agent
                             return
