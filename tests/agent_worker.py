@@ -49,9 +49,16 @@ def agent_processes(job: str) -> int:
 
 
 def main() -> None:
+    if sys.argv[1] == "--zygote":
+        zygote()
+        return
     with open(sys.argv[1]) as fh:
         cfg = json.load(fh)
-    rank, world = int(sys.argv[2]), cfg["world"]
+    train(cfg, int(sys.argv[2]))
+
+
+def train(cfg: dict, rank: int) -> None:
+    world = cfg["world"]
     torch.set_num_threads(1)
     node = cfg["nodes"][rank]  # the simulated node: its own RAM and local directories (keyed by str(node) in JSON)
     if world > 1:
@@ -74,6 +81,73 @@ def main() -> None:
     store.save(last, state(last))  # returns once staged; the background run dies at the point
     store._drain()
     sys.exit(3)
+
+
+def zygote() -> None:
+    """Import torch and ckptstore once, then fork every process a test asks for: trainer ranks and
+    ``ckptstore agent`` command lines (each a process of its own, killed or exiting like a launched
+    one; only the imports are shared). Importing torch costs seconds per process on a loaded 2-core
+    machine, and the two-node test starts six. Nothing here runs a torch operation or starts a
+    thread before forking, so the children start from a clean state. One JSON request per line on
+    stdin: ``{"trainers": CONFIG_PATH, "ranks": N}`` or ``{"agents": [argv, ...], "arm": [point, where]
+    or null}`` (the ``ckptstore`` arguments of each agent, and a crash point to arm in them), each answered
+    with one line: ``{"status": [...], "stderr": [...]}``, a child's exit code (negative: its signal)
+    and what it wrote to stderr (agents also get ``stdout``)."""
+    import tempfile
+
+    from ckptstore import cli  # noqa: F401 - imported once here, before forking, like torch
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        outputs, pids = [], []
+        if "trainers" in request:
+            with open(request["trainers"]) as fh:
+                cfg = json.load(fh)
+            jobs = [lambda cfg=cfg, rank=rank: train(cfg, rank) for rank in range(request["ranks"])]
+        else:
+            arm = request.get("arm")
+            jobs = [lambda argv=argv, arm=arm: agent(argv, arm) for argv in request["agents"]]
+        for job in jobs:
+            out, err = tempfile.mkstemp(), tempfile.mkstemp()
+            outputs.append((out[1], err[1]))
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.dup2(out[0], 1)
+                    os.dup2(err[0], 2)
+                    job()
+                    code = 0
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            os.close(out[0])
+            os.close(err[0])
+            pids.append(pid)
+        status = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        texts = []
+        for out_path, err_path in outputs:
+            with open(out_path) as o, open(err_path) as e:
+                texts.append((o.read(), e.read()))
+            os.unlink(out_path)
+            os.unlink(err_path)
+        print(json.dumps({"status": status, "stdout": [t[0] for t in texts], "stderr": [t[1] for t in texts]}),
+              flush=True)
+
+
+def agent(argv: list[str], arm: list[str] | None) -> None:
+    from ckptstore import cli
+
+    if arm:
+        _faults.arm(*arm)
+    sys.exit(cli.main(argv))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -50,46 +51,78 @@ def _env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-def run_trainers(tmp_path: Path, cfg: dict[str, Any], *, timeout: float = 240) -> None:
+class Zygote:
+    """tests/agent_worker.py --zygote: forks the trainers and agents a test asks for, each a real
+    process, sharing only the imports (six torch imports cost a minute on a loaded 2-core machine)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), "--zygote"], env=_env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+    def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        timer = threading.Timer(timeout, self.kill)  # a hung child must not hang the test run
+        timer.start()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        assert line, f"the zygote died or was killed after {timeout} s (a child hung?)"
+        return json.loads(line)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the zygote and every child it forked
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait()
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+def run_trainers(zygote: Zygote, tmp_path: Path, cfg: dict[str, Any], *, timeout: float = 240) -> None:
     """Start every rank of a job, wait for all of them, and check each died by SIGKILL at its point."""
     cfg = {"storage_options": None, "init": f"file://{tmp_path}/rendezvous-{uuid.uuid4().hex[:8]}",
            "out": str(tmp_path), **cfg}
     path = tmp_path / f"trainer-{uuid.uuid4().hex[:8]}.json"
     path.write_text(json.dumps(cfg))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(path), str(rank)], env=_env(), cwd=tmp_path,
-                              stderr=subprocess.PIPE, text=True) for rank in range(cfg["world"])]
-    try:
-        errors = [p.communicate(timeout=timeout)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, err) in enumerate(zip(procs, errors)):
-        assert p.returncode == -signal.SIGKILL, f"rank {rank} was not killed at {cfg['point']} (exit {p.returncode}):\n{err}"
+    answer = zygote.ask({"trainers": str(path), "ranks": cfg["world"]}, timeout)
+    for rank, (code, err) in enumerate(zip(answer["status"], answer["stderr"])):
+        assert code == -signal.SIGKILL, f"rank {rank} was not killed at {cfg['point']} (exit {code}):\n{err}"
 
 
-def agent_argv(job: str, ram: Path, local: Path | None, durable: str | None, storage_options: Any = None) -> list[str]:
-    argv = [sys.executable, "-m", "ckptstore.cli", "agent", job, "--ram-dir", str(ram), "--once"]
+def agent_args(job: str, ram: Path, local: Path | None, durable: str | None, storage_options: Any = None) -> list[str]:
+    """The arguments of ``ckptstore`` that run one node's agent once."""
+    argv = ["agent", job, "--ram-dir", str(ram), "--once"]
     argv += ["--local", str(local)] if local is not None else []
     argv += ["--durable", durable] if durable is not None else []
     argv += ["--storage-options", json.dumps(storage_options)] if storage_options else []
     return argv
 
 
-def run_agents(argvs: list[list[str]], *, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+def run_agents(zygote: Zygote, argvs: list[list[str]], *, arm: tuple[str, str] | None = None,
+               timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Run agents side by side (one per simulated node), as on a real job's nodes."""
-    procs = [subprocess.Popen(a, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argvs]
-    out = []
-    for a, p in zip(argvs, procs):
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        out.append(subprocess.CompletedProcess(a, p.returncode, stdout, stderr))
-    return out
+    answer = zygote.ask({"agents": argvs, "arm": arm}, timeout)
+    return [subprocess.CompletedProcess(a, code, out, err)
+            for a, code, out, err in zip(argvs, answer["status"], answer["stdout"], answer["stderr"])]
 
 
 def durable_steps(url: str, storage_options: Any = None) -> list[int]:
@@ -107,7 +140,7 @@ def assert_loads(url: str, step: int, storage_options: Any = None) -> None:
 
 
 @pytest.mark.timeout(600)  # six processes that import torch: minutes on a loaded 2-core machine
-def test_agents_persist_what_killed_trainers_left_on_two_nodes(tmp_path, shm, s3, job):
+def test_agents_persist_what_killed_trainers_left_on_two_nodes(tmp_path, shm, s3, job, zygote):
     """2 nodes x 2 ranks on gloo, SIGKILLed once step 1 is committed in RAM (its local write held
     back): one agent per node (--once) writes it to each node's local directory and to the durable
     tier (the last agent to find every part commits the manifest); the job restarts elsewhere, with
@@ -119,7 +152,7 @@ def test_agents_persist_what_killed_trainers_left_on_two_nodes(tmp_path, shm, s3
     local = {n: tmp_path / f"local{n}" for n in (0, 1)}
     for d in ram.values():
         d.mkdir()
-    run_trainers(tmp_path, {"job": job, "world": 4, "nodes": [0, 0, 1, 1], "durable": durable, "durable_every": 1,
+    run_trainers(zygote, tmp_path, {"job": job, "world": 4, "nodes": [0, 0, 1, 1], "durable": durable, "durable_every": 1,
                             "ram": {str(n): str(d) for n, d in ram.items()},
                             "local": {str(n): str(d) for n, d in local.items()}, "last": 1,
                             "point": "ram.committed", "storage_options": opts})
@@ -127,7 +160,7 @@ def test_agents_persist_what_killed_trainers_left_on_two_nodes(tmp_path, shm, s3
     assert all(committed_steps(str(d)) == set() for d in local.values())
     assert durable_steps(durable, opts) == []
 
-    results = run_agents([agent_argv(job, ram[n], local[n], durable, opts) for n in (0, 1)])
+    results = run_agents(zygote, [agent_args(job, ram[n], local[n], durable, opts) for n in (0, 1)])
     for r in results:
         assert r.returncode == 0, r.stderr
     assert durable_steps(durable, opts) == [1]
@@ -165,13 +198,13 @@ def _set_owner(doc_path: Path, owner: dict[str, Any]) -> None:
     doc_path.write_text(json.dumps(doc))
 
 
-def test_a_step_outside_the_durable_cadence_goes_to_local_only(tmp_path, shm, job):
+def test_a_step_outside_the_durable_cadence_goes_to_local_only(tmp_path, shm, job, zygote):
     """durable_every=2: step 2 was promoted by the trainer, step 3 (killed after its RAM commit)
     was not due in the durable tier, so the agent writes it to local only, and leaves step 2 (in
     both tiers already) untouched. Before that: a snapshot whose owner is alive is left to its
     store, and one whose pid now names another process (another start time) is not."""
     n = _one_node(tmp_path, shm)
-    run_trainers(tmp_path, {**n["cfg"], "job": job, "durable_every": 2, "last": 3, "point": "ram.committed"})
+    run_trainers(zygote, tmp_path, {**n["cfg"], "job": job, "durable_every": 2, "last": 3, "point": "ram.committed"})
     assert committed_steps(str(n["local"])) == {1, 2} and durable_steps(n["durable"]) == [2]
     before = {p: os.stat(p).st_mtime_ns for p in (n["local"] / step_dir(2) / "manifest.json",
                                                  Path(n["durable"]) / step_dir(2) / "manifest.json")}
@@ -195,11 +228,11 @@ def test_a_step_outside_the_durable_cadence_goes_to_local_only(tmp_path, shm, jo
 
 
 @pytest.mark.slow
-def test_a_snapshot_being_written_is_never_persisted(tmp_path, shm, job):
+def test_a_snapshot_being_written_is_never_persisted(tmp_path, shm, job, zygote):
     """Killed while step 2 was staged but not committed in RAM: its slot has no manifest, and the
     agent persists nothing of it (step 1 is in both tiers already)."""
     n = _one_node(tmp_path, shm)
-    run_trainers(tmp_path, {**n["cfg"], "job": job, "durable_every": 1, "last": 2, "point": "ram.before_commit"})
+    run_trainers(zygote, tmp_path, {**n["cfg"], "job": job, "durable_every": 1, "last": 2, "point": "ram.before_commit"})
     out = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"])).run_once()
     assert (out.local, out.durable, out.waiting, out.failed) == ([], [], [], [])
     assert committed_steps(str(n["local"])) == {1} and durable_steps(n["durable"]) == [1]
@@ -207,11 +240,11 @@ def test_a_snapshot_being_written_is_never_persisted(tmp_path, shm, job):
 
 
 @pytest.mark.slow
-def test_a_damaged_segment_is_logged_and_the_others_are_persisted(tmp_path, shm, job, caplog):
+def test_a_damaged_segment_is_logged_and_the_others_are_persisted(tmp_path, shm, job, zygote, caplog):
     """Two pending steps, the older one's segment damaged: the agent names it, persists the other,
     and reports the failure; a stray document of the job is passed over."""
     n = _one_node(tmp_path, shm)
-    run_trainers(tmp_path, {**n["cfg"], "job": job, "durable_every": 1, "last": 2, "point": "ram.committed"})
+    run_trainers(zygote, tmp_path, {**n["cfg"], "job": job, "durable_every": 1, "last": 2, "point": "ram.committed"})
     # Step 1 reached both tiers before the crash; take it away there, so both steps are pending.
     for root in (n["local"], Path(n["durable"])):
         shutil.rmtree(root / step_dir(1))
@@ -265,11 +298,11 @@ AGENT_POINTS = [
     ("tier.before_manifest", "durable"),
     ("manifest.linked", "durable"),
 ]
-DEFAULT_POINTS: set[tuple[str, str]] = set()  # each trial starts three processes: all of them run with -m slow
+DEFAULT_POINTS = {("tier.part_written", "durable"), ("tier.before_manifest", "local0")}
 
 
 @pytest.fixture(scope="module")
-def left_behind(tmp_path_factory):
+def left_behind(tmp_path_factory, zygote):
     """One killed trainer's RAM directory (step 1 committed in RAM only), copied by each trial."""
     tmp = tmp_path_factory.mktemp("agent-crash")
     job = f"test-{uuid.uuid4().hex[:12]}"
@@ -277,7 +310,7 @@ def left_behind(tmp_path_factory):
     ram.mkdir(mode=0o700)
     try:
         # Its store had a durable tier (the snapshot was due there); what it wrote there is not used.
-        run_trainers(tmp, {"job": job, "world": 1, "nodes": [0], "ram": {"0": str(ram)},
+        run_trainers(zygote, tmp, {"job": job, "world": 1, "nodes": [0], "ram": {"0": str(ram)},
                            "durable": str(tmp / "unused-durable"),
                            "local": {"0": str(tmp / "unused")}, "durable_every": 1, "last": 1,
                            "point": "ram.committed"})
@@ -288,22 +321,20 @@ def left_behind(tmp_path_factory):
 
 @pytest.mark.parametrize("point,where", [
     pytest.param(p, w, marks=() if (p, w) in DEFAULT_POINTS else pytest.mark.slow) for p, w in AGENT_POINTS])
-def test_an_agent_killed_at_a_commit_point_loses_nothing_and_a_rerun_finishes(tmp_path, shm, left_behind, point,
-                                                                                  where):
+def test_an_agent_killed_at_a_commit_point_loses_nothing_and_a_rerun_finishes(tmp_path, shm, left_behind, zygote,
+                                                                                  point, where):
     job, template = left_behind
     ram = shm / "node0"
     shutil.copytree(template, ram)
     local, durable = tmp_path / "local0", str(tmp_path / "durable")
-    code = (f"import sys; from ckptstore import _faults; _faults.arm({point!r}, {str(tmp_path / where)!r}); "
-            "from ckptstore.cli import main; sys.exit(main(sys.argv[1:]))")
-    argv = agent_argv(job, ram, local, durable)
-    killed = run_agents([[sys.executable, "-c", code, *argv[3:]]])[0]
+    argv = agent_args(job, ram, local, durable)
+    killed = run_agents(zygote, [argv], arm=(point, str(tmp_path / where)))[0]
     assert killed.returncode == -signal.SIGKILL, f"the agent never reached {point} in {where}:\n{killed.stderr}"
     # Whatever it committed before dying is whole.
     for root in (str(local), durable):
         for step in committed_steps(root):
             assert_loads(root, step)
-    rerun = run_agents([argv])[0]
+    rerun = run_agents(zygote, [argv])[0]
     assert rerun.returncode == 0, rerun.stderr
     assert committed_steps(str(local)) == {1} and durable_steps(durable) == [1]
     assert_loads(str(local), 1)
@@ -314,14 +345,14 @@ def test_an_agent_killed_at_a_commit_point_loses_nothing_and_a_rerun_finishes(tm
 
 
 @pytest.mark.slow
-def test_a_store_started_agent_persists_after_the_trainer_dies(tmp_path, shm, job):
+def test_a_store_started_agent_persists_after_the_trainer_dies(tmp_path, shm, job, zygote):
     """CheckpointStore(agent=True) on two ranks of one node starts one agent; both ranks are
     SIGKILLed after step 2's RAM commit; the agent writes step 2 to local and durable and exits
     once no store of the job is open on the node."""
     n = _one_node(tmp_path, shm)
     cfg = {**n["cfg"], "world": 2, "nodes": [0, 0], "job": job, "durable_every": 1, "last": 2,
            "point": "ram.committed", "agent": True, "count_agents": True}
-    run_trainers(tmp_path, cfg)
+    run_trainers(zygote, tmp_path, cfg)
     assert [(tmp_path / f"agents-{r}").read_text() for r in (0, 1)] == ["1", "1"]
     lock = os.open(n["ram"] / agent_lock(job), os.O_RDWR)
     try:
