@@ -97,6 +97,11 @@ def zygote() -> None:
 
     from ckptstore import cli  # noqa: F401 - imported once here, before forking, like torch
 
+    try:
+        import s3fs  # noqa: F401 - the durable tier's client, seconds to import too; nothing of it runs yet
+    except ImportError:
+        pass
+
     for line in sys.stdin:
         request = json.loads(line)
         outputs, pids = [], []
