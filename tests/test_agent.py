@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_same
+from conftest import assert_same, s3_keys
 
 from ckptstore import CheckpointStore, load_sharded
 from ckptstore.engine.agent import NodeAgent, hold_agent_lock
@@ -160,10 +160,19 @@ def test_agents_persist_what_killed_trainers_left_on_two_nodes(tmp_path, shm, s3
     assert all(committed_steps(str(d)) == set() for d in local.values())
     assert durable_steps(durable, opts) == []
 
+    # Node 0's agent alone: its ranks' parts go to durable, the manifest waits for node 1's.
+    first = run_agents(zygote, [agent_args(job, ram[0], local[0], durable, opts)])[0]
+    assert first.returncode == 0, first.stderr
+    assert "waiting in the durable tier" in first.stdout and "waits for ranks 2, 3" in first.stderr
+    assert durable_steps(durable, opts) == []
+    # Both nodes' agents at once (node 0's again, as after a restart of it): node 0's finds its
+    # parts there and writes none, node 1's writes its own, and whichever finds all four commits.
     results = run_agents(zygote, [agent_args(job, ram[n], local[n], durable, opts) for n in (0, 1)])
     for r in results:
         assert r.returncode == 0, r.stderr
     assert durable_steps(durable, opts) == [1]
+    parts = s3_keys(s3, f"{s3['prefix']}/durable/{step_dir(1)}/parts/")
+    assert len(parts) == 4, parts  # one part per rank: the rerun on node 0 wrote none
     for n, d in local.items():  # each node's local directory holds its own ranks' files, as the store writes them
         assert committed_steps(str(d)) == {1}
         assert sorted(os.listdir(d / step_dir(1) / "data")) == [f"rank-{r:05d}.bin" for r in (2 * n, 2 * n + 1)]

@@ -74,9 +74,7 @@ def owner_gone(doc: dict[str, Any], manifest: Manifest) -> bool:
     before the owner was recorded fall back to the manifest's record of the rank's process."""
     owner = doc.get("owner")
     if not isinstance(owner, dict):
-        ranks = manifest.meta.get("ranks")
-        owner = next((r for r in ranks if isinstance(r, dict) and r.get("rank") == doc.get("rank")), {}) \
-            if isinstance(ranks, list) else {}
+        owner = _rank_record(manifest, doc.get("rank"))
     pid, host, start = owner.get("pid"), owner.get("host"), owner.get("start")
     if type(pid) is not int or pid <= 0:
         return False  # nothing says whose it is: leave it
@@ -88,6 +86,8 @@ def owner_gone(doc: dict[str, Any], manifest: Manifest) -> bool:
         return True
     except PermissionError:
         pass  # another user's process under this pid: alive, and not the owner if the start differs
+    if not os.path.isdir(f"/proc/{os.getpid()}"):
+        return False  # no /proc to say more: the pid is taken, so take it for the owner
     state = _process_state(pid)
     if state is None or state in ("Z", "X"):
         return True  # gone since, or dead and not yet reaped by its parent
@@ -226,42 +226,52 @@ class NodeAgent:
         if not need_local and not need_durable:
             return True
         sid = snapshot_id(manifest)
-        snaps = []
-        for path, doc in segments:
-            doc_manifest = parse_manifest(doc["extra"]["manifest"].encode(), where=path)
-            if snapshot_id(doc_manifest) != sid:
-                raise CorruptCheckpointError(f"{path}: its manifest of step {step} is not the one the other ranks' "
-                                             "segments hold; not persisting a mix of two saves", location=path)
-            snaps.append(read_verified(path, doc, manifest, sid))
-        where = ", ".join(str(s.rank) for s in snaps)
+        ranks = [doc["rank"] for _path, doc in segments]
+        copies: list[Snapshot] = []
+
+        def snaps() -> list[Snapshot]:
+            """The node's segments of the step, verified private copies, read once and only when a
+            tier still lacks a part (a watching agent waiting for other nodes' parts reads nothing)."""
+            if not copies:
+                for path, doc in segments:
+                    doc_manifest = parse_manifest(doc["extra"]["manifest"].encode(), where=path)
+                    if snapshot_id(doc_manifest) != sid:
+                        raise CorruptCheckpointError(
+                            f"{path}: its manifest of step {step} is not the one the other ranks' segments hold; "
+                            "not persisting a mix of two saves", location=path)
+                    copies.append(read_verified(path, doc, manifest, sid))
+            return copies
+
+        where = ", ".join(map(str, ranks))
         if need_local:
             assert self.local is not None
-            await self._commit_local(step, manifest, snaps, sid, cadence, sdc)
+            await self._commit_local(step, manifest, ranks, snaps, sid, cadence, sdc)
             log.warning("ckptstore agent: step %d (ranks %s) committed in the local tier %s", step, where,
                         self.local.display(step))
             out.local.append(step)
         if need_durable:
             assert durable is not None
-            missing = await self._commit_durable(durable, step, manifest, snaps, sid, cadence, sdc)
+            missing = await self._commit_durable(durable, step, manifest, ranks, snaps, sid, cadence, sdc)
             if missing:
-                (log.debug if (step, "waiting") in self._warned else log.warning)("ckptstore agent: step %d: parts of ranks %s are in the durable tier %s; the manifest "
-                            "waits for ranks %s (their nodes' agents)", step, where, durable.display(step),
-                            ", ".join(map(str, missing)))
-                self._warned.add((step, "waiting"))  # a watching agent says so once, not at every pass
+                report = log.debug if (step, "waiting") in self._warned else log.warning  # once, not every pass
+                report("ckptstore agent: step %d: parts of ranks %s are in the durable tier %s; the manifest "
+                       "waits for ranks %s (their nodes' agents)", step, where, durable.display(step),
+                       ", ".join(map(str, missing)))
+                self._warned.add((step, "waiting"))
                 out.waiting.append(step)
                 return False
             log.warning("ckptstore agent: step %d committed in the durable tier %s", step, durable.display(step))
             out.durable.append(step)
         return True
 
-    async def _commit_local(self, step: int, manifest: Manifest, snaps: list[Snapshot], sid: str,
-                            cadence: dict[str, Any], sdc: dict[str, Any] | None) -> None:
+    async def _commit_local(self, step: int, manifest: Manifest, ranks: list[int], snaps: Callable[[], list[Snapshot]],
+                            sid: str, cadence: dict[str, Any], sdc: dict[str, Any] | None) -> None:
         tier = self.local
         assert tier is not None
         world = manifest.meta["world_size"]
         found = await tier_parts(tier, step, sid, world)
         try:
-            for snap in snaps:
+            for snap in snaps() if any(r not in found for r in ranks) else []:
                 if snap.rank not in found:
                     found[snap.rank] = await tier.put(snap)
             # The ranks of other nodes: named as the local tier lays a snapshot out (its slot written
@@ -278,14 +288,15 @@ class NodeAgent:
             await tier.discard(step)  # this node's directory: only this agent writes the step there
             raise
 
-    async def _commit_durable(self, tier: DirectoryTier, step: int, manifest: Manifest, snaps: list[Snapshot],
-                              sid: str, cadence: dict[str, Any], sdc: dict[str, Any] | None) -> list[int]:
+    async def _commit_durable(self, tier: DirectoryTier, step: int, manifest: Manifest, ranks: list[int],
+                              snaps: Callable[[], list[Snapshot]], sid: str, cadence: dict[str, Any],
+                              sdc: dict[str, Any] | None) -> list[int]:
         """Put this node's parts (those not there from an earlier run), then commit when every rank's
         part of the snapshot is there; returns the ranks still missing."""
         world = manifest.meta["world_size"]
         found = await tier_parts(tier, step, sid, world)
         try:
-            for snap in snaps:
+            for snap in snaps() if any(r not in found for r in ranks) else []:
                 if snap.rank not in found:
                     await tier.put(snap)
         except CheckpointExistsError:
@@ -395,7 +406,7 @@ def ram_part(manifest: Manifest, rank: int) -> dict[str, Any]:
             "chunks": chunks}
 
 
-def _rank_record(manifest: Manifest, rank: int) -> dict[str, Any]:
+def _rank_record(manifest: Manifest, rank: Any) -> dict[str, Any]:
     ranks = manifest.meta.get("ranks")
     if isinstance(ranks, list):
         for r in ranks:
