@@ -300,6 +300,19 @@ def test_one_agent_per_node(tmp_path, shm, job, capsys):
     assert "already runs on this node" in err and agent_lock(job) in err
 
 
+def test_bad_agent_arguments_are_refused_before_anything_is_made(tmp_path, shm, job):
+    from ckptstore import InvalidArgumentError
+
+    for kwargs, words in (({"agent": True}, "pass local= or durable="),
+                          ({"agent": "yes", "local": tmp_path}, "True or False"),
+                          ({"agent": True, "local": tmp_path, "ram_fallback": "private"}, "one or the other")):
+        with pytest.raises(InvalidArgumentError, match=words):
+            CheckpointStore(job, ram_dir=str(shm), **kwargs)
+    assert os.listdir(shm) == [] and not any(tmp_path.iterdir())
+    with pytest.raises(InvalidArgumentError, match="--local DIR, --durable URL"):
+        NodeAgent(job, local=None, durable=None, ram_dir=str(shm))
+
+
 # ------------------------------------------------------------------------------ the agent killed
 
 

@@ -106,7 +106,7 @@ class StoreOptions:
         sdc: str,
         durable_timeout_s: float | None,
         tuning: str | os.PathLike[str] | dict[str, Any] | None,
-        agent: bool = False,
+        agent: bool,
     ) -> StoreOptions:
         """Check every argument of ``CheckpointStore(...)``; raises InvalidArgumentError for the first
         that cannot work. Reads the tuning file, and asks ``process_group`` its size, nothing more."""

@@ -179,9 +179,9 @@ class CheckpointStore:
         trainer.all_gather(None)  # nobody saves into a directory another rank is still sweeping
         if opts.agent:
             # After the sweep: an agent started earlier must not find a half-swept directory.
-            self._agent_lock, _started = start_agent(opts.job, ram_dir=opts.ram_dir, local=opts.local,
-                                                     durable=opts.durable.url,
-                                                     storage_options=opts.durable.storage_options)
+            self._agent_lock, _ = start_agent(opts.job, ram_dir=opts.ram_dir, local=opts.local,
+                                              durable=opts.durable.url,
+                                              storage_options=opts.durable.storage_options)
         self._loop = LoopThread()
         self._tracker = GoodputTracker(interval=opts.goodput.interval, mtbf_s=opts.goodput.mtbf_s,
                                        events=opts.goodput.events, rank=self.rank, world=self.world, job=opts.job,
