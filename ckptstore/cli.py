@@ -111,6 +111,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    import logging
+
+    from .engine.agent import STORAGE_OPTIONS_ENV, NodeAgent, hold_agent_lock
+
+    options = args.storage_options
+    if options is None and os.environ.get(STORAGE_OPTIONS_ENV):
+        options = _storage_options(os.environ[STORAGE_OPTIONS_ENV])  # handed over by CheckpointStore(agent=True)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger = logging.getLogger("ckptstore")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    agent = NodeAgent(args.job, local=args.local, durable=args.durable, ram_dir=args.ram_dir, storage_options=options)
+    locks = [args.lock_fd if args.lock_fd is not None else hold_agent_lock(args.job, args.ram_dir)]
+
+    def release() -> None:
+        while locks:
+            os.close(locks.pop())
+
+    try:
+        if not args.once:
+            agent.watch(poll_s=args.poll, exit_when_idle=args.exit_when_idle, release=release)
+            return 0
+        out = agent.run_once()
+    finally:
+        release()
+    for what, steps in (("committed in the local tier", out.local), ("committed in the durable tier", out.durable),
+                        ("waiting in the durable tier for other nodes' parts", out.waiting),
+                        ("failed (see the log above)", out.failed)):
+        if steps:
+            print(f"steps {', '.join(map(str, steps))}: {what}")
+    if not (out.local or out.durable or out.waiting or out.failed):
+        print(f"nothing to persist for job {args.job} in {args.ram_dir}")
+    return 1 if out.failed else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -604,6 +641,28 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("job", metavar="JOB", help="the job name (CheckpointStore's first argument)")
     q.add_argument("--ram-dir", default=argparse.SUPPRESS, metavar="DIR", help="the RAM directory (default /dev/shm)")
     q.add_argument("--force", action="store_true", help="remove them even so")
+    p = sub.add_parser(
+        "agent",
+        help="the node agent: persist RAM snapshots whose trainer died (one per node, next to torchrun)",
+        description="Watch the RAM segments of JOB on this node and, when a committed snapshot's trainer process is "
+        "gone before the snapshot reached the local or durable tier, write it there as the store would have: local, "
+        "and durable when the step was due there by the store's durable cadence. Run one per node, next to torchrun "
+        "(or let CheckpointStore(..., agent=True) start it). Exit status with --once: 0 when nothing is left to do "
+        "(or the durable manifest waits for other nodes' agents), 1 when a snapshot could not be persisted.",
+    )
+    p.add_argument("job", help="the job name the stores were given (CheckpointStore(job, ...))")
+    p.add_argument("--local", metavar="DIR", help="the node's local directory (the stores' local=)")
+    p.add_argument("--durable", metavar="URL", help="the durable URL (the stores' durable=)")
+    p.add_argument("--ram-dir", default="/dev/shm", help="the stores' ram_dir (default /dev/shm)")
+    p.add_argument("--storage-options", type=_storage_options, default=argparse.SUPPRESS, metavar="JSON",
+                   help="fsspec storage options for the durable URL, as JSON")
+    p.add_argument("--once", action="store_true", help="persist what is pending now and exit (scripts, tests)")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between looks at the RAM segments (default 2)")
+    p.add_argument("--exit-when-idle", action="store_true",
+                   help="exit once no CheckpointStore(agent=True) of the job is open on this node and nothing is "
+                   "pending (how agent=True runs it)")
+    p.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_agent)
     p = sub.add_parser(
         "plan",
         help="the optimal checkpoint interval (Young, Daly) and the expected waste",

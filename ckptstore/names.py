@@ -13,6 +13,8 @@ about what a name means. The layouts themselves are specified in docs/format.md:
 
     <ram_dir>/ckptstore-<job>-r<r:05d>-s<slot>.{bin,json}              rank r's staging slot, its manifest
     <ram_dir>/ckptstore-<job>-r<r:05d>-peer<src:05d>-s<slot>.{bin,json} a replica of rank src held by rank r
+    <ram_dir>/ckptstore-<job>.agent.lock        held by the job's node agent while it runs
+    <ram_dir>/ckptstore-<job>.stores.lock       held (shared) by every store of the job that started an agent
 """
 
 from __future__ import annotations
@@ -110,6 +112,17 @@ def segment(job: str, rank: int, slot: int, ext: str) -> str:
 def replica_segment(job: str, holder: int, src: int, slot: int, ext: str) -> str:
     """The file name of the replica of rank ``src``'s snapshot that rank ``holder`` keeps in slot ``slot``."""
     return f"ckptstore-{job}-r{holder:05d}-peer{src:05d}-s{slot}.{ext}"
+
+
+def agent_lock(job: str) -> str:
+    """The lock file (in the RAM directory) the node agent of ``job`` holds while it runs: one per node."""
+    return f"ckptstore-{job}.agent.lock"
+
+
+def stores_lock(job: str) -> str:
+    """The lock file every ``CheckpointStore(agent=True)`` of ``job`` on the node holds shared while it
+    is open: the agent it started exits once it can take it exclusively and nothing is pending."""
+    return f"ckptstore-{job}.stores.lock"
 
 
 def segment_prefix(job: str) -> str:

@@ -188,6 +188,7 @@ def test_checkpoint_store_signature():
         ("sdc", P.KEYWORD_ONLY, "off"),
         ("durable_timeout_s", P.KEYWORD_ONLY, None),
         ("tuning", P.KEYWORD_ONLY, None),
+        ("agent", P.KEYWORD_ONLY, False),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == [
         "all_gather", "close", "last_step", "latest_step", "plan", "restore", "save", "should_save", "skipped"]

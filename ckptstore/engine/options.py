@@ -70,6 +70,7 @@ class StoreOptions:
     refresh_every: int
     timeout_s: float
     tuning: WriteTuning | None
+    agent: bool
     peer: PeerOptions
     durable: DurableOptions
     goodput: GoodputOptions
@@ -105,6 +106,7 @@ class StoreOptions:
         sdc: str,
         durable_timeout_s: float | None,
         tuning: str | os.PathLike[str] | dict[str, Any] | None,
+        agent: bool,
     ) -> StoreOptions:
         """Check every argument of ``CheckpointStore(...)``; raises InvalidArgumentError for the first
         that cannot work. Reads the tuning file, and asks ``process_group`` its size, nothing more."""
@@ -154,6 +156,14 @@ class StoreOptions:
                                        "or durable= too")
         if durable is not None and not isinstance(durable, (str, os.PathLike)):
             raise InvalidArgumentError(f"durable must be a path or an fsspec URL (or None), not {type(durable).__name__}")
+        if not isinstance(agent, bool):
+            raise InvalidArgumentError(f"agent must be True or False, not {agent!r}")
+        if agent and local is None and durable is None:
+            raise InvalidArgumentError("agent=True persists RAM snapshots a dead trainer left to the local and durable "
+                                       "tiers: pass local= or durable= too")
+        if agent and ram_fallback == "private":
+            raise InvalidArgumentError("agent=True reads the snapshots the RAM tier leaves in ram_dir, which "
+                                       "ram_fallback='private' keeps in process memory: use one or the other")
         local_path = os.fspath(local) if local is not None else None
         return cls(
             job=job,
@@ -167,6 +177,7 @@ class StoreOptions:
             refresh_every=refresh_every,
             timeout_s=float(timeout_s),
             tuning=write_tuning,
+            agent=agent,
             peer=PeerOptions(peer_replicas, peer_every, float(peer_timeout_s), peer_to_local, node),
             durable=DurableOptions(os.fspath(durable) if durable is not None else None, durable_every, keep_durable,
                                    durable_compression, float(durable_timeout_s), storage_options),

@@ -562,12 +562,9 @@ class Pipeline:
         return part
 
     def _manifest(self, job: StepJob, parts: list[dict[str, Any]]) -> Manifest:
-        manifest = build_manifest(job.shared["tree"], job.shared["tensors"], parts, self.world,
-                                  layouts=job.shared.get("layouts"))
-        manifest.meta.update({"step": job.step, "job": self.options.job, "cadence": job.cadence})
-        if job.sdc is not None:
-            manifest.meta["sdc"] = {"policy": self.check.mode, "mismatches": job.sdc}
-        return manifest
+        sdc = None if job.sdc is None else {"policy": self.check.mode, "mismatches": job.sdc}
+        return step_manifest(job.shared, parts, self.world, job=self.options.job, step=job.step,
+                             cadence=job.cadence, sdc=sdc)
 
     def _stage_timings(self, job: StepJob, hash_s: float) -> None:
         """Note the hashing time, and drop the entries staged only for the replica check from what the
@@ -624,8 +621,7 @@ class Pipeline:
         assert snap is not None and source is not None
         promoted: concurrent.futures.Future = concurrent.futures.Future()
         job = StepJob(step, futures={"durable": promoted}, snap=snap, promote=True)
-        job.shared = {"tree": source.tree, "tensors": {k: (e.dtype, e.shape) for k, e in source.tensors.items()},
-                      "layouts": source.meta.get("layouts")}
+        job.shared = shared_of(source)
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         job.cadence = {"durable": 0, "peer": cadence.get("peer", 0)}
         self.since["durable"] = 0
@@ -681,6 +677,23 @@ class Pipeline:
         except BaseException as exc:  # noqa: BLE001 - surfaced by close()
             log.error("ckptstore: promoting step %d on close failed: %s", job.step, exc)
             self.errors.add(job.step, exc)
+
+
+def step_manifest(shared: dict[str, Any], parts: list[dict[str, Any]], world: int, *, job: str, step: int,
+                  cadence: dict[str, Any], sdc: dict[str, Any] | None = None) -> Manifest:
+    """The manifest of one step of a store, in every tier (the node agent builds it here too, from
+    the parts it finds): ``shared`` holds the tree, the tensor table and the saved layouts."""
+    manifest = build_manifest(shared["tree"], shared["tensors"], parts, world, layouts=shared.get("layouts"))
+    manifest.meta.update({"step": step, "job": job, "cadence": cadence})
+    if sdc is not None:
+        manifest.meta["sdc"] = sdc
+    return manifest
+
+
+def shared_of(manifest: Manifest) -> dict[str, Any]:
+    """What :func:`step_manifest` needs of a committed copy of the step: its tree, tensor table and layouts."""
+    return {"tree": manifest.tree, "tensors": {k: (e.dtype, e.shape) for k, e in manifest.tensors.items()},
+            "layouts": manifest.meta.get("layouts")}
 
 
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:

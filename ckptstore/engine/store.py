@@ -35,6 +35,7 @@ from ..tiers.peer import PeerTier
 from ..tiers.ram import RamTier
 from ..tiers.segments import SegmentRecord, inventory, remove_segments
 from ..train_state import TrainState
+from .agent import start_agent
 from .exchange import transfers_ended
 from .options import StoreOptions
 from .pipeline import Pipeline, SaveHandle
@@ -87,6 +88,11 @@ class CheckpointStore:
     ``tuning``: bulk-write settings for the local and durable tiers (write chunk size, S3 part size,
     writes in flight) as recommended by ``ckptstore bench --json FILE``: that file's path, or a dict
     of the same shape; they win over the ``CKPTSTORE_S3_*`` environment variables.
+    ``agent=True`` starts the node agent (``ckptstore agent``) as a detached process, one per node
+    whichever rank's store comes first: when this process dies after ``save`` returned but before
+    the snapshot reached the local tier, or the durable tier it was due in, the agent writes it
+    there from the RAM tier, so a job rescheduled on other nodes still finds it. It exits once no
+    store of the job with ``agent=True`` is open on the node and nothing is left to persist.
 
     Every argument is checked before the store creates anything; a failure after that (a process
     group that cannot form, a directory that cannot be swept) releases what was created.
@@ -122,6 +128,7 @@ class CheckpointStore:
         sdc: str = "off",
         durable_timeout_s: float | None = None,
         tuning: str | os.PathLike[str] | dict[str, Any] | None = None,
+        agent: bool = False,
     ) -> None:
         self.options = StoreOptions.from_arguments(
             job, local=local, durable=durable, durable_every=durable_every, keep_local=keep_local,
@@ -130,7 +137,7 @@ class CheckpointStore:
             durable_compression=durable_compression, frozen=frozen, refresh_every=refresh_every, timeout_s=timeout_s,
             peer_replicas=peer_replicas, peer_every=peer_every, node=node, peer_timeout_s=peer_timeout_s,
             peer_to_local=peer_to_local, interval=interval, mtbf=mtbf, events=events, sdc=sdc,
-            durable_timeout_s=durable_timeout_s, tuning=tuning,
+            durable_timeout_s=durable_timeout_s, tuning=tuning, agent=agent,
         )
         self.job = job
         self._closed = False
@@ -138,6 +145,7 @@ class CheckpointStore:
         self._tracker: GoodputTracker | None = None
         self.ram: RamTier | None = None
         self.peer: PeerTier | None = None
+        self._agent_lock: int | None = None  # the stores lock, held shared while this store is open
         try:
             self._start(process_group)
         except BaseException:
@@ -159,6 +167,9 @@ class CheckpointStore:
         local_owner = self.rank == min(r for r, w in enumerate(sharing) if w == where)
         self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2, fallback=opts.ram_fallback,
                            lower={"local": opts.local, "durable": opts.durable.url})
+        # Recorded with every committed snapshot: what the node agent persists when this process dies.
+        self.ram.store_info = {"local": opts.local is not None, "durable": opts.durable.url is not None,
+                               "durable_compression": opts.durable.compression}
         self.local = (DirectoryTier("local", opts.local, manifest_writer=local_owner, tuning=opts.tuning,
                                     node_local=True) if opts.local else None)
         self.durable = (DirectoryTier("durable", opts.durable.url, storage_options=opts.durable.storage_options,
@@ -170,6 +181,11 @@ class CheckpointStore:
                              durable=opts.durable.url)
         self._sweep(local_owner)
         trainer.all_gather(None)  # nobody saves into a directory another rank is still sweeping
+        if opts.agent:
+            # After the sweep: an agent started earlier must not find a half-swept directory.
+            self._agent_lock, _ = start_agent(opts.job, ram_dir=opts.ram_dir, local=opts.local,
+                                              durable=opts.durable.url,
+                                              storage_options=opts.durable.storage_options)
         self._loop = LoopThread()
         self._tracker = GoodputTracker(interval=opts.goodput.interval, mtbf_s=opts.goodput.mtbf_s,
                                        events=opts.goodput.events, rank=self.rank, world=self.world, job=opts.job,
@@ -390,6 +406,9 @@ class CheckpointStore:
         for tier in (self.ram, self.peer):
             if tier is not None:
                 tier.close()
+        if self._agent_lock is not None:
+            os.close(self._agent_lock)  # the agent exits once no store holds it and nothing is pending
+            self._agent_lock = None
         groups = getattr(self, "_groups", None)
         if groups is None or groups.world == 1:
             return

@@ -181,6 +181,7 @@ class DirectoryTier(Tier):
             "written_bytes": written,
             "chunks": chunks,
             "timings": {"write_s": round(time.perf_counter() - t0, 6), **snap.meta.get("timings", {})},
+            **snap.meta.get("part", {}),  # members a writer adds to its part (the node agent: its snapshot)
         }
         await small.write(d.target(part_rel), json.dumps(part, separators=(",", ":")).encode(), exclusive=True)
         mine.append(part_rel)

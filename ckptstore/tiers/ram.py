@@ -197,6 +197,9 @@ class RamTier(Tier):
         # (storage pointer, version counter, shape, strides, dtype) -- the basis of skipping.
         self._layout_sig: dict[int, str] = {}
         self._sources: dict[int, dict[str, tuple]] = {}
+        # What the store that owns these slots does with a snapshot after RAM (its "store" member
+        # in each committed document): a node agent that finds the owner dead persists exactly that.
+        self.store_info: dict[str, Any] | None = None
 
     def _find_newest(self) -> None:
         mine = self._docs(self.rank)
@@ -372,6 +375,8 @@ class RamTier(Tier):
             "lower": self.lower,
             "extra": extra or {},
         }
+        if self.store_info is not None:
+            doc["store"] = self.store_info
         await write_doc(self._name(staged.slot, "json"), doc)
         if self._newest is None or staged.step >= self._newest[0]:
             self._newest = (staged.step, staged.slot)

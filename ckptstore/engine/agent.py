@@ -1,0 +1,505 @@
+"""The node agent: a RAM snapshot never dies with the trainer.
+
+A store's ``save`` returns once the snapshot is in the RAM tier; the local write and the durable
+promotion follow in the trainer's own process. When that process dies in between, the snapshot
+sits committed in /dev/shm, and a job rescheduled on other nodes never sees it. One agent per node
+(``ckptstore agent``, or ``CheckpointStore(agent=True)``) watches the job's RAM segments and, for a
+committed snapshot whose owner process is gone before it reached the tiers it was meant for,
+finishes the job with the store's own code: the local and durable :class:`DirectoryTier` write and
+commit it (same files, same part files, same manifest-last conditional create), the manifest is
+built by the pipeline's :func:`step_manifest`, and every chunk's checksum is verified on a private
+copy of the slot before a byte of it is written.
+
+It persists what the store would have: local when the store had a local tier, durable only when
+the step was due there by its cadence (``meta.cadence.durable == 0`` in the step's manifest) and
+its replicas agreed under ``sdc="raise"``; a step a tier already holds, or older than the newest
+step that tier holds, is left alone. It needs no process group: the RAM manifest of a committed
+step already lists every rank's chunks (a step is committed in RAM only once every rank staged
+it), so each agent writes the parts of its node's ranks, tagged with the snapshot they came from;
+the local manifest is written at once (other nodes' ranks are named as the local tier lays them
+out, from the RAM manifest), the durable one by whichever agent finds every rank's part of the
+snapshot there, by conditional create. An agent never removes a durable part it wrote: another
+node's agent may be committing a manifest that names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..checkpoint.sharded import Directory
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, InvalidArgumentError
+from ..format.checksum import verify
+from ..format.manifest import Manifest, load_json, parse_manifest
+from ..names import agent_lock, data_file, data_file_rank, step_dir, stores_lock, valid_job
+from ..storage import small
+from ..tiers.base import Snapshot
+from ..tiers.directory import DirectoryTier
+from ..tiers.ram import process_start, scan
+from .pipeline import shared_of, step_manifest
+
+log = logging.getLogger("ckptstore")
+
+# The environment variable through which a store hands its agent the durable tier's storage
+# options: a command line is readable by every user of the node, credentials must not go there.
+STORAGE_OPTIONS_ENV = "CKPTSTORE_AGENT_STORAGE_OPTIONS"
+
+
+def committed_segments(job: str, ram_dir: str) -> list[tuple[str, dict[str, Any]]]:
+    """This node's committed RAM snapshots of ``job``: (segment path, document) of each rank's own
+    slot (replicas held for other nodes are theirs to persist). The agent's one view of the RAM
+    directory, kept in this function so that it can follow the RAM tier's own inventory."""
+    return [(path[:-5] + ".bin", doc) for seg, path, doc in scan(job, ram_dir)
+            if seg.src is None and doc.get("rank") == seg.rank and doc.get("slot") == seg.slot]
+
+
+def owner_gone(doc: dict[str, Any], manifest: Manifest) -> bool:
+    """Whether the process that committed this snapshot is gone: no such pid, a zombie, or another
+    process under a reused pid (its start time differs). A snapshot committed on another host (a
+    shared RAM directory) is never taken over: its owner cannot be seen from here. Documents written
+    before the owner was recorded fall back to the manifest's record of the rank's process."""
+    owner = doc.get("owner")
+    if not isinstance(owner, dict):
+        owner = _rank_record(manifest, doc.get("rank"))
+    pid, host, start = owner.get("pid"), owner.get("host"), owner.get("start")
+    if type(pid) is not int or pid <= 0:
+        return False  # nothing says whose it is: leave it
+    if host is not None and host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # another user's process under this pid: alive, and not the owner if the start differs
+    if not os.path.isdir(f"/proc/{os.getpid()}"):
+        return False  # no /proc to say more: the pid is taken, so take it for the owner
+    state = _process_state(pid)
+    if state is None or state in ("Z", "X"):
+        return True  # gone since, or dead and not yet reaped by its parent
+    return type(start) is int and process_start(pid) not in (None, start)
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().decode("ascii", "replace").rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def snapshot_id(manifest: Manifest) -> str:
+    """A name for the snapshot a RAM manifest describes: every rank's copy of a committed step's
+    manifest has the same chunk table (they differ in creation times only), so the agents of all
+    nodes name one snapshot alike, and parts of another save of the same step never match it."""
+    table = {key: manifest.tensors[key].to_json() for key in sorted(manifest.tensors)}
+    body = json.dumps([manifest.meta.get("job"), manifest.meta.get("step"), table], separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+@dataclass
+class Outcome:
+    """What one pass did: steps committed per tier, steps whose durable manifest waits for other
+    nodes' parts, and failures (each logged once); ``given_up``: those of the failures that have
+    kept failing for more than the agent's ``give_up_s``."""
+
+    local: list[int] = field(default_factory=list)
+    durable: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    given_up: list[int] = field(default_factory=list)
+
+
+class NodeAgent:
+    """Persists the committed RAM snapshots of ``job`` in ``ram_dir`` whose owners died (see the module
+    docstring). ``local``: the node's local directory; ``durable``: the durable URL."""
+
+    def __init__(self, job: str, *, local: str | None, durable: str | None, ram_dir: str = "/dev/shm",
+                 storage_options: dict[str, Any] | None = None) -> None:
+        if not valid_job(job):
+            raise InvalidArgumentError(f"job {job!r} must be 1-100 characters of letters, digits, '.', '_' or '-'")
+        if local is None and durable is None:
+            raise InvalidArgumentError("the agent persists to the local or the durable tier: pass --local DIR, "
+                                       "--durable URL, or both")
+        if not os.path.isdir(ram_dir):
+            raise InvalidArgumentError(f"ram_dir {ram_dir!r} is not a directory (the RAM directory of the job's stores)")
+        self.job, self.ram_dir = job, ram_dir
+        self.local = DirectoryTier("local", local, node_local=True) if local is not None else None
+        self.durable_url, self.storage_options = durable, storage_options
+        self._durable: dict[str | None, DirectoryTier] = {}  # by codec: the store's durable_compression
+        self._warned: set[tuple[int, str]] = set()
+        # Snapshots found complete (persisted, or never due anywhere else), by their segments'
+        # documents: a watching agent does not list the tiers for them again at every pass.
+        self._settled: set[tuple[tuple[str, Any], ...]] = set()
+        # When each failing snapshot first failed: a watching agent retries it at every pass (a
+        # durable tier may come back) but logs it once, and an agent that exits when idle stops
+        # waiting for it after give_up_s.
+        self._failing: dict[tuple[tuple[str, Any], ...], float] = {}
+        self.give_up_s = 600.0
+
+    def durable(self, codec: str | None) -> DirectoryTier | None:
+        if self.durable_url is None:
+            return None
+        tier = self._durable.get(codec)
+        if tier is None:
+            tier = self._durable[codec] = DirectoryTier("durable", self.durable_url, codec=codec,
+                                                       storage_options=self.storage_options)
+        return tier
+
+    # ------------------------------------------------------------------------------ one pass
+
+    def run_once(self) -> Outcome:
+        """Persist every pending snapshot once; errors are logged, never raised."""
+        return asyncio.run(self._pass())
+
+    async def _pass(self) -> Outcome:
+        out = Outcome()
+        by_step: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+        for path, doc in committed_segments(self.job, self.ram_dir):
+            by_step.setdefault(doc["step"], []).append((path, doc))
+        local_steps: list[int] | None = None
+        durable_steps: dict[str | None, list[int]] = {}
+        for step in sorted(by_step):
+            segments = _one_per_rank(by_step[step])
+            settled = tuple(sorted((path, doc.get("committed_unix")) for path, doc in segments))
+            if settled in self._settled:
+                continue
+            try:
+                manifest = parse_manifest(segments[0][1]["extra"]["manifest"].encode(), where=segments[0][0])
+                if not all(owner_gone(doc, manifest) for _path, doc in segments):
+                    continue  # a live store is persisting it
+                if self.local is not None and local_steps is None:
+                    local_steps = await self.local.steps()
+                info = segments[0][1].get("store")
+                info = info if isinstance(info, dict) else {}
+                durable = self.durable(info.get("durable_compression") if info.get("durable_compression") in (None, "zstd")
+                                       else None)
+                if durable is not None and durable.codec not in durable_steps:
+                    durable_steps[durable.codec] = await durable.steps()
+                if await self._step(step, segments, manifest, info, local_steps or [],
+                                    durable_steps.get(durable.codec, []) if durable else [], durable, out):
+                    self._settled.add(settled)
+                self._failing.pop(settled, None)
+            except Exception as exc:  # noqa: BLE001 - one bad segment must not stop the others
+                seen = settled in self._failing
+                first = self._failing.setdefault(settled, time.monotonic())
+                (log.debug if seen else log.error)(
+                    "ckptstore agent: step %d of job %s in %s was not persisted: %s: %s", step, self.job,
+                    self.ram_dir, type(exc).__name__, exc)
+                out.failed.append(step)
+                if time.monotonic() - first > self.give_up_s:
+                    out.given_up.append(step)
+        return out
+
+    async def _step(self, step: int, segments: list[tuple[str, dict[str, Any]]], manifest: Manifest,
+                    info: dict[str, Any], local_steps: list[int], durable_steps: list[int],
+                    durable: DirectoryTier | None, out: Outcome) -> bool:
+        """Persist one step where it is still missing; True once nothing more is to be done for it."""
+        meta = manifest.meta
+        cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
+        sdc = meta.get("sdc") if isinstance(meta.get("sdc"), dict) else None
+        disagreed = sdc is not None and sdc.get("policy") == "raise" and bool(sdc.get("mismatches"))
+        want_local = self.local is not None and info.get("local", True) is not False
+        due = cadence.get("durable") == 0 and info.get("durable", True) is not False and not disagreed
+        if due and durable is None and (step, "durable") not in self._warned:
+            self._warned.add((step, "durable"))
+            log.warning("ckptstore agent: step %d was due in the durable tier, but the agent has no --durable URL", step)
+        # A tier that holds a newer step took this one's place (retention, or a failed promotion the
+        # store went past): writing it there now would bring back what the store let go.
+        need_local = want_local and step not in local_steps and step > max(local_steps, default=-1)
+        need_durable = (due and durable is not None and step not in durable_steps
+                        and step > max(durable_steps, default=-1))
+        if not need_local and not need_durable:
+            return True
+        sid = snapshot_id(manifest)
+        ranks = [doc["rank"] for _path, doc in segments]
+        copies: list[Snapshot] = []
+
+        def snaps() -> list[Snapshot]:
+            """The node's segments of the step, verified private copies, read once and only when a
+            tier still lacks a part (a watching agent waiting for other nodes' parts reads nothing)."""
+            if not copies:
+                for path, doc in segments:
+                    doc_manifest = parse_manifest(doc["extra"]["manifest"].encode(), where=path)
+                    if snapshot_id(doc_manifest) != sid:
+                        raise CorruptCheckpointError(
+                            f"{path}: its manifest of step {step} is not the one the other ranks' segments hold; "
+                            "not persisting a mix of two saves", location=path)
+                    copies.append(read_verified(path, doc, manifest, sid))
+            return copies
+
+        where = ", ".join(map(str, ranks))
+        if need_local:
+            assert self.local is not None
+            await self._commit_local(step, manifest, ranks, snaps, sid, cadence, sdc)
+            log.warning("ckptstore agent: step %d (ranks %s) committed in the local tier %s", step, where,
+                        self.local.display(step))
+            out.local.append(step)
+        if need_durable:
+            assert durable is not None
+            missing = await self._commit_durable(durable, step, manifest, ranks, snaps, sid, cadence, sdc)
+            if missing:
+                report = log.debug if (step, "waiting") in self._warned else log.warning  # once, not every pass
+                report("ckptstore agent: step %d: parts of ranks %s are in the durable tier %s; the manifest "
+                       "waits for ranks %s (their nodes' agents)", step, where, durable.display(step),
+                       ", ".join(map(str, missing)))
+                self._warned.add((step, "waiting"))
+                out.waiting.append(step)
+                return False
+            log.warning("ckptstore agent: step %d committed in the durable tier %s", step, durable.display(step))
+            out.durable.append(step)
+        return True
+
+    async def _commit_local(self, step: int, manifest: Manifest, ranks: list[int], snaps: Callable[[], list[Snapshot]],
+                            sid: str, cadence: dict[str, Any], sdc: dict[str, Any] | None) -> None:
+        tier = self.local
+        assert tier is not None
+        world = manifest.meta["world_size"]
+        found = await tier_parts(tier, step, sid, world)
+        try:
+            for snap in snaps() if any(r not in found for r in ranks) else []:
+                if snap.rank not in found:
+                    found[snap.rank] = await tier.put(snap)
+            # The ranks of other nodes: named as the local tier lays a snapshot out (its slot written
+            # whole to data/rank-<r>.bin), which is the RAM manifest's own table.
+            parts = [found[r] if r in found else ram_part(manifest, r) for r in range(world)]
+            body = step_manifest(shared_of(manifest), parts, world, job=manifest.meta.get("job", self.job),
+                                 step=step, cadence=cadence, sdc=sdc)
+            await tier.commit(step, body)
+        except CheckpointExistsError:
+            if step not in await tier.steps():
+                raise
+            log.info("ckptstore agent: step %d was committed in %s by another writer first", step, tier.display(step))
+        except BaseException:
+            await tier.discard(step)  # this node's directory: only this agent writes the step there
+            raise
+
+    async def _commit_durable(self, tier: DirectoryTier, step: int, manifest: Manifest, ranks: list[int],
+                              snaps: Callable[[], list[Snapshot]], sid: str, cadence: dict[str, Any],
+                              sdc: dict[str, Any] | None) -> list[int]:
+        """Put this node's parts (those not there from an earlier run), then commit when every rank's
+        part of the snapshot is there; returns the ranks still missing."""
+        world = manifest.meta["world_size"]
+        found = await tier_parts(tier, step, sid, world)
+        try:
+            for snap in snaps() if any(r not in found for r in ranks) else []:
+                if snap.rank not in found:
+                    await tier.put(snap)
+        except CheckpointExistsError:
+            if step in await tier.steps():
+                return []  # committed meanwhile (the other writer's copy is the step)
+            raise
+        found = await tier_parts(tier, step, sid, world)  # again: other nodes' agents write theirs meanwhile
+        missing = [r for r in range(world) if r not in found]
+        if missing:
+            return missing
+        body = step_manifest(shared_of(manifest), [found[r] for r in range(world)], world,
+                             job=manifest.meta.get("job", self.job), step=step, cadence=cadence, sdc=sdc)
+        try:
+            await tier.commit(step, body)
+        except CheckpointExistsError:
+            # Another agent found every part too, and its manifest won; ours backs off. Our parts
+            # stay: the winner's manifest may name them.
+            log.info("ckptstore agent: step %d was committed in %s by another writer first", step, tier.display(step))
+        return []
+
+    # ------------------------------------------------------------------------------ watching
+
+    def watch(self, *, poll_s: float = 2.0, exit_when_idle: bool = False,
+              release: Callable[[], None] | None = None) -> None:
+        """Pass after pass, ``poll_s`` apart. ``exit_when_idle`` (how a store's agent runs): return once
+        no store of the job on this node holds the stores lock and a last pass found nothing to do,
+        calling ``release`` (which gives up the agent lock) while still holding the stores lock."""
+        stores_fd = None
+        try:
+            while True:
+                out = self.run_once()
+                if exit_when_idle and set(out.failed) <= set(out.given_up):
+                    if stores_fd is None:
+                        stores_fd = _open_lock(os.path.join(self.ram_dir, stores_lock(self.job)))
+                    if _try_lock(stores_fd, fcntl.LOCK_EX):
+                        # No store is open; a new one blocks on its shared lock until this returns,
+                        # and then finds the agent lock free and starts another agent.
+                        last = self.run_once()
+                        if set(last.failed) <= set(last.given_up):
+                            if release is not None:
+                                release()  # before the stores lock: a store waiting on it then starts an agent
+                            return
+                        fcntl.flock(stores_fd, fcntl.LOCK_UN)
+                time.sleep(poll_s)
+        finally:
+            if stores_fd is not None:
+                os.close(stores_fd)
+
+
+# ---------------------------------------------------------------------------------- the pieces
+
+
+def _one_per_rank(segments: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """One segment per rank (a rank never holds one step in two slots; if it did, the newer commit)."""
+    by_rank: dict[int, tuple[str, dict[str, Any]]] = {}
+    def committed(segment: tuple[str, dict[str, Any]]) -> float:
+        when = segment[1].get("committed_unix")
+        return float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else 0.0
+
+    for path, doc in sorted(segments, key=committed):
+        by_rank[doc["rank"]] = (path, doc)
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+def read_verified(path: str, doc: dict[str, Any], manifest: Manifest, sid: str) -> Snapshot:
+    """Rank ``doc["rank"]``'s committed slot at ``path``, copied into private memory and every chunk's
+    checksum verified on the copy: what is persisted is exactly what was committed, even if the
+    segment is reused (a restarted trainer) while it is read."""
+    rank, size = doc["rank"], doc["size"]
+    buf = bytearray(size)
+    fd = small.open_nofollow(path, os.O_RDONLY)
+    try:
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                raise CorruptCheckpointError(f"{path}: the segment ends at byte {got}, its manifest says {size}",
+                                             location=path)
+            got += n
+    finally:
+        os.close(fd)
+    mine = data_file(rank)
+    chunks = {key: [c.to_json() for c in entry.chunks if c.file == mine] for key, entry in manifest.tensors.items()}
+    chunks = {key: table for key, table in chunks.items() if table}
+    for key, table in chunks.items():
+        for c in table:
+            if c["offset"] + c["length"] > size:
+                raise CorruptCheckpointError(f"{path}: chunk of {key!r} ends past the segment's {size} bytes",
+                                             location=path, key=key)
+            verify(memoryview(buf)[c["offset"] : c["offset"] + c["length"]], c["checksum"], location=path, key=key)
+    data = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    timings = _rank_record(manifest, rank).get("timings")
+    meta = {"timings": dict(timings) if isinstance(timings, dict) else {}, "part": {"snapshot": sid, "agent": True}}
+    return Snapshot(doc["step"], rank, manifest.meta["world_size"], data, chunks, 0, meta)
+
+
+def ram_part(manifest: Manifest, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s part as the RAM manifest records it (its chunks in ``data/rank-<r>.bin``)."""
+    chunks: dict[str, list[dict[str, Any]]] = {}
+    for key, entry in manifest.tensors.items():
+        table = [c.to_json() for c in entry.chunks if data_file_rank(c.file) == rank]
+        if table:
+            chunks[key] = table
+    record = _rank_record(manifest, rank)
+    return {"rank": rank, "host": record.get("host", "?"), "pid": record.get("pid", 0),
+            "bytes": sum(c["length"] for t in chunks.values() for c in t), "timings": record.get("timings", {}),
+            "chunks": chunks}
+
+
+def _rank_record(manifest: Manifest, rank: Any) -> dict[str, Any]:
+    ranks = manifest.meta.get("ranks")
+    if isinstance(ranks, list):
+        for r in ranks:
+            if isinstance(r, dict) and r.get("rank") == rank:
+                return r
+    return {}
+
+
+async def tier_parts(tier: DirectoryTier, step: int, sid: str, world: int) -> dict[int, dict[str, Any]]:
+    """The part files of ``step`` in ``tier`` that an agent wrote for snapshot ``sid``, by rank (a
+    part file is written after its data, so each one found is complete)."""
+    d = Directory(f"{tier.root}/{step_dir(step)}", tier.storage_options)
+    found: dict[int, dict[str, Any]] = {}
+    for name in sorted(await small.listdir(d.target("parts"))):
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            body = await asyncio.to_thread(d.read_small, f"parts/{name}")
+            part = load_json(body, where=f"{d.display}/parts/{name}", what="part file")
+        except (CheckpointError, OSError) as exc:
+            log.warning("ckptstore agent: passing over %s/parts/%s: %s", d.display, name, exc)
+            continue
+        if not isinstance(part, dict) or part.get("snapshot") != sid:
+            continue
+        rank = part.get("rank")
+        if type(rank) is int and 0 <= rank < world and isinstance(part.get("chunks"), dict):
+            found.setdefault(rank, part)
+    return found
+
+
+# ---------------------------------------------------------------------------------- one per node
+
+
+def _open_lock(path: str) -> int:
+    return small.open_nofollow(path, os.O_RDWR | os.O_CREAT)
+
+
+def _try_lock(fd: int, how: int) -> bool:
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    return True
+
+
+def hold_agent_lock(job: str, ram_dir: str) -> int:
+    """Take the node's agent lock of ``job`` for this process (held until it exits), or raise."""
+    path = os.path.join(ram_dir, agent_lock(job))
+    fd = _open_lock(path)
+    if not _try_lock(fd, fcntl.LOCK_EX):
+        os.close(fd)
+        raise CheckpointError(f"an agent of job {job!r} already runs on this node (it holds {path}); one agent per "
+                              "node persists every rank's snapshots: stop it first, or leave it to that one")
+    return fd
+
+
+def start_agent(job: str, *, ram_dir: str, local: str | None, durable: str | None,
+                storage_options: dict[str, Any] | None) -> tuple[int, bool]:
+    """What ``CheckpointStore(agent=True)`` does: hold the stores lock shared (released when this
+    process closes the store or dies), and start the node's agent as a detached process unless one
+    runs already. Returns the stores lock's descriptor (to close with the store) and whether this
+    call started the agent."""
+    try:
+        options = json.dumps(storage_options or {})
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"agent=True hands storage_options to the agent process as JSON, and these are not "
+                                   f"JSON ({exc}); start `ckptstore agent` yourself with --storage-options") from None
+    stores_fd = _open_lock(os.path.join(ram_dir, stores_lock(job)))
+    fcntl.flock(stores_fd, fcntl.LOCK_SH)  # blocks only while an idle agent is exiting
+    agent_fd = _open_lock(os.path.join(ram_dir, agent_lock(job)))
+    try:
+        if not _try_lock(agent_fd, fcntl.LOCK_EX):
+            return stores_fd, False  # the node's agent runs already (another rank's store started it)
+        argv = [sys.executable, "-m", "ckptstore.cli", "agent", job, "--ram-dir", ram_dir, "--exit-when-idle",
+                "--lock-fd", str(agent_fd)]
+        argv += ["--local", local] if local is not None else []
+        argv += ["--durable", durable] if durable is not None else []
+        env = {**os.environ, STORAGE_OPTIONS_ENV: options}
+        # Its own session: a signal to the trainer's process group (Ctrl-C, torchrun stopping its
+        # workers) must not stop the process that persists what the trainer leaves behind. Started
+        # through a shell that exits at once, so the agent is no child of the trainer's (nothing to
+        # reap, and it outlives the trainer as it must).
+        launcher = subprocess.Popen(["/bin/sh", "-c", 'exec "$@" &', "sh", *argv], pass_fds=(agent_fd,),
+                                    start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    env=env)
+        if launcher.wait() != 0:
+            raise CheckpointError(f"cannot start the node agent ({' '.join(argv[:5])} ...): /bin/sh exited with "
+                                  f"{launcher.returncode}")
+        return stores_fd, True
+    except BaseException:
+        os.close(stores_fd)
+        raise
+    finally:
+        os.close(agent_fd)  # the agent holds the lock through its own descriptor from here on
