@@ -219,13 +219,14 @@ def _spawn_killed(world: int, job: str, tmp_path, **args) -> None:
     """Like dist_workers.spawn, for a job whose ranks end by SIGKILL."""
     import signal
 
-    import torch.multiprocessing as mp
 
     store = tmp_path / f"store-{os.urandom(4).hex()}"
     results = tmp_path / f"results-{os.urandom(4).hex()}"
     results.mkdir()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=dist_workers.run, args=(r, world, str(store), job, args, str(results))) for r in range(world)]
+    ctx = dist_workers.context()
+    env = dict(os.environ)
+    procs = [ctx.Process(target=dist_workers.enter, args=(env, dist_workers.run, r, world, str(store), job, args, str(results)))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
