@@ -133,9 +133,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     try:
         if not args.once:
-            agent.watch(poll_s=args.poll, exit_when_idle=args.exit_when_idle, release=release)
+            agent.watch(poll_s=args.poll, exit_when_idle=args.exit_when_idle, release=release,
+                        keep_ram=args.keep_ram)
             return 0
         out = agent.run_once()
+        freed = (0, 0) if args.keep_ram else agent.release_persisted()
     finally:
         release()
     for what, steps in (("committed in the local tier", out.local), ("committed in the durable tier", out.durable),
@@ -145,6 +147,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
             print(f"steps {', '.join(map(str, steps))}: {what}")
     if not (out.local or out.durable or out.waiting or out.failed):
         print(f"nothing to persist for job {args.job} in {args.ram_dir}")
+    if freed[0]:
+        print(f"removed {freed[0]} RAM segments of dead trainers whose steps are persisted ({freed[1]} bytes)")
     return 1 if out.failed else 0
 
 
@@ -657,6 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-options", type=_storage_options, default=argparse.SUPPRESS, metavar="JSON",
                    help="fsspec storage options for the durable URL, as JSON")
     p.add_argument("--once", action="store_true", help="persist what is pending now and exit (scripts, tests)")
+    p.add_argument("--keep-ram", action="store_true",
+                   help="keep the RAM segments of dead trainers once their steps are persisted (by default an agent "
+                   "that exits, with --once or when idle, removes them: a finished job leaves no RAM held)")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between looks at the RAM segments (default 2)")
     p.add_argument("--exit-when-idle", action="store_true",
                    help="exit once no CheckpointStore(agent=True) of the job is open on this node and nothing is "

@@ -239,8 +239,16 @@ def test_a_step_outside_the_durable_cadence_goes_to_local_only(tmp_path, shm, jo
     assert_loads(str(n["local"]), 3)
     assert {p: os.stat(p).st_mtime_ns for p in before} == before
     # Nothing is pending any more: a second pass does nothing.
-    again = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"])).run_once()
-    assert (again.local, again.durable, again.failed) == ([], [], [])
+    again = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"]))
+    out = again.run_once()
+    assert (out.local, out.durable, out.failed) == ([], [], [])
+    # Once persisted, the dead trainer's segments are given back to the node; one a live process
+    # committed since (a trainer restarted here) is kept.
+    _set_owner(doc_path, owner_record())
+    kept = {doc_path, doc_path.with_suffix(".bin")}
+    assert len(list(n["ram"].glob(f"ckptstore-{job}-*"))) > len(kept)
+    assert again.release_persisted()[0] >= 1
+    assert set(n["ram"].glob(f"ckptstore-{job}-*")) == kept
 
 
 @pytest.mark.slow

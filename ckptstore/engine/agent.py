@@ -50,6 +50,7 @@ from ..storage import small
 from ..tiers.base import Snapshot
 from ..tiers.directory import DirectoryTier
 from ..tiers.ram import process_start, scan
+from ..tiers.segments import inventory, remove_segments
 from .pipeline import shared_of, step_manifest
 
 log = logging.getLogger("ckptstore")
@@ -150,6 +151,9 @@ class NodeAgent:
         # waiting for it after give_up_s.
         self._failing: dict[tuple[tuple[str, Any], ...], float] = {}
         self.give_up_s = 600.0
+        # (segment path, step) of every snapshot found persisted wherever it was meant to go: what
+        # release_persisted may give back to the node.
+        self._persisted: set[tuple[str, int]] = set()
 
     def durable(self, codec: str | None) -> DirectoryTier | None:
         if self.durable_url is None:
@@ -193,6 +197,7 @@ class NodeAgent:
                 if await self._step(step, segments, manifest, info, local_steps or [],
                                     durable_steps.get(durable.codec, []) if durable else [], durable, out):
                     self._settled.add(settled)
+                    self._persisted.update((path, step) for path, _doc in segments)
                 self._failing.pop(settled, None)
             except Exception as exc:  # noqa: BLE001 - one bad segment must not stop the others
                 seen = settled in self._failing
@@ -317,10 +322,20 @@ class NodeAgent:
             log.info("ckptstore agent: step %d was committed in %s by another writer first", step, tier.display(step))
         return []
 
+    def release_persisted(self) -> tuple[int, int]:
+        """Remove the segments of dead trainers whose snapshots this agent found persisted wherever
+        they were meant to go, so that a finished job leaves no RAM held on the node; returns
+        (segments, bytes) freed. A segment a live process maps (a trainer restarted on this node
+        restoring from it) or committed since by a restarted trainer is kept."""
+        done = [r for r in inventory(self.ram_dir, self.job)
+                if r.src is None and r.step is not None and not r.owner_alive
+                and any((path, r.step) in self._persisted for path in r.paths)]
+        return len(done), remove_segments(done)
+
     # ------------------------------------------------------------------------------ watching
 
     def watch(self, *, poll_s: float = 2.0, exit_when_idle: bool = False,
-              release: Callable[[], None] | None = None) -> None:
+              release: Callable[[], None] | None = None, keep_ram: bool = False) -> None:
         """Pass after pass, ``poll_s`` apart. ``exit_when_idle`` (how a store's agent runs): return once
         no store of the job on this node holds the stores lock and a last pass found nothing to do,
         calling ``release`` (which gives up the agent lock) while still holding the stores lock."""
@@ -336,6 +351,8 @@ class NodeAgent:
                         # and then finds the agent lock free and starts another agent.
                         last = self.run_once()
                         if set(last.failed) <= set(last.given_up):
+                            if not keep_ram:
+                                self.release_persisted()
                             if release is not None:
                                 release()  # before the stores lock: a store waiting on it then starts an agent
                             return
