@@ -93,6 +93,38 @@ def test_a_restored_step_the_durable_tier_lacks_is_promoted_from_the_local_files
     assert torch.equal(got["frozen"], frozen) and torch.equal(got["w"], torch.full((10,), 2.0))
 
 
+def test_a_restored_step_another_writer_makes_durable_meanwhile_does_not_fail_the_job(job, tmp_path, monkeypatch):
+    """The node agent (or any other writer) commits the restored step in the durable tier while the
+    restore's own promotion of it runs: the commit protocol keeps one copy, and the job goes on
+    saving; the next save and close() raise nothing, and the durable copy restores bitwise."""
+    from ckptstore.tiers.directory import DirectoryTier
+
+    local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+    with CheckpointStore(job, local=local, durable=durable, durable_every=100) as store:
+        for step in (1, 2):
+            store.save(step, {"w": torch.full((10,), float(step))}).wait("local")
+    step_2 = os.path.join(durable, "step-000000000002")
+    other = str(tmp_path / "other-writer")
+    shutil.copytree(step_2, other)
+    shutil.rmtree(step_2)
+    wipe_ram(job)
+    put = DirectoryTier.put
+
+    async def another_writer_first(self, snap):
+        if self.name == "durable" and snap.step == 2 and not os.path.exists(step_2):
+            shutil.copytree(other, step_2)  # its manifest included: the step is committed
+        return await put(self, snap)
+
+    monkeypatch.setattr(DirectoryTier, "put", another_writer_first)
+    with CheckpointStore(job, local=local, durable=durable, durable_every=100) as store:
+        assert store.restore({"w": torch.zeros(10)}) == 2
+        store.save(3, {"w": torch.full((10,), 3.0)}).wait("local")
+    assert _durable_steps(durable) == [2, 3]
+    got = {"w": torch.zeros(10)}
+    ckptstore.load_sharded(got, step_2)
+    assert torch.equal(got["w"], torch.full((10,), 2.0))
+
+
 def test_local_retention_keeps_the_newest_step_owed_to_a_failing_durable_tier(job, tmp_path):
     """keep_local=1, durable_every=2: while the durable tier fails, the local tier keeps the newest
     step that was due there besides its newest one; the next promotion that succeeds releases it."""

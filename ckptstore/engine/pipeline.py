@@ -634,6 +634,24 @@ class Pipeline:
             try:
                 await Lane.run(place, lambda: self._promote(job))
                 _resolve(job.futures["durable"], step)
+            except CheckpointError as exc:
+                # Another writer committed the step meanwhile (the node agent persisting what the
+                # killed run left, typically): the step is durable, which is all this promotion
+                # was for; failing the next save over it would stop a healthy job.
+                assert self.durable is not None
+                try:
+                    durable_now = step in await self.durable.steps()
+                except Exception:  # noqa: BLE001 - the listing failing too: report the promotion's error
+                    durable_now = False
+                if not durable_now:
+                    self._failed(job, exc)
+                    return
+                log.info("ckptstore: step %d was committed in %s by another writer while this restore promoted it; "
+                         "that copy stands", step, self.durable.display(step))
+                self._promoted.add(step)
+                if self._owed is not None and self._owed <= step:
+                    self._owed = None
+                _resolve(job.futures["durable"], step)
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
                 self._failed(job, exc)
 
