@@ -16,7 +16,8 @@ import os
 import secrets
 import stat
 import threading
-from typing import IO, Any, Union
+from collections.abc import Callable
+from typing import IO, Any, TypeVar, Union
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -45,6 +46,8 @@ from .base import (
     storage_error,
     transport_errors,
 )
+
+T = TypeVar("T")
 
 FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
 
@@ -679,21 +682,26 @@ class FsspecSource(Source):
         self.size = int(info["size"])
         self.parallel = bool(getattr(fs, "async_impl", False))
 
+    def _attempts(self, read: Callable[[], T]) -> T:
+        """``read``, again when a response body was cut short (up to READ_ATTEMPTS times); any other
+        transport failure is a StorageError at once."""
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                return read()
+            except body_cut_errors() as exc:
+                if attempt == READ_ATTEMPTS - 1:
+                    raise storage_error(exc, "read", self.display) from None
+            except transport_errors() as exc:
+                raise storage_error(exc, "read", self.display) from None
+        raise AssertionError("unreachable")
+
     def readinto(self, offset: int, out: memoryview) -> None:
         if not s3.is_s3(self.fs) or not len(out):
             out[:] = self.read(offset, len(out))
             return
         if offset + len(out) > self.size:
             raise ShortRead(offset, len(out), max(0, self.size - offset))
-        for attempt in range(READ_ATTEMPTS):
-            try:
-                got = s3.read_into(self.fs, self.path, offset, out)
-                break
-            except body_cut_errors() as exc:
-                if attempt == READ_ATTEMPTS - 1:
-                    raise storage_error(exc, "read", self.display) from None
-            except transport_errors() as exc:
-                raise storage_error(exc, "read", self.display) from None
+        got = self._attempts(lambda: s3.read_into(self.fs, self.path, offset, out))
         if got != len(out):
             raise ShortRead(offset, len(out), got)
 
@@ -702,15 +710,7 @@ class FsspecSource(Source):
             return b""
         if offset + length > self.size:
             raise ShortRead(offset, length, max(0, self.size - offset))
-        for attempt in range(READ_ATTEMPTS):
-            try:
-                data = self.fs.cat_file(self.path, start=offset, end=offset + length)
-                break
-            except body_cut_errors() as exc:
-                if attempt == READ_ATTEMPTS - 1:
-                    raise storage_error(exc, "read", self.display) from None
-            except transport_errors() as exc:
-                raise storage_error(exc, "read", self.display) from None
+        data = self._attempts(lambda: self.fs.cat_file(self.path, start=offset, end=offset + length))
         if len(data) != length:
             raise ShortRead(offset, length, len(data))
         return bytes(data)
