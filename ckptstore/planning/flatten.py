@@ -387,7 +387,12 @@ def _walk(obj: Any, leaves: list[torch.Tensor], key: list[Any], depth: int) -> b
                 key.append((int, k))
             else:
                 return False
-            if not _walk(v, leaves, key, depth + 1):
+            tv = type(v)
+            if tv is torch.Tensor or tv is torch.nn.Parameter:
+                # Inline: a state dict is mostly tensors, and a call per tensor is a third of the walk.
+                leaves.append(v)
+                key.append((tv, v.dtype, v.shape, v.stride(), v.device))
+            elif not _walk(v, leaves, key, depth + 1):
                 return False
         return True
     if t is list or t is tuple:

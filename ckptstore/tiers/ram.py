@@ -102,6 +102,10 @@ class Layout:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     @functools.cached_property
+    def any_empty(self) -> bool:
+        return any(not e.nbytes for e in self.entries)
+
+    @functools.cached_property
     def total_bytes(self) -> int:
         """The bytes of the entries (the slot's padding not counted)."""
         return sum(e.nbytes for e in self.entries)
@@ -325,10 +329,13 @@ class RamTier(Tier):
             # The common case, with nothing to skip: one grouped copy, no Python work per tensor
             # beyond building the two lists.
             with torch.no_grad():  # so sources that require grad copy as they are, without a detach each
-                pairs = [(v, src) for (_, src), v, e in zip(items, views, layout.entries) if e.nbytes]
-                if pairs:
-                    dsts, srcs = zip(*pairs)
-                    copy_grouped(list(dsts), list(srcs))
+                if layout.any_empty:
+                    pairs = [(v, src) for (_, src), v, e in zip(items, views, layout.entries) if e.nbytes]
+                    dsts, srcs = [v for v, _ in pairs], [src for _, src in pairs]
+                else:
+                    dsts, srcs = views, [src for _, src in items]
+                if dsts:
+                    copy_grouped(dsts, srcs)
             copied = layout.total_bytes
         else:
             sampler = torch.Generator().manual_seed(step)
