@@ -15,6 +15,13 @@ the store (+ floor buffers + one RAM slot) are left out, with a note, where only
 
     python benchmarks/bench_scale.py [--sizes-mib 64 256 1024 4096] [--counts 10 1000 10000 100000]
                                      [--count-total-mib 64] [--repeats 3] [--dir DIR] [--out docs/benchmarks]
+
+``--blocking`` measures only ``CheckpointStore.save``'s blocking time at ``--counts`` tensors of
+``--count-total-mib`` in all, each round a fresh save of the same structure (the steady state of a
+training loop): a store with the RAM tier alone and one with a local tier too, against two floors
+of the same bytes in the same run, ``copy_`` per tensor into preallocated buffers (the floor the
+table above uses) and one ``copy_`` of a single flat buffer (what a memcpy of those bytes costs).
+It writes ``save_blocking.{json,png}``.
 """
 
 from __future__ import annotations
@@ -148,9 +155,112 @@ def measure(total: int, count: int, repeats: int, work: str, ram_dir: str, with_
     }
 
 
-def _print(tag: str, row: dict[str, Any]) -> None:
+BLOCKING = ("memcpy_floor", "flat_memcpy", "store_ram", "store_ram_local")
+
+
+def measure_blocking(total: int, count: int, repeats: int, work: str, ram_dir: str) -> dict[str, Any]:
+    """Blocking time of CheckpointStore.save (RAM only, RAM + local) against the memcpy floors."""
+    state = _state(total, count)
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    floor = {k: torch.empty_like(v) for k, v in state.items()}
+    flat_src, flat_dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    jobs = {name: f"bench-block-{uuid.uuid4().hex[:8]}" for name in ("store_ram", "store_ram_local")}
+    # The default two slots, both touched by the warm-up: a budget of many slots would time
+    # first-touch page faults of a fresh slot at every round instead of the steady state.
+    stores = {
+        "store_ram": CheckpointStore(jobs["store_ram"], ram_dir=ram_dir),
+        "store_ram_local": CheckpointStore(jobs["store_ram_local"], local=os.path.join(work, "local-block"),
+                                           keep_local=1, ram_dir=ram_dir),
+    }
+    step = [0]
+
+    def store_save(store: CheckpointStore) -> float:
+        step[0] += 1
+        t = time.perf_counter()
+        handle = store.save(step[0], state)
+        blocking = time.perf_counter() - t
+        handle.wait("ram")
+        store._drain()  # persisting is not timed, and must not share the cores with the next round
+        return blocking
+
+    def floor_copy() -> None:
+        for k, v in state.items():
+            floor[k].copy_(v)
+
+    fns: dict[str, Any] = {
+        "memcpy_floor": floor_copy,
+        "flat_memcpy": lambda: flat_dst.copy_(flat_src),
+        "store_ram": lambda: store_save(stores["store_ram"]),
+        "store_ram_local": lambda: store_save(stores["store_ram_local"]),
+    }
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    try:
+        for _ in range(2):  # warm-up: buffers touched, both slots of each store made and used once
+            for fn in fns.values():
+                fn()
+        for r in range(repeats):
+            for name in (BLOCKING if r % 2 == 0 else tuple(reversed(BLOCKING))):
+                gc.collect()
+                t = time.perf_counter()
+                out = fns[name]()
+                times[name].append(out if isinstance(out, float) else time.perf_counter() - t)
+    finally:
+        for store in stores.values():
+            store.close(keep_ram=True)
+        for f in os.listdir(ram_dir):
+            if any(f.startswith(f"ckptstore-{job}-") for job in jobs.values()):
+                os.unlink(os.path.join(ram_dir, f))
+        shutil.rmtree(os.path.join(work, "local-block"), ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bytes": nbytes, "tensors": count, "repeats": repeats, "seconds": times, "median_seconds": med,
+        "us_per_tensor": {k: v / count * 1e6 for k, v in med.items()},
+        "ratios": {f"{s}_vs_{f}": med[s] / med[f] for s in ("store_ram", "store_ram_local")
+                   for f in ("memcpy_floor", "flat_memcpy")},
+    }
+
+
+def blocking_main(args: argparse.Namespace) -> None:
+    work = tempfile.mkdtemp(prefix="ckptstore-bench-block-", dir=args.dir)
+    rows: list[dict[str, Any]] = []
+    try:
+        print(f"save blocking: medians of {args.repeats} interleaved rounds (seconds [min-max])")
+        for count in args.counts:
+            rows.append(measure_blocking(args.count_total_mib << 20, count, args.repeats, work, args.ram_dir))
+            _print(f"{args.count_total_mib} MiB in {count} tensors", rows[-1], BLOCKING)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    doc = {"benchmark": "save_blocking", "repeats": args.repeats, "by_count": rows,
+           "note": "blocking time of CheckpointStore.save on a state of the same structure as the last save; "
+                   "memcpy_floor: copy_ per tensor into preallocated buffers; flat_memcpy: one copy_ of the same bytes",
+           "machine": machine()}
+    import json
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "save_blocking.json"), "w") as fh:
+        json.dump(doc, fh, indent=2)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["tensors"] for r in rows]
+    for v in BLOCKING:
+        ax.plot(xs, [r["median_seconds"][v] for r in rows], marker="o", label=v)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"number of tensors ({args.count_total_mib} MiB in all)")
+    ax.set_ylabel("median seconds blocked (lower is better)")
+    ax.grid(True, which="both", lw=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"CheckpointStore.save blocking, medians of {args.repeats}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "save_blocking.png"), dpi=110)
+    plt.close(fig)
+
+
+def _print(tag: str, row: dict[str, Any], variants: tuple[str, ...] = VARIANTS) -> None:
     med, sec = row["median_seconds"], row["seconds"]
-    cells = "  ".join(f"{k} {med[k]:.3f} [{min(sec[k]):.3f}-{max(sec[k]):.3f}]" for k in VARIANTS if k in med)
+    cells = "  ".join(f"{k} {med[k]:.3f} [{min(sec[k]):.3f}-{max(sec[k]):.3f}]" for k in variants if k in med)
     ratios = ", ".join(f"{k} {v:.2f}x" for k, v in row["ratios"].items())
     print(f"  {tag}: {cells}\n    {ratios}", flush=True)
 
@@ -166,8 +276,12 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the files go (a real disk, default: a temp dir)")
     ap.add_argument("--ram-dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
+    ap.add_argument("--blocking", action="store_true", help="only CheckpointStore.save's blocking time (see above)")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.blocking:
+        blocking_main(args)
+        return
     work = tempfile.mkdtemp(prefix="ckptstore-bench-scale-", dir=args.dir)
     by_size: list[dict[str, Any]] = []
     by_count: list[dict[str, Any]] = []

@@ -577,3 +577,39 @@ def small_peer_save_job(rank: int, world: int, name: str, ram_root: str, local_r
         handle.wait("peer")
         handle.wait("local")
     store.close(keep_ram=True)  # the next run restarts on these nodes, from their RAM and replicas
+
+
+def store_structure_change_job(rank: int, world: int, name: str, local: str) -> None:
+    """Rank 1 adds a key at step 3 while rank 0 keeps its structure (and so reuses its last plan until
+    the save's vote shows the ranks' structures changed); every step restores bitwise on every rank,
+    writes made after a save returned never reach its snapshot, and each rank planned only when its
+    own structure or the ranks' agreed one changed."""
+    import ckptstore.engine.pipeline as pipeline
+
+    real, planned = pipeline.collect, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        planned.append(1)
+        return real(*args, **kwargs)
+
+    pipeline.collect = counting
+    store = ckptstore.CheckpointStore(name, local=local, keep_local=10)
+    saved = {}
+    for step in range(1, 6):
+        g = torch.Generator().manual_seed(step)  # what every rank holds alike
+        state = {f"w{i}": torch.randn(4, 3, generator=g) for i in range(50)}
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        state[f"own{rank}"] = torch.randn(5, generator=g)
+        if rank == 1 and step >= 3:
+            state["extra1"] = torch.randn(6, generator=g)
+        store.save(step, state).wait("local")
+        saved[step] = {k: v.clone() for k, v in state.items()}
+        for t in state.values():
+            t.add_(1)
+    assert len(planned) == 2, planned  # step 1, and step 3 (rank 0 learns of rank 1's change in the vote)
+    for step in range(1, 6):
+        target = {k: torch.zeros_like(v) for k, v in saved[step].items()}
+        assert store.restore(target, step=step) == step
+        for k, v in saved[step].items():
+            assert torch.equal(target[k], v), (rank, step, k)
+    store.close()

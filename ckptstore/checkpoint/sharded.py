@@ -225,7 +225,7 @@ class Collected:
 def strided_split_factor(p: Any) -> int | None:
     """The split factor of a ``_StridedShard`` placement (FSDP2 over TP), None for any other placement.
 
-    ``_StridedShard`` is private to torch and the one place ckptstore reads a private torch API:
+    ``_StridedShard`` is private to torch and the one place ckptstore reads a private torch attribute:
     torch has no public way to ask how a strided shard was cut. Kept here alone, and tested
     (tests/test_layouts_dist.py), so a torch upgrade that moves it fails in one obvious place.
     """

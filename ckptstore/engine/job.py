@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..tiers.base import Snapshot
-from ..tiers.ram import Staged
+from ..tiers.ram import Layout, Staged
 
 
 @dataclass
@@ -22,6 +22,7 @@ class StepJob:
     tensors: dict[str, Any] = field(default_factory=dict)
     digest: str = ""
     boxes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    layout: Layout | None = None  # the slot layout of what this rank stages, once planned
     frozen_end: int = 0
     snap: Snapshot | None = None
     replicate: bool = False

@@ -65,6 +65,7 @@ from ..errors import (
 from ..format.container import align_up
 from ..format.manifest import Manifest
 from ..goodput.tracker import GoodputTracker
+from ..planning.flatten import fingerprint
 from ..storage import s3
 from ..tiers.base import Snapshot, Tier
 from ..tiers.directory import DirectoryTier
@@ -168,6 +169,26 @@ class BackgroundErrors:
         raise background_error(step, exc)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """What a save plans from the structure of its state, kept for the next save of the same
+    structure: its fingerprint ``key``, the ranks' agreed ``structure`` it was planned under, the
+    slot's entry ``names`` with the index of each one's tensor among the fingerprint's tensors
+    (``order``), and what the step's job carries (digest, slot layout, tree and tensor table,
+    boxes). None of it depends on the tensors' values, so staging new values into it is exact."""
+
+    key: list[Any]
+    structure: Structure
+    digest: str
+    names: list[str]
+    order: list[int]
+    frozen_count: int
+    breaks: frozenset[int]
+    layout: Layout
+    shared: dict[str, Any]
+    boxes: dict[str, tuple[int, ...]]
+
+
 class Pipeline:
     """Saves of one store: the trainer's part in :meth:`save`, the background stages on ``loop``."""
 
@@ -203,6 +224,10 @@ class Pipeline:
         self._structures: dict[str, Structure] = {}
         self._structure: tuple[list[str], Structure] | None = None
         self._local: Collected | None = None  # this save's collected state, between collect and the vote
+        # What a save of an unchanged structure reuses (see _Planned); the tree and the tensors of
+        # this save, for collecting it after all when the vote finds another rank's structure changed.
+        self._planned: _Planned | None = None
+        self._found: tuple[Any, tuple[list[Any], list[Any]] | None] | None = None
 
     # ------------------------------------------------------------------------------ the trainer's part
 
@@ -229,7 +254,9 @@ class Pipeline:
         busy, plan, digests = self._vote(step, error, busy, plan, pending, job.digest)
         if self._structure is None or self._structure[0] != digests:
             # The first save, or the ranks' structures changed: agree on their union, then plan again.
-            assert self._local is not None  # the vote raised if any rank failed to collect
+            if self._local is None:  # this rank's own structure held, and it took the reuse path
+                assert self._found is not None
+                self._local = collect(self._found[0], self.rank, encode_value)
             structure = agree_structure(self.groups.trainer, self._local, digests, self._structures)
             self._structure = (digests, structure)
             try:
@@ -238,6 +265,7 @@ class Pipeline:
             except Exception as exc:  # noqa: BLE001 - the step fails on every rank through the fast lane
                 job.error = exc
         self._local = None
+        self._found = None
         self.tracker.planned(step, plan)
         if busy and self.options.policy == "skip":
             self.skipped += 1
@@ -290,7 +318,13 @@ class Pipeline:
                 "restored, or found in its tiers when it started): steps only grow and a committed step is never "
                 "saved again; restore first and continue after it, or give a new run its own job name and directories"
             )
-        local = collect(state.state_dict() if isinstance(state, TrainState) else state, self.rank, encode_value)
+        tree = state.state_dict() if isinstance(state, TrainState) else state
+        found = fingerprint(tree) if not self.check.on else None
+        self._found = (tree, found)
+        reused = self._reuse(job, found)
+        if reused is not None:
+            return reused
+        local = collect(tree, self.rank, encode_value)
         job.digest = structure_digest(local)
         self._local = local
         if self._structure is None:
@@ -309,7 +343,37 @@ class Pipeline:
         job.shared = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts} if structure.representative else {}
         job.boxes = {name: m.offsets for name, m in zip(names, frozen + rest)}
         self._size_slots(items, breaks)
+        job.layout = Layout.of(items, breaks)
+        self._planned = self._remember(job, items, len(frozen), breaks, structure)
         return items, len(frozen), breaks
+
+    def _remember(self, job: StepJob, items: list[tuple[str, Any]], frozen_count: int, breaks: frozenset[int],
+                  structure: Structure) -> _Planned | None:
+        """What the next save reuses while its fingerprint equals this one's; None when the state
+        has no fingerprint (see planning.flatten.fingerprint) or a staged entry is not one of its tensors."""
+        found = self._found[1] if self._found is not None else None
+        if found is None or self.check.on or job.layout is None:
+            return None
+        leaves, key = found
+        where = {id(t): i for i, t in enumerate(leaves)}
+        order = [where.get(id(t), -1) for _, t in items]
+        if -1 in order:
+            return None
+        return _Planned(key=key, structure=structure, digest=job.digest, names=[name for name, _ in items],
+                        order=order, frozen_count=frozen_count, breaks=breaks, layout=job.layout,
+                        shared=job.shared, boxes=job.boxes)
+
+    def _reuse(self, job: StepJob, found: tuple[list[Any], list[Any]] | None) -> tuple[list[tuple[str, Any]], int, frozenset[int]] | None:
+        """The last save's plan with this save's tensors in it, when nothing structural changed:
+        the same fingerprint (keys, containers, leaves' values, tensors' dtypes, shapes, strides and
+        devices) under the same agreed structure of the ranks. None otherwise."""
+        planned = self._planned
+        if (found is None or planned is None or self._structure is None
+                or planned.structure is not self._structure[1] or found[1] != planned.key):
+            return None
+        leaves = found[0]
+        job.digest, job.shared, job.boxes, job.layout = planned.digest, planned.shared, planned.boxes, planned.layout
+        return [(name, leaves[i]) for name, i in zip(planned.names, planned.order)], planned.frozen_count, planned.breaks
 
     def _vote(self, step: int, error: BaseException | None, busy: bool, plan: Any,
               pending: tuple[int, BaseException] | None, digest: str) -> tuple[bool, Any, list[str]]:
@@ -376,7 +440,7 @@ class Pipeline:
         may_skip = frozenset(k for k, _ in items[:frozen_count])
         try:
             job.staged = self.ram.stage(job.step, items, may_skip=may_skip, breaks=breaks, slot=slot,
-                                        refresh_every=self.options.refresh_every)
+                                        refresh_every=self.options.refresh_every, layout=job.layout)
         except BaseException as exc:
             job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
             if self.world == 1:

@@ -20,6 +20,7 @@ rank's shard from the segments of the ranks on its node.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ import torch
 import xxhash
 
 from .._aio import run_sync
+from .._buffers import copy_grouped
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -93,10 +95,20 @@ class Layout:
             pos += nbytes
         return cls(tuple(entries), max(align_up(pos), 4096))
 
-    @property
+    @functools.cached_property
     def signature(self) -> str:
+        # Cached: a store reuses one Layout object while the state's structure holds.
         text = json.dumps([(e.key, e.dtype, list(e.shape), e.offset) for e in self.entries])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @functools.cached_property
+    def any_empty(self) -> bool:
+        return any(not e.nbytes for e in self.entries)
+
+    @functools.cached_property
+    def total_bytes(self) -> int:
+        """The bytes of the entries (the slot's padding not counted)."""
+        return sum(e.nbytes for e in self.entries)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes} for e in self.entries]
@@ -122,6 +134,18 @@ class Slot:
             self.map = _map_segment(path, size)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pinned = _pin(self.buffer) if torch.cuda.is_available() else False
+        self._views: tuple[Layout, list[torch.Tensor]] | None = None
+
+    def views(self, layout: Layout) -> list[torch.Tensor]:
+        """A view per entry of ``layout``, kept while the slot is staged with the same layout:
+        making one costs microseconds, which thousands of small tensors turn into most of a save."""
+        if self._views is not None:
+            held, views = self._views
+            if held is layout or held.signature == layout.signature:
+                return views
+        views = [self.view(e) for e in layout.entries]
+        self._views = (layout, views)
+        return views
 
     def view(self, e: SlotEntry) -> torch.Tensor:
         dtype = dtype_from_name(e.dtype, where=self.path)
@@ -136,6 +160,7 @@ class Slot:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._views = None
 
 
 @dataclass
@@ -261,6 +286,7 @@ class RamTier(Tier):
     def stage(
         self, step: int, items: list[tuple[str, torch.Tensor]], *, may_skip: frozenset[str] = frozenset(),
         breaks: frozenset[int] = frozenset(), slot: int | None = None, refresh_every: int | None = None,
+        layout: Layout | None = None,
     ) -> Staged:
         """Copy ``items`` into the next slot; the blocking part of a save. Returns what was staged.
 
@@ -271,12 +297,14 @@ class RamTier(Tier):
         sample catches a change of much of a tensor at once, and every ``refresh_every``-th use of
         each slot copies everything, which catches the rest. ``breaks``: see :meth:`Layout.of`.
         ``slot``: the slot to stage into, as :attr:`next_slot` named it to a caller that waited for
-        it to be free.
+        it to be free. ``layout``: ``Layout.of(items, breaks)``, when the caller keeps it from a save
+        of the same structure.
 
         The slot's previous manifest is removed first, so a crash mid-copy never leaves a
         committed-looking snapshot with half-overwritten bytes.
         """
-        layout = Layout.of(items, breaks)
+        if layout is None:
+            layout = Layout.of(items, breaks)
         index = self.next_slot if slot is None else slot
         self._next = (index + 1) % self.nslots
         if self._newest is not None and self._newest[1] == index:
@@ -284,6 +312,7 @@ class RamTier(Tier):
         remove_file(self._name(index, "json"))
         self._by_step = {s: st for s, st in self._by_step.items() if st.slot != index}
         self._uses[index] = self._uses.get(index, 0) + 1
+        track = may_skip  # the keys whose source identity is kept, for the next save to skip on
         if refresh_every and self._uses[index] % refresh_every == 0:
             may_skip = frozenset()  # this slot's periodic refresh: counted per slot, so every slot gets one
         segment = self._slot(index, layout.total)
@@ -292,26 +321,41 @@ class RamTier(Tier):
             self._slot_sums.pop(index, None)
         self._layout_sig[index] = layout.signature
         held = self._sources.setdefault(index, {})
+        views = segment.views(layout)
         copied, reused = 0, []
         t0 = time.perf_counter()
         stream = self._side_stream(items)
-        sampler = torch.Generator().manual_seed(step)
-        with torch.no_grad(), _on(stream):
-            for (key, src), e in zip(items, layout.entries):
-                identity = (src.data_ptr(), src._version, tuple(src.shape), tuple(src.stride()), src.dtype, src.device)
-                if (key in may_skip and e.nbytes >= _REUSE_MIN_BYTES and held.get(key) == identity
-                        and _sample_matches(src, segment.view(e), sampler, key)):
-                    reused.append(key)
-                    continue
-                held.pop(key, None)  # a failed copy must not leave a stale identity behind
-                if e.nbytes:
-                    # Device tensors on the side stream's device copy asynchronously into the
-                    # pinned slot; everything else is an ordinary synchronous copy.
-                    segment.view(e).copy_(src.detach(), non_blocking=stream is not None and src.device == stream.device)
-                    copied += e.nbytes
-                held[key] = identity
-        if stream is not None:
-            stream.synchronize()  # save returns only once the snapshot is in host memory
+        if stream is None and not may_skip and not track and not held:
+            # The common case, with nothing to skip: one grouped copy, no Python work per tensor
+            # beyond building the two lists.
+            with torch.no_grad():  # so sources that require grad copy as they are, without a detach each
+                if layout.any_empty:
+                    pairs = [(v, src) for (_, src), v, e in zip(items, views, layout.entries) if e.nbytes]
+                    dsts, srcs = [v for v, _ in pairs], [src for _, src in pairs]
+                else:
+                    dsts, srcs = views, [src for _, src in items]
+                if dsts:
+                    copy_grouped(dsts, srcs)
+            copied = layout.total_bytes
+        else:
+            sampler = torch.Generator().manual_seed(step)
+            with torch.no_grad(), _on(stream):
+                for (key, src), e, view in zip(items, layout.entries, views):
+                    identity = (src.data_ptr(), src._version, tuple(src.shape), tuple(src.stride()), src.dtype, src.device)
+                    if (key in may_skip and e.nbytes >= _REUSE_MIN_BYTES and held.get(key) == identity
+                            and _sample_matches(src, view, sampler, key)):
+                        reused.append(key)
+                        continue
+                    held.pop(key, None)  # a failed copy must not leave a stale identity behind
+                    if e.nbytes:
+                        # Device tensors on the side stream's device copy asynchronously into the
+                        # pinned slot; everything else is an ordinary synchronous copy.
+                        view.copy_(src.detach(), non_blocking=stream is not None and src.device == stream.device)
+                        copied += e.nbytes
+                    if key in track:
+                        held[key] = identity
+            if stream is not None:
+                stream.synchronize()  # save returns only once the snapshot is in host memory
         staged = Staged(step, index, layout, time.perf_counter() - t0, copied, tuple(reused))
         self._by_step[step] = staged
         return staged
