@@ -9,8 +9,10 @@ before the first timed round, and the compared variants alternate which goes fir
 - a local directory: one sequential write + fsync (O_DIRECT where the filesystem allows it) and a
   cold read of that file, against the local tier persisting the staged snapshot and ``load_sharded``
   reading it back (checksums verified), with the page cache dropped before every read;
-- a durable fsspec URL: a raw put/get of the same bytes through the same filesystem, against
-  promoting the snapshot to a durable tier and reading it back.
+- a durable fsspec URL: on s3://, boto3's transfer manager uploading the same bytes with the
+  promotion's part size and parts in flight, and ranged GETs of the ranges a restore reads with its
+  concurrency (elsewhere a raw put/get through the same filesystem), against promoting the snapshot
+  to a durable tier and reading it back.
 
 A sweep over write chunk size and writes in flight (local) and part size and parts in flight (S3)
 picks the settings that ``CheckpointStore(..., tuning=FILE)`` applies; the checkpoint cost of a

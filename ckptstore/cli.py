@@ -723,8 +723,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench",
         help="measure each storage tier against this machine's raw ceiling, and recommend tuning",
-        description="For each target, time the raw ceiling (memcpy; write+fsync and a cold read; an fsspec "
-        "put/get) next to ckptstore's own tier on the same bytes, sweep write chunk size and concurrency for the "
+        description="For each target, time the raw ceiling (memcpy; write+fsync and a cold read; on s3:// "
+        "boto3's transfer manager with the promotion's part size and parts in flight and ranged GETs of the ranges a "
+        "restore reads, elsewhere an fsspec put/get) next to ckptstore's own tier on the same bytes, sweep write chunk size and concurrency for the "
         "local and durable tiers, and print the checkpoint cost of --state-size for `ckptstore plan`. With no "
         "target, measures RAM and a scratch directory under the current one.",
     )
