@@ -49,7 +49,9 @@ def _durable_steps(durable: str) -> list[int]:
     return sorted(int(n[5:]) for n in os.listdir(durable) if os.path.exists(os.path.join(durable, n, "manifest.json")))
 
 
-@pytest.mark.parametrize("restore", [False, True], ids=["counting-on", "restoring"])
+# Counting on from the manifest's cadence without a restore runs with -m slow (the default run keeps
+# the restoring case, which counts on too and adds the promotion of the restored step).
+@pytest.mark.parametrize("restore", [pytest.param(False, marks=pytest.mark.slow), True], ids=["counting-on", "restoring"])
 def test_a_job_killed_every_three_saves_still_reaches_the_durable_tier(job, tmp_path, restore):
     """Five runs of three saves each, every run SIGKILLed, durable_every=4: a per-process count never
     reached 4. Counting on from the newest step's manifest promotes every fourth save across runs; a

@@ -233,7 +233,9 @@ IN_LOCAL_AT_KILL = {N - 2 * EVERY, N - EVERY, N}
 
 @pytest.mark.parametrize(
     ("tier", "num_workers"),
-    [("ram", 0), ("ram", 2), ("local", 0)],
+    # From the local tier with -m slow: the default run restores from local in tests/test_crash.py
+    # and tests/test_crash_loop.py, and keeps the bitwise loss-curve check for RAM here.
+    [("ram", 0), ("ram", 2), pytest.param("local", 0, marks=pytest.mark.slow)],
     ids=["ram-workers0", "ram-workers2", "local-workers0"],
 )
 def test_resume_after_sigkill_is_bitwise_equal_to_an_uninterrupted_run(runner, reference, tier, num_workers):

@@ -22,7 +22,7 @@ from conftest import assert_same, s3_pending_uploads, wipe_ram
 
 import ckptstore
 
-FAST_TRIALS = 10  # per backend: 20 races in the default run
+FAST_TRIALS = 5  # per backend: 10 races in the default run (-m slow: 50 each)
 SLOW_TRIALS = 50
 
 
