@@ -12,14 +12,54 @@ never travel on the trainer's own group (often NCCL, and busy with the trainer's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
+import pickle
 import socket
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import RankFailure, collective_error
+
+
+class Traffic:
+    """What this process received through the store's collectives while :func:`counting`: bytes
+    (as the transport carries them: an object all-gather pads every rank's message to the largest,
+    a ring all-reduce receives at most twice the tensor) and collectives, by group role."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.calls = 0
+        self.by_role: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, role: str, nbytes: int) -> None:
+        with self._lock:
+            self.received += nbytes
+            self.calls += 1
+            self.by_role[role] = self.by_role.get(role, 0) + nbytes
+
+
+_traffic: Traffic | None = None
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Traffic]:
+    """Count what this process receives through every :class:`Group` while inside (for tests and
+    benchmarks: the counting pickles each message once more, so it is off otherwise)."""
+    global _traffic
+    previous, _traffic = _traffic, Traffic()
+    try:
+        yield _traffic
+    finally:
+        _traffic = previous
+
+
+def _size(obj: Any) -> int:
+    return len(pickle.dumps(obj))
 
 
 class Group:
@@ -29,6 +69,7 @@ class Group:
         import torch.distributed as dist
 
         self._dist = dist
+        self.role = ""  # which of a store's groups this is (StoreGroups), for what counting() reports
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             self.pg, self.rank, self.world = None, 0, 1
         else:
@@ -42,7 +83,7 @@ class Group:
         group = cls.__new__(cls)
         import torch.distributed as dist
 
-        group._dist, group.pg, group.rank, group.world = dist, None, 0, 1
+        group._dist, group.pg, group.rank, group.world, group.role = dist, None, 0, 1, ""
         return group
 
     def global_rank(self, rank: int) -> int:
@@ -55,6 +96,8 @@ class Group:
             return [obj]
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         self._dist.gather_object(obj, out, dst=self.global_rank(0), group=self.pg)
+        if _traffic is not None and out:
+            _traffic.add(self.role, 8 * (self.world - 1) + (self.world - 1) * max(map(_size, out)))
         return out or []
 
     def broadcast(self, obj: Any) -> Any:
@@ -63,6 +106,8 @@ class Group:
             return obj
         box = [obj]
         self._dist.broadcast_object_list(box, src=self.global_rank(0), group=self.pg)
+        if _traffic is not None and self.rank != 0:
+            _traffic.add(self.role, 8 + _size(box[0]))
         return box[0]
 
     def from_senders(self, obj: Any, senders: list[int]) -> dict[int, Any]:
@@ -78,6 +123,8 @@ class Group:
                     box: list[Any] = [None]
                     self._dist.recv_object_list(box, src=self.global_rank(r), group=self.pg)
                     out[r] = box[0]
+                    if _traffic is not None:
+                        _traffic.add(self.role, 8 + _size(box[0]))
             return out
         if self.rank in senders:
             self._dist.send_object_list([obj], dst=self.global_rank(0), group=self.pg)
@@ -88,7 +135,22 @@ class Group:
             return [obj]
         out: list[Any] = [None] * self.world
         self._dist.all_gather_object(out, obj, group=self.pg)
+        if _traffic is not None:
+            _traffic.add(self.role, 8 * (self.world - 1) + (self.world - 1) * max(map(_size, out)))
         return out
+
+    def max_int64(self, values: list[int]) -> list[int]:
+        """The element-wise maximum over the ranks of ``values`` (int64; negate one for a minimum):
+        one all-reduce of a few bytes, whatever the number of ranks (gloo reduces int64 with MAX)."""
+        if self.world == 1:
+            return list(values)
+        import torch
+
+        t = torch.tensor(values, dtype=torch.int64)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.pg)
+        if _traffic is not None:
+            _traffic.add(self.role, 2 * t.numel() * t.element_size())
+        return [int(v) for v in t.tolist()]
 
 
 def failure_record(rank: int, exc: BaseException) -> dict[str, Any]:
@@ -153,6 +215,26 @@ async def agree_async(group: Group, what: str, work: Callable[[], Awaitable[Any]
     return settle(what, statuses, group.rank, local)
 
 
+async def concur_async(group: Group, what: str, work: Callable[[], Awaitable[Any]]) -> Any:
+    """:func:`agree_async` for work whose results nobody else needs: returns this rank's result
+    once every rank succeeded, and raises what :func:`agree_async` raises otherwise. Success costs
+    one all-reduce of a flag, whatever the number of ranks; only a failure gathers every rank's
+    outcome, to name each failing rank and keep its class."""
+    local: BaseException | None = None
+    status: dict[str, Any]
+    try:
+        status = {"ok": True, "value": await work()}
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        local, status = exc, _failed(group.rank, exc)
+    if group.world == 1:
+        return settle(what, [status], group.rank, local)[0]
+    failed = await asyncio.to_thread(group.max_int64, [0 if status["ok"] else 1])
+    if not failed[0]:
+        return status["value"]
+    statuses = await asyncio.to_thread(group.all_gather, status)
+    return settle(what, statuses, group.rank, local)[group.rank]
+
+
 @dataclass(frozen=True)
 class StoreGroups:
     """The gloo groups of one CheckpointStore, over the ranks of its process group.
@@ -213,4 +295,8 @@ def store_groups(process_group: Any, timeout_s: float, peer_timeout_s: float) ->
     # Created in one order on every rank (new_group is itself collective).
     trainer, fast, durable, transfer = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(4))
     kwargs["timeout"] = datetime.timedelta(seconds=peer_timeout_s)
-    return StoreGroups(trainer, fast, durable, Group(dist.new_group(ranks=ranks, **kwargs)), transfer)
+    peer = Group(dist.new_group(ranks=ranks, **kwargs))
+    for group, role in ((trainer, "trainer"), (fast, "fast"), (durable, "durable"), (peer, "peer"),
+                        (transfer, "transfer")):
+        group.role = role
+    return StoreGroups(trainer, fast, durable, peer, transfer)

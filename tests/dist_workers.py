@@ -579,37 +579,61 @@ def small_peer_save_job(rank: int, world: int, name: str, ram_root: str, local_r
     store.close(keep_ram=True)  # the next run restarts on these nodes, from their RAM and replicas
 
 
-def store_structure_change_job(rank: int, world: int, name: str, local: str) -> None:
-    """Rank 1 adds a key at step 3 while rank 0 keeps its structure (and so reuses its last plan until
-    the save's vote shows the ranks' structures changed); every step restores bitwise on every rank,
-    writes made after a save returned never reach its snapshot, and each rank planned only when its
-    own structure or the ranks' agreed one changed."""
+def store_control_plane_job(rank: int, world: int, name: str, root: str, out: str, changes: bool) -> None:
+    """Saves of one structure after the first are counted: what this rank received per save
+    through each of the store's groups (collective.counting) goes to ``out`` as JSON. Then, with
+    ``changes``, one rank
+    at a time changes its structure (rank 1 adds a key, rank 0 changes a dtype, rank 1 a shape)
+    while the others keep theirs and reuse their last plan until the save's vote shows that the
+    ranks' structures changed: every rank plans again exactly at those saves, every step restores
+    bitwise on every rank, and writes made after a save returned never reach its snapshot."""
+    import json
+
     import ckptstore.engine.pipeline as pipeline
+    from ckptstore.collective import counting
 
     real, planned = pipeline.collect, []
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         planned.append(1)
         return real(*args, **kwargs)
 
-    pipeline.collect = counting
-    store = ckptstore.CheckpointStore(name, local=local, keep_local=10)
-    saved = {}
-    for step in range(1, 6):
-        g = torch.Generator().manual_seed(step)  # what every rank holds alike
+    pipeline.collect = counted
+    local = os.path.join(root, f"local-{world}-{rank}")  # a directory per rank: each is a node
+    store = ckptstore.CheckpointStore(name, local=local, durable=os.path.join(root, f"durable-{world}"),
+                                      durable_every=1, keep_local=10)
+    saved, steady = {}, (2, 3)
+    traffic = None
+    last = 7 if changes else steady[-1]
+    for step in range(1, last + 1):
+        g = torch.Generator().manual_seed(step)  # what every rank holds alike: each key written by one rank
         state = {f"w{i}": torch.randn(4, 3, generator=g) for i in range(50)}
         g = torch.Generator().manual_seed(step * 10 + rank)
         state[f"own{rank}"] = torch.randn(5, generator=g)
-        if rank == 1 and step >= 3:
+        if rank == 1 and step >= 4:
             state["extra1"] = torch.randn(6, generator=g)
-        store.save(step, state).wait("local")
+        if rank == 0 and step >= 5:
+            state["own0"] = state["own0"].to(torch.bfloat16)
+        if rank == 1 and step >= 6:
+            state["own1"] = torch.randn(2, 3, generator=g)
+        if step == steady[0]:
+            traffic = counting()
+            counts = traffic.__enter__()
+        store.save(step, state).wait("durable")
+        if step == steady[-1]:
+            assert traffic is not None
+            traffic.__exit__(None, None, None)
+            with open(os.path.join(out, f"w{world}-r{rank}.json"), "w") as fh:
+                json.dump({role: n / len(steady) for role, n in counts.by_role.items()}, fh)
         saved[step] = {k: v.clone() for k, v in state.items()}
         for t in state.values():
             t.add_(1)
-    assert len(planned) == 2, planned  # step 1, and step 3 (rank 0 learns of rank 1's change in the vote)
-    for step in range(1, 6):
+    # Step 1, then steps 4, 5 and 6: a rank whose own structure held learns of another's change in the vote.
+    assert len(planned) == (4 if changes else 1), planned
+    for step in range(1, last + 1) if changes else ():
         target = {k: torch.zeros_like(v) for k, v in saved[step].items()}
         assert store.restore(target, step=step) == step
         for k, v in saved[step].items():
-            assert torch.equal(target[k], v), (rank, step, k)
+            assert target[k].dtype == v.dtype and torch.equal(target[k], v), (rank, step, k)
     store.close()
+

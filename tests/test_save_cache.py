@@ -235,9 +235,3 @@ def test_grouped_copy_falls_back_to_the_copy_loop(monkeypatch, how):
     with torch.no_grad():
         buffers.copy_grouped(dsts, srcs)
     _check(dsts, srcs)
-
-
-def test_a_structure_change_on_one_rank_replans_every_rank(job, tmp_path):
-    import dist_workers
-
-    dist_workers.spawn(2, "store_structure_change_job", tmp_path, name=job, local=str(tmp_path / "local"))

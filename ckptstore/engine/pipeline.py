@@ -4,8 +4,9 @@ every tier.
 On the trainer's thread (:meth:`Pipeline.save`), the only part the training loop pays for:
 
 1. *collect*: walk the state, decide which boxes this rank writes (frozen ones first, then the
-   rest, then what only the replica check reads), and vote with every rank, in one all_gather, on
-   the step, on failures (this rank's, and background ones not yet raised) and on a free slot;
+   rest, then what only the replica check reads), and vote with every rank on the step, on
+   failures (this rank's, and background ones not yet raised) and on a free slot: one all-reduce
+   of a few integers while nothing differs, every rank's record gathered only when something does;
 2. *stage*: wait until the next RAM slot is free, copy the state into it (``RamTier.stage``);
 3. hand the step, a :class:`StepJob`, to the background loop and return a :class:`SaveHandle`.
 
@@ -33,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -228,6 +231,7 @@ class Pipeline:
         # this save, for collecting it after all when the vote finds another rank's structure changed.
         self._planned: _Planned | None = None
         self._found: tuple[Any, tuple[list[Any], list[Any]] | None] | None = None
+        self._hashed: tuple[list[str], int] | None = None  # the agreed digests and their hash (_vote)
 
     # ------------------------------------------------------------------------------ the trainer's part
 
@@ -379,11 +383,44 @@ class Pipeline:
               pending: tuple[int, BaseException] | None, digest: str) -> tuple[bool, Any, list[str]]:
         """One vote per save keeps the ranks together: on the step, on this save's failures, on a
         background failure one rank has already seen (the others may learn of it a moment later:
-        it is raised on all of them), on a busy slot and on the plan. Raises what must be raised."""
+        it is raised on all of them), on a busy slot and on the plan. Raises what must be raised.
+
+        The vote is one all-reduce (MAX) of a few int64s, whatever the number of ranks: the step
+        and its negation, the flags, whether this rank's structure left the agreed one, and a hash
+        of the ranks' agreed digests (each rank's memory of them). Only when something differs (a
+        failure, a pending error, a changed structure, different steps) do the ranks gather every
+        rank's vote, as :meth:`_full_vote`, to learn what and raise it."""
         if self.world == 1:
             if error is not None:
                 raise error
             return busy, plan, [digest]
+        agreed = self._structure
+        changed = agreed is None or agreed[0][self.rank] != digest
+        agreed_hash = self._agreed_hash() if agreed is not None else 0
+        plan_fields, plan_ok = _encode_plan(plan)
+        odd = (error is not None or pending is not None or changed or not plan_ok or not 0 <= step < _STEP_LIMIT)
+        flat = step if 0 <= step < _STEP_LIMIT else 0
+        votes = self.groups.trainer.max_int64(
+            [int(odd), flat, -flat, int(busy), int(self.peer_off), agreed_hash, -agreed_hash, *plan_fields])
+        if votes[0] or votes[1] != -votes[2] or votes[5] != -votes[6]:
+            return self._full_vote(step, error, busy, plan, pending, digest)
+        assert agreed is not None
+        self.peer_off = bool(votes[4])
+        return bool(votes[3]), _decode_plan(votes[7:]), agreed[0]
+
+    def _agreed_hash(self) -> int:
+        """63 bits of a hash of the agreed digests of every rank, computed once per agreement."""
+        assert self._structure is not None
+        digests = self._structure[0]
+        if self._hashed is None or self._hashed[0] is not digests:
+            text = "|".join(digests).encode()
+            self._hashed = (digests, int(hashlib.sha256(text).hexdigest()[:16], 16) >> 1)
+        return self._hashed[1]
+
+    def _full_vote(self, step: int, error: BaseException | None, busy: bool, plan: Any,
+                   pending: tuple[int, BaseException] | None, digest: str) -> tuple[bool, Any, list[str]]:
+        """The vote with every rank's whole record: what a save falls back to when the all-reduce
+        shows something differs, and the first save of a structure."""
         mine = {"step": step, "busy": busy, "peer_off": self.peer_off, "plan": plan, "digest": digest,
                 "ok": error is None, "failure": None if error is None else failure_record(self.rank, error),
                 "pending": None if pending is None else (pending[0], failure_record(self.rank, pending[1]))}
@@ -776,6 +813,35 @@ def shared_of(manifest: Manifest) -> dict[str, Any]:
     """What :func:`step_manifest` needs of a committed copy of the step: its tree, tensor table and layouts."""
     return {"tree": manifest.tree, "tensors": {k: (e.dtype, e.shape) for k, e in manifest.tensors.items()},
             "layouts": manifest.meta.get("layouts")}
+
+
+# The vote's int64 fields: steps at or past this limit take the gathered vote (they do not fit
+# negated), and a field no rank sets is the smallest int64, which MAX passes over.
+_STEP_LIMIT = 1 << 62
+_NONE = -(1 << 63)
+# What the interval plan carries (goodput/tracker.py ``inputs``): rank 0's values travel in the
+# vote as the bits of float64s, the other ranks add nothing.
+_PLAN_KEYS = ("cost_s", "mtbf_s", "step_s")
+
+
+def _encode_plan(plan: Any) -> tuple[list[int], bool]:
+    """The vote's plan fields of ``plan`` (rank 0's interval inputs, None elsewhere), and whether it
+    fits them: present, then each value's bits (or the MAX identity for None)."""
+    if plan is None:
+        return [0] + [_NONE] * len(_PLAN_KEYS), True
+    if not isinstance(plan, dict) or tuple(plan) != _PLAN_KEYS or not all(
+            v is None or (isinstance(v, float) and v == v) for v in plan.values()):
+        return [0] + [_NONE] * len(_PLAN_KEYS), False
+    bits = [_NONE if v is None else struct.unpack("<q", struct.pack("<d", v))[0] for v in plan.values()]
+    # A value whose bits are the smallest int64 (-0.0) could not be told from None: gather instead.
+    return [1, *bits], all(v is None or b != _NONE for v, b in zip(plan.values(), bits))
+
+
+def _decode_plan(fields: list[int]) -> dict[str, Any] | None:
+    if not fields[0]:
+        return None
+    return {k: None if b == _NONE else struct.unpack("<d", struct.pack("<q", b))[0]
+            for k, b in zip(_PLAN_KEYS, fields[1:])}
 
 
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:
