@@ -37,3 +37,11 @@ def test_a_steady_save_vote_receives_the_same_bytes_at_two_and_four_ranks(traffi
 
 def test_a_structure_change_on_any_rank_replans_every_rank_and_saves_bitwise(traffic):
     assert sorted(traffic) == [2, 4]  # the job at two ranks asserted the plans and the restores on every rank
+
+
+def test_a_steady_promotion_sends_the_parts_to_the_coordinator_alone(traffic):
+    others = {g["durable"] for world in (2, 4) for g in traffic[world][1:]}
+    assert len(others) == 1, traffic  # two all-reduced flags: written, committed
+    others_bytes = others.pop()
+    # Rank 0 writes the durable manifest: it receives every rank's part, and the only growth is its own.
+    assert traffic[4][0]["durable"] > traffic[2][0]["durable"] > others_bytes, traffic

@@ -56,7 +56,7 @@ from ..checkpoint.sharded import (
     my_writes,
     structure_digest,
 )
-from ..collective import Group, StoreGroups, agree_async, failure_record, settle
+from ..collective import Group, StoreGroups, agree_async, concur_async, failure_record, settle
 from ..errors import (
     CheckpointError,
     InvalidArgumentError,
@@ -565,12 +565,12 @@ class Pipeline:
         manifest = self._manifest(job, parts)
         job.parts = parts
         crashpoint("ram.before_commit", str(job.step))
-        await agree_async(fast, f"committing step {job.step} in RAM", lambda: self.ram.commit(job.step, manifest))
+        await concur_async(fast, f"committing step {job.step} in RAM", lambda: self.ram.commit(job.step, manifest))
         crashpoint("ram.committed", str(job.step))
         self._last = job
         _resolve(job.futures["ram"], job.step)
         if self.local is not None:
-            job.local_part = (await self._to_tier(self.local, job, fast))[self.rank]
+            job.local_part = await self._to_tier(self.local, job, fast)
             _resolve(job.futures["local"], job.step)
             if job.promote:
                 self._owed = job.step
@@ -584,8 +584,8 @@ class Pipeline:
         """Send this rank's staged bytes to its holders and take in the replicas it holds, over the
         peer group; the replicas are committed with the step's manifest, as in RAM."""
         assert job.snap is not None
-        parts = await self._to_tier(self.peer, job, self.groups.peer)
-        job.snap.meta.setdefault("timings", {})["replicate_s"] = parts[self.rank]["timings"].get("replicate_s", 0.0)
+        part = await self._to_tier(self.peer, job, self.groups.peer)
+        job.snap.meta.setdefault("timings", {})["replicate_s"] = part["timings"].get("replicate_s", 0.0)
 
     def _replication_failed(self, job: StepJob, exc: BaseException) -> None:
         # A peer that does not answer within peer_timeout_s leaves the peer group in an unknown state:
@@ -622,19 +622,34 @@ class Pipeline:
         await self.durable_retention.apply()
 
     async def _to_tier(self, tier: Tier, job: StepJob, group: Group, deadline: float | None = None,
-                       snap: Snapshot | None = None) -> list[dict[str, Any]]:
+                       snap: Snapshot | None = None) -> dict[str, Any]:
         """Write the step to ``tier`` (from ``snap``, by default the staged slot's) and commit it on
-        every rank; returns every rank's part."""
+        every rank; returns this rank's part.
+
+        Each node's copy of a step in a node tier (local, peer) holds the step's whole manifest, so
+        those gather every rank's part on every rank. The durable tier has one copy, whose manifest
+        its coordinator (rank 0) writes: only it receives the parts, and the other ranks learn of
+        success through one all-reduce of a flag (every rank's failure still reaches every rank)."""
         assert job.snap is not None
         source = snap or job.snap
         what = f"durable_timeout_s={self.options.durable.timeout_s:g}"
         try:
             with s3.deadline(deadline, what):
-                parts = await agree_async(group, f"writing step {job.step} to the {tier.name} tier",
-                                          lambda: self._put(tier, source, job))
+                writing = f"writing step {job.step} to the {tier.name} tier"
+                committing = f"committing step {job.step} in the {tier.name} tier"
+                if tier is self.durable:
+                    part = await concur_async(group, writing, lambda: self._put(tier, source, job))
+                    parts = await asyncio.to_thread(group.gather_to_root, part)
+
+                    async def commit() -> None:
+                        if group.rank == 0:
+                            await tier.commit(job.step, self._manifest(job, parts))
+
+                    await concur_async(group, committing, commit)
+                    return part
+                parts = await agree_async(group, writing, lambda: self._put(tier, source, job))
                 manifest = self._manifest(job, parts)
-                await agree_async(group, f"committing step {job.step} in the {tier.name} tier",
-                                  lambda: tier.commit(job.step, manifest))
+                await concur_async(group, committing, lambda: tier.commit(job.step, manifest))
         except BaseException:
             # Every rank is past its writes (the agreement said so): each removes the files it
             # created for the failed step, so a full disk is not kept full by the attempt that
@@ -645,7 +660,7 @@ class Pipeline:
                 log.warning("ckptstore: cannot remove what the failed save of step %d left in %s: %s", job.step,
                             tier.display(job.step), exc)
             raise
-        return parts
+        return parts[group.rank]
 
     async def _put(self, tier: Tier, snap: Snapshot, job: StepJob) -> dict[str, Any]:
         """Write this rank's part to ``tier`` and record the step's stage timings in it. The durable

@@ -1,0 +1,191 @@
+"""The per-save control plane of a CheckpointStore against the number of ranks: metadata bytes each
+rank receives through the store's collectives, and the time spent in them, per save of an
+unchanged structure (after the first save of it).
+
+Real processes over gloo on this machine, ``--tensors`` tiny fp32 tensors per rank, each rank
+holding keys of its own (as pipeline stages do, so the world's tensor count grows with the ranks);
+each rank has a local directory of its own (a node each) and the durable tier (a local directory)
+takes every save. After a first save, ``--saves`` saves are counted, each waited for in the durable
+tier. Counting wraps the store's Group methods from outside (the pickled size of what each
+collective hands a rank, a gloo object all-gather padding every message to the largest; twice
+the tensor for an all-reduce), so the same script measures any commit of ckptstore:
+
+    python benchmarks/bench_control_plane.py [--worlds 2 4 8] [--tensors 10000] [--saves 3] [--out FILE]
+
+Reported per world size: bytes received per save by rank 0 (the durable tier's coordinator) and
+the largest of the other ranks, split by group (trainer: the vote; fast: staging, RAM and local
+commits; durable: the promotion), the vote's time and the time inside the fast and durable
+lanes' collectives (the slowest rank's median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank(rank: int, world: int, init: str, root: str, tensors: int, saves: int, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        import ckptstore
+        import ckptstore.collective as collective
+        import ckptstore.engine.pipeline as pipeline
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        job = f"bench-cp-{os.path.basename(root)}"
+        store = ckptstore.CheckpointStore(job, local=os.path.join(root, f"local-{rank}"),
+                                          durable=os.path.join(root, "durable"), durable_every=1, keep_local=1,
+                                          keep_durable=1, timeout_s=1800)
+        groups = store._groups
+        roles = {id(getattr(groups, r)): r for r in ("trainer", "fast", "durable", "peer", "transfer")}
+        counted: dict[str, list[float]] = {}  # role -> [bytes, seconds]
+        on = [False]
+
+        def size(obj: Any) -> int:
+            return len(pickle.dumps(obj))
+
+        def wrap(name: str, received: Any) -> None:
+            real = getattr(collective.Group, name, None)
+            if real is None:
+                return
+
+            def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                result = real(self, *args, **kwargs)
+                if on[0] and self.world > 1:
+                    entry = counted.setdefault(roles.get(id(self), "other"), [0.0, 0.0])
+                    entry[0] += received(self, args, result)
+                    entry[1] += time.perf_counter() - t0
+                return result
+
+            setattr(collective.Group, name, counting)
+
+        def gathered(self: Any, args: Any, out: Any) -> int:
+            return 8 * (self.world - 1) + (self.world - 1) * max(map(size, out)) if out else 0
+
+        wrap("all_gather", gathered)
+        wrap("gather_to_root", gathered)
+        wrap("broadcast", lambda self, args, out: 0 if self.rank == 0 else 8 + size(out))
+        wrap("from_senders", lambda self, args, out: sum(8 + size(v) for r, v in out.items() if r != 0))
+        wrap("max_int64", lambda self, args, out: 16 * len(args[0]))
+        vote_s: list[float] = []
+        real_vote = pipeline.Pipeline._vote
+
+        def timed_vote(self: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real_vote(self, *args, **kwargs)
+            finally:
+                if on[0]:
+                    vote_s.append(time.perf_counter() - t0)
+
+        pipeline.Pipeline._vote = timed_vote
+        g = torch.Generator().manual_seed(rank)
+        state = {f"stage{rank}.t{i}": torch.randn(16, generator=g) for i in range(tensors)}
+        store.save(1, state).wait("durable")
+        per_save = []
+        for step in range(2, 2 + saves):
+            counted.clear()
+            on[0] = True
+            t0 = time.perf_counter()
+            store.save(step, state).wait("durable")
+            wall = time.perf_counter() - t0
+            on[0] = False
+            per_save.append({"counted": {k: list(v) for k, v in counted.items()}, "wall_s": wall})
+        store.close()
+        with open(os.path.join(out, f"rank-{rank}.json"), "w") as fh:
+            json.dump({"saves": per_save, "vote_s": vote_s}, fh)
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+def run(world: int, tensors: int, saves: int) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="ckptstore-bench-cp-")
+    out = os.path.join(root, "out")
+    os.makedirs(out)
+    init = f"file://{root}/init-{uuid.uuid4().hex}"
+    try:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank, args=(r, world, init, root, tensors, saves, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"a rank failed at world {world}")
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(out, f"rank-{r}.json")) as fh:
+                ranks.append(json.load(fh))
+    finally:
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(f"ckptstore-bench-cp-{os.path.basename(root)}-"):
+                os.unlink(os.path.join("/dev/shm", name))
+        shutil.rmtree(root, ignore_errors=True)
+
+    def median_bytes(r: int, role: str | None = None) -> float:
+        return statistics.median(sum(v[0] for k, v in s["counted"].items() if role in (None, k))
+                                 for s in ranks[r]["saves"])
+
+    def slowest_s(role: str) -> float:
+        return max(statistics.median(s["counted"].get(role, [0, 0])[1] for s in rk["saves"]) for rk in ranks)
+
+    result: dict[str, Any] = {"world": world, "tensors_per_rank": tensors}
+    for role in (None, "trainer", "fast", "durable"):
+        name = role or "all"
+        result[f"coordinator_{name}_bytes"] = median_bytes(0, role)
+        result[f"others_{name}_bytes"] = max(median_bytes(r, role) for r in range(1, world))
+    result["vote_s"] = max(statistics.median(rk["vote_s"]) for rk in ranks)
+    result["fast_collectives_s"] = slowest_s("fast")
+    result["durable_collectives_s"] = slowest_s("durable")
+    result["save_to_durable_s"] = max(statistics.median(s["wall_s"] for s in rk["saves"]) for rk in ranks)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--tensors", type=int, default=10_000)
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    rows = []
+    load = os.getloadavg()[0]
+    for world in args.worlds:
+        row = run(world, args.tensors, args.saves)
+        rows.append(row)
+        mib = 1 << 20
+        print(f"world {world}: received per save, rank 0 {row['coordinator_all_bytes'] / mib:.3f} MiB "
+              f"(vote {row['coordinator_trainer_bytes']:.0f} B, fast {row['coordinator_fast_bytes'] / mib:.3f} MiB, "
+              f"durable {row['coordinator_durable_bytes'] / mib:.3f} MiB); other ranks at most "
+              f"{row['others_all_bytes'] / mib:.3f} MiB (vote {row['others_trainer_bytes']:.0f} B, "
+              f"fast {row['others_fast_bytes'] / mib:.3f} MiB, durable {row['others_durable_bytes']:.0f} B); "
+              f"vote {row['vote_s'] * 1e3:.2f} ms, fast-lane collectives {row['fast_collectives_s']:.3f} s, "
+              f"durable-lane collectives {row['durable_collectives_s']:.3f} s, save to durable "
+              f"{row['save_to_durable_s']:.2f} s", flush=True)
+    result = {"rows": rows, "load_at_start": load, "load_at_end": os.getloadavg()[0], "cpus": os.cpu_count()}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print(f"load average {load:.2f} at the start, {result['load_at_end']:.2f} at the end", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
