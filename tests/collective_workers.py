@@ -12,7 +12,8 @@ from ckptstore.errors import BackgroundError, CollectiveError
 
 def one_rank_disk_fails_job(rank: int, world: int, name: str, root: str, ram_root: str) -> None:
     """Rank 1's local directory cannot take step 2 (a file holds its name): every rank learns of
-    it as a StorageError that names rank 1, at wait() and again, once, at the next save."""
+    it as a StorageError that names rank 1, at wait() and again, once, at the next save. Then rank
+    1's durable root cannot take step 4, and every rank learns of that the same way."""
     local = os.path.join(root, f"node{rank}")  # a directory per rank: each commits its own
     os.makedirs(local, exist_ok=True)
     if rank == 1:
@@ -20,9 +21,16 @@ def one_rank_disk_fails_job(rank: int, world: int, name: str, root: str, ram_roo
             fh.write("a file where the step directory must go")
     ram_dir = os.path.join(ram_root, f"node{rank}")
     os.makedirs(ram_dir, exist_ok=True)
-    store = ckptstore.CheckpointStore(name, local=local, ram_dir=ram_dir)
+    # The durable tier: rank 0's root takes every step; rank 1's is a root of its own whose step 4
+    # cannot be written (a file holds its name), so only its put of step 4 fails there.
+    durable = os.path.join(root, "durable" if rank == 0 else f"durable{rank}")
+    if rank == 1:
+        os.makedirs(durable, exist_ok=True)
+        with open(os.path.join(durable, "step-000000000004"), "w") as fh:
+            fh.write("a file where the step directory must go")
+    store = ckptstore.CheckpointStore(name, local=local, ram_dir=ram_dir, durable=durable, durable_every=1)
     state = {"w": torch.full((1000,), float(rank))}
-    store.save(1, state).wait("local")
+    store.save(1, state).wait("durable")
     handle = store.save(2, state)
     try:
         handle.wait("local")
@@ -43,8 +51,28 @@ def one_rank_disk_fails_job(rank: int, world: int, name: str, root: str, ram_roo
         assert sorted(exc.failures) == [1]
     else:
         raise AssertionError("the failure of step 2 must reach the next save, as a StorageError")
-    store.save(4, state).wait("local")  # raised once: the store goes on
-    store.close()
+    handle = store.save(4, state)  # raised once: the store goes on
+    handle.wait("local")
+    # A promotion that fails on one rank fails on every rank, with the failing rank's class and
+    # message, although success costs the other ranks only a flag (the parts go to rank 0 alone).
+    try:
+        handle.wait("durable")
+    except ckptstore.StorageError as exc:
+        assert isinstance(exc, CollectiveError) and sorted(exc.failures) == [1], exc.failures
+        assert exc.failures[1].type == "ckptstore.errors.StorageError", exc.failures[1]
+        assert "writing step 4 to the durable tier failed: rank 1 (" in str(exc), str(exc)
+        assert os.path.join(root, "durable1", "step-000000000004") in exc.failures[1].message, exc.failures[1]
+    else:
+        raise AssertionError("the promotion of step 4 failed on rank 1: wait('durable') must raise on every rank")
+    try:
+        store.close()
+    except ckptstore.StorageError as exc:
+        assert isinstance(exc, BackgroundError) and str(exc).startswith("an earlier background save (step 4) failed"), exc
+    else:
+        raise AssertionError("close() must raise the failed promotion nothing raised yet")
+    # Nothing of the failed promotion is committed, and rank 0 removed the files it wrote for it.
+    assert not os.path.exists(os.path.join(root, "durable", "step-000000000004", "manifest.json"))
+    assert os.path.exists(os.path.join(root, "durable", "step-000000000001", "manifest.json"))
 
 
 def teardown_after_failed_save_job(rank: int, world: int, name: str, root: str, close: bool) -> None:
