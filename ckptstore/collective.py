@@ -4,6 +4,9 @@
 piece of work on every rank and lets every rank learn every outcome: all ranks get the list of
 results, or all ranks raise, so no rank is ever left waiting in a collective that the others
 skipped. A failure keeps its class across ranks (see :func:`ckptstore.errors.collective_error`).
+:func:`concur_async` is the same agreement for work whose results only this rank needs: success
+costs one all-reduced flag, whatever the number of ranks. :func:`counting` counts what a process
+receives through its groups (tests and benchmarks of the per-save control plane).
 
 :func:`store_groups` creates the gloo groups a CheckpointStore runs on: collectives of the store
 never travel on the trainer's own group (often NCCL, and busy with the trainer's work).
