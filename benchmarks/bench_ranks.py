@@ -106,15 +106,15 @@ class ThreadedWorld:
     removed."""
 
     def __init__(self) -> None:
-        from torch.testing._internal.distributed import multi_threaded_pg as mtpg
-
-        self.mtpg = mtpg
         self._installed = False
 
     def install(self) -> None:
         if self._installed:
             return
-        mtpg = self.mtpg
+        # Imported here: importing it registers the "threaded" backend, which only a run needs.
+        from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+        self.mtpg = mtpg
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
         mtpg._install_threaded_pg()
 
@@ -441,7 +441,7 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
 
     from ckptstore import CheckpointStore
 
-    job = f"benchranks-{uuid.uuid4().hex[:8]}"
+    job = f"benchranks-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid: a test finds what this run left
     local_dir = os.path.join(tmp, "local")
     rows, cols = 2 * world, 8
     shape = (rows, cols)
@@ -804,13 +804,15 @@ def commit_tag() -> dict[str, Any]:
 
 
 def predicted(kind: str, world: int, tensors: int, done: list[dict[str, Any]]) -> float | None:
-    """Seconds a cell should take, from the cells of its kind already run (None: nothing to go on)."""
-    mine = [c for c in done if c["kind"] == kind and not c.get("skipped")]
+    """Seconds a cell should take, from the cells of its kind already run (None: nothing to go on).
+    Until two cells give a fit, a run cell grows as world x world x tensors (every rank handles
+    every rank's metadata) and a planning cell as world x tensors (one rank's view of the world)."""
+    mine = [c for c in done if c["kind"] == kind and not c.get("skipped") and "error" not in c]
     if not mine:
         return None
-    a = fit([(c["world"], c["seconds"]) for c in mine if c["tensors"] == tensors]) if len(mine) > 1 else None
-    b = fit([(c["tensors"], c["seconds"]) for c in mine if c["world"] == world]) if len(mine) > 1 else None
-    a = 2.0 if a is None else max(a, 1.0)  # no fit yet: the world's metadata x the world's ranks
+    a = fit([(c["world"], c["seconds"]) for c in mine if c["tensors"] == tensors])
+    b = fit([(c["tensors"], c["seconds"]) for c in mine if c["world"] == world])
+    a = (1.0 if kind == "plan" else 2.0) if a is None else max(a, 0.5)
     b = 1.0 if b is None else max(b, 0.5)
     ref = max(mine, key=lambda c: c["seconds"])
     return ref["seconds"] * (world / ref["world"]) ** a * (tensors / ref["tensors"]) ** b
@@ -820,21 +822,24 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     install_counters()
     started = time.perf_counter()
     cells: list[dict[str, Any]] = []
-    jobs: list[tuple[str, int, int]] = []
-    for kind in args.kinds:
+    jobs: list[tuple[str, int, int, float]] = []
+    # Each kind gets its share of the run's budget (and what the kinds before it left unused), so
+    # a slow kind cannot crowd out the others.
+    for i, kind in enumerate(args.kinds):
+        share = args.budget_s * (i + 1) / len(args.kinds)
         if kind == "plan":
-            jobs += [("plan", w, t) for t in args.plan_tensors for w in args.plan_ranks]
+            jobs += [("plan", w, t, share) for t in args.plan_tensors for w in args.plan_ranks]
         else:
             grid = {(w, args.tensors[0]) for w in args.worlds} | {(args.worlds[0], t) for t in args.tensors}
-            jobs += [(kind, w, t) for w, t in sorted(grid, key=lambda p: (p[0] * p[1], p[0]))]
-    for kind, world, tensors in jobs:
+            jobs += [(kind, w, t, share) for w, t in sorted(grid, key=lambda p: (p[0] * p[1], p[0]))]
+    for kind, world, tensors, until in jobs:
         guess = predicted(kind, world, tensors, cells)
         elapsed = time.perf_counter() - started
-        if guess is not None and (guess > args.cell_budget_s or elapsed + guess > args.budget_s):
+        if guess is not None and (guess > args.cell_budget_s or elapsed + guess > until):
             cells.append({"kind": kind, "world": world, "tensors": tensors, "skipped": True,
                           "predicted_s": round(guess, 1),
                           "why": f"predicted {guess:.0f} s (cell budget {args.cell_budget_s:.0f} s, "
-                                 f"{args.budget_s - elapsed:.0f} s left of the run's)"})
+                                 f"{until - elapsed:.0f} s left of this kind's share of the run)"})
             print(f"{kind:8s} world {world:6d} x {tensors:6d} tensors: skipped, predicted {guess:.0f} s", flush=True)
             continue
         tmp = tempfile.mkdtemp(prefix="bench-ranks-", dir=args.dir)
@@ -968,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="tensors per rank: the first at every world, the others at the smallest world")
     ap.add_argument("--plan-ranks", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--plan-tensors", type=int, nargs="+", default=[10, 40])
-    ap.add_argument("--kinds", nargs="+", default=["store", "sharded", "plan"], choices=["store", "sharded", "plan"])
+    ap.add_argument("--kinds", nargs="+", default=["plan", "store", "sharded"], choices=["plan", "store", "sharded"])
     ap.add_argument("--budget-s", type=float, default=840.0, help="no cell starts that would end the run after this")
     ap.add_argument("--cell-budget-s", type=float, default=300.0, help="no cell predicted to take longer starts")
     ap.add_argument("--long", action="store_true",
