@@ -820,6 +820,7 @@ def predicted(kind: str, world: int, tensors: int, done: list[dict[str, Any]]) -
 
 def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     install_counters()
+    tag = commit_tag()  # at the start: what was measured, even if the checkout moves during the run
     started = time.perf_counter()
     cells: list[dict[str, Any]] = []
     jobs: list[tuple[str, int, int, float]] = []
@@ -870,7 +871,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "ranks",
         "schema": "ckptstore-bench-ranks/1",
-        **commit_tag(),
+        **tag,
         "argv": sys.argv[1:],
         "started_unix": round(time.time() - (time.perf_counter() - started), 1),
         "seconds": round(time.perf_counter() - started, 1),
@@ -907,6 +908,80 @@ def print_report(doc: dict[str, Any]) -> None:
         a, b = row["world_exponent"], row["tensor_exponent"]
         print(f"{name:38s} {'-' if a is None else f'{a:.2f}':>10s} {'-' if b is None else f'{b:.2f}':>12s} "
               f"{fmt(ex.get('4096x10000'), unit):>12s} {fmt(ex.get('16384x10000'), unit):>13s}  {row.get('flag') or ''}")
+
+
+MARKDOWN_CELLS = [  # (column, cell kind, figure, summary, unit)
+    ("control plane per rank, steady save (CPU)", "store", "control_plane_cpu_s", "median", "s"),
+    ("of it: save() blocking", "store", "save_cpu_s", "median", "s"),
+    ("of it: background RAM commit", "store", "ram_commit_cpu_s", "median", "s"),
+    ("rank 0 (coordinator)", "store", "control_plane_cpu_s", "rank0", "s"),
+    ("metadata received per rank per save", "store", "meta_recv_bytes", "median", "B"),
+    ("metadata sent per rank per save", "store", "meta_sent_bytes", "median", "B"),
+    ("manifest", "store", "manifest_bytes", None, "B"),
+    ("RAM copy of the manifest per rank", "store", "ram_manifest_bytes", "median", "B"),
+    ("restore per rank (CPU)", "store", "restore_cpu_s", "median", "s"),
+    ("one rank's load plan (chunks_needed)", "store", "load_plan_cpu_s", "max", "s"),
+]
+MARKDOWN_SHARDED = [
+    ("save_sharded per rank (CPU)", "sharded", "save_cpu_s", "median", "s"),
+    ("manifest read per rank", "sharded", "shard1_manifest_read_bytes", "median", "B"),
+    ("load plan Shard(1), one rank", "sharded", "shard1_plan_cpu_s", "max", "s"),
+    ("load plan uneven Shard(0), one rank", "sharded", "shard0_uneven_plan_cpu_s", "max", "s"),
+    ("read across ranks / checkpoint, Shard(1)", "sharded", "shard1_read_ratio", None, "x"),
+    ("read across ranks / checkpoint, uneven Shard(0)", "sharded", "shard0_uneven_read_ratio", None, "x"),
+]
+MARKDOWN_PLAN = [
+    ("build_manifest (every rank, RAM commit)", "plan", "build_manifest_cpu_s", None, "s"),
+    ("manifest JSON", "plan", "manifest_bytes", None, "B"),
+    ("parse_manifest", "plan", "manifest_parse_cpu_s", None, "s"),
+    ("read plan Shard(1), one rank", "plan", "shard1_plan_cpu_s", None, "s"),
+    ("read plan uneven Shard(0), one rank", "plan", "shard0_uneven_plan_cpu_s", None, "s"),
+    ("agreement: union + merge (coordinator)", "plan", "agree_merge_cpu_s", None, "s"),
+]
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The tables of docs/benchmarks.md ("Scale: ranks") from one run's JSON."""
+    lines = []
+    for rows in (MARKDOWN_CELLS, MARKDOWN_SHARDED, MARKDOWN_PLAN):
+        kind = rows[0][1]
+        cells = sorted((c for c in doc["cells"] if c["kind"] == kind and not c.get("skipped") and "error" not in c),
+                       key=lambda c: (c["tensors"], c["world"]))
+        if not cells:
+            continue
+        lines.append("| " + kind + " | " + " | ".join(f"{c['world']:,} x {c['tensors']:,}" for c in cells) + " |")
+        lines.append("|---" * (len(cells) + 1) + "|")
+        for label, _k, figure, which, unit in rows:
+            vals = []
+            for c in cells:
+                if which is None:
+                    v = c.get(figure)
+                else:
+                    s = c.get("per_rank", {}).get(figure)
+                    v = None if s is None else s[which]
+                vals.append(fmt(v, unit) if unit != "x" else ("-" if v is None else f"{v:.2f}x"))
+            lines.append(f"| {label} | " + " | ".join(vals) + " |")
+        lines.append("")
+    skipped = [c for c in doc["cells"] if c.get("skipped")]
+    if skipped:
+        lines.append("Skipped (predicted over budget): " + ", ".join(
+            f"{c['kind']} {c['world']:,} x {c['tensors']:,} ({c['predicted_s']:.0f} s)" for c in skipped) + ".")
+        lines.append("")
+    lines.append("| figure | exponent in ranks | exponent in tensors | at 4,096 x 10,000 | at 16,384 x 10,000 | flag |")
+    lines.append("|---|---|---|---|---|---|")
+    for name, row in doc["growth"].items():
+        unit = "B" if "bytes" in name else ("x" if "ratio" in name else "s")
+        ex = row.get("extrapolated", {})
+        a, b = row["world_exponent"], row["tensor_exponent"]
+        def show(v: float | None, unit: str = unit) -> str:
+            return ("-" if v is None else f"{v:,.2f}x") if unit == "x" else fmt(v, unit)
+
+        b_text = "-" if b is None else f"{b:.2f}"
+        if b is None and "extrapolated" in row:
+            b_text = "(1, assumed)"
+        lines.append(f"| `{name}` | {'-' if a is None else f'{a:.2f}'} | {b_text} | {show(ex.get('4096x10000'))} | "
+                     f"{show(ex.get('16384x10000'))} | {row.get('flag') or ''} |")
+    return "\n".join(lines)
 
 
 PLOT_FIGURES = [  # (panel title, figure, unit)
@@ -984,6 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="ranks", help="the JSON is <out>/<name>.json")
     ap.add_argument("--plot", default=None, help="plot path (default <out>/ranks.png)")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="plot these JSONs (before, after) and exit")
+    ap.add_argument("--markdown", action="store_true", help="with --compare: print each run's tables as Markdown")
     args = ap.parse_args(argv)
     if args.long:
         args.worlds, args.tensors = [8, 16, 32, 64, 128, 256], [1000, 5000, 10000, 50000]
@@ -996,6 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as fh:
                 doc = json.load(fh)
             docs.append((["before", "after"][i] if len(args.compare) == 2 else os.path.basename(path), doc))
+            print(markdown(doc) if args.markdown else "", end="\n" if args.markdown else "")
             print_report(doc)
         if plot(docs, plot_path):
             print(f"wrote {plot_path}")
