@@ -469,7 +469,14 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
                 handle = store.save(step, state)
                 wall = time.perf_counter() - t
                 mark("saved")
-                handle._futures["ram"].add_done_callback(lambda _f: mark("ram"))
+                # The RAM commit's future, to read the clocks the moment it resolves (on the store's loop,
+                # before the local tier starts); without it, after wait("ram"), a little late.
+                ram = getattr(handle, "_futures", {}).get("ram")
+                if ram is not None:
+                    ram.add_done_callback(lambda _f: mark("ram"))
+                else:
+                    handle.wait("ram")
+                    mark("ram")
                 handle.wait("local")
                 mark("local")
                 first = step == 1
@@ -1060,6 +1067,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="plot path (default <out>/ranks.png)")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="plot these JSONs (before, after) and exit")
     ap.add_argument("--markdown", action="store_true", help="with --compare: print each run's tables as Markdown")
+    ap.add_argument("--labels", nargs="+", help="with --compare: one label per JSON (default before, after); "
+                    "runs with the same label are plotted as one series (a default run and a longer store run)")
     args = ap.parse_args(argv)
     if args.long:
         args.worlds, args.tensors = [8, 16, 32, 64, 128, 256], [1000, 5000, 10000, 50000]
@@ -1071,10 +1080,18 @@ def main(argv: list[str] | None = None) -> int:
         for i, path in enumerate(args.compare):
             with open(path) as fh:
                 doc = json.load(fh)
-            docs.append((["before", "after"][i] if len(args.compare) == 2 else os.path.basename(path), doc))
+            label = (args.labels[i] if args.labels and i < len(args.labels) else
+                     ["before", "after"][i] if len(args.compare) == 2 else os.path.basename(path))
+            docs.append((label, doc))
             print(markdown(doc) if args.markdown else "", end="\n" if args.markdown else "")
             print_report(doc)
-        if plot(docs, plot_path):
+        merged: dict[str, dict[str, Any]] = {}
+        for label, doc in docs:
+            if label in merged:
+                merged[label] = {**merged[label], "cells": merged[label]["cells"] + doc["cells"]}
+            else:
+                merged[label] = doc
+        if plot(list(merged.items()), plot_path):
             print(f"wrote {plot_path}")
         return 0
     doc = run_grid(args)
