@@ -274,7 +274,7 @@ def test_bench_ranks_smoke_measures_real_ranks_and_compares(tmp_path):
     out = tmp_path / "out"
     script = os.path.join(ROOT, "benchmarks", "bench_ranks.py")
     proc = subprocess.Popen([sys.executable, script, "--worlds", "2", "4", "--tensors", "3", "--plan-ranks", "8", "16",
-                             "--plan-tensors", "2", "--out", str(out), "--name", "smoke"],
+                             "--plan-tensors", "2", "--out", str(out), "--name", "smoke", "--no-plot"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
