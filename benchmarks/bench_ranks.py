@@ -1021,16 +1021,18 @@ def plot(docs: list[tuple[str, dict[str, Any]]], path: str) -> bool:
         if name == "sharded.shard1_plan_cpu_s":
             extra = [("store.load_plan_cpu_s", "store")]
         for i, (label, doc) in enumerate(docs):
-            for series, sub in [(name, "")] + [(n, f" {lab}") for n, lab in extra]:
+            main_label = {"plan.manifest_parse_cpu_s": " parse", "sharded.shard1_plan_cpu_s": " Shard(1)",
+                          "sharded.shard1_read_ratio": " Shard(1)"}.get(name, "")
+            for series, sub in [(name, main_label)] + [(n, f" {lab}") for n, lab in extra]:
                 k, f, w, _ = PER_RANK_FIGURES[series]
                 cells = [c for c in doc["cells"] if c.get("kind") == k and not c.get("skipped") and "error" not in c]
                 if not cells:
                     continue
-                t_fix = max(c["tensors"] for c in cells if sum(1 for d in cells if d["tensors"] == c["tensors"]) >= 1)
                 counts = sorted({c["tensors"] for c in cells}, key=lambda t: -sum(1 for c in cells if c["tensors"] == t))
                 t_fix = counts[0]
-                pts = sorted((c["world"], value_of(c, f, w)) for c in cells if c["tensors"] == t_fix)
-                pts = [(x, y) for x, y in pts if y]
+                # One point per world: of merged runs, the later run's cell stands.
+                by_world = {c["world"]: value_of(c, f, w) for c in cells if c["tensors"] == t_fix}
+                pts = [(x, y) for x, y in sorted(by_world.items()) if y]
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)],
                             label=f"{label}{sub} ({t_fix} tensors/rank)")
