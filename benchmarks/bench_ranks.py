@@ -365,19 +365,23 @@ def install_counters() -> None:
 
     c10d._object_to_tensor, c10d._tensor_to_object = object_to_tensor, tensor_to_object
 
-    real_init, real_solo = _collective.Group.__init__, _collective.Group.solo.__func__  # type: ignore[attr-defined]
+    # Every Group gets the counting stand-in, however it is made (its constructor or solo()).
+    real_init = _collective.Group.__init__
 
-    def init(self: Any, process_group: Any) -> None:
-        real_init(self, process_group)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
         self._dist = CountingDist(dist)
 
-    def solo(cls: Any) -> Any:
-        group = real_solo(cls)
-        group._dist = CountingDist(dist)
-        return group
-
     _collective.Group.__init__ = init  # type: ignore[method-assign]
-    _collective.Group.solo = classmethod(solo)  # type: ignore[method-assign, assignment]
+    if isinstance(_collective.Group.__dict__.get("solo"), classmethod):
+        real_solo = _collective.Group.__dict__["solo"].__func__
+
+        def solo(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            group = real_solo(cls, *args, **kwargs)
+            group._dist = CountingDist(dist)
+            return group
+
+        _collective.Group.solo = classmethod(solo)  # type: ignore[method-assign, assignment]
 
     real_read_targets = _sharded.read_targets
 
