@@ -622,6 +622,11 @@ def finish_cell(kind: str, world: int, tensors: int, per_rank: list[dict[str, An
     keys = sorted({k for r in per_rank for k in r if isinstance(r[k], (int, float)) and not isinstance(r[k], bool)})
     cell: dict[str, Any] = {"kind": kind, "world": world, "tensors": tensors, **info,
                             "per_rank": {k: summary(per_rank, k) for k in keys}}
+    if kind == "store" and world > 1 and not any(r.get("collectives") for r in per_rank):
+        # Counting happens where ckptstore's Group calls torch.distributed (self._dist); a Group that
+        # stopped going through it would make every metadata figure read zero, not small.
+        cell["warning"] = "no collective was counted: Group no longer calls torch.distributed through self._dist"
+        print(f"WARNING: {kind} {world}x{tensors}: {cell['warning']}", flush=True)
     late = sum(1 for r in per_rank if r.get("ram_mark_late"))
     if late:
         cell["note"] = (f"{late} rank(s) saw their RAM commit end before save() returned: their background split "
