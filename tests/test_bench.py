@@ -3,6 +3,7 @@ that tuned settings really reach the writes (observed on a real moto S3 server a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -264,3 +265,47 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
     assert plot({"targets": {}, "sweep": {}, "bytes": 1, "repeats": 1}, str(tmp_path / "x.png")) is False
     assert "matplotlib is not installed, so no plot was written" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_bench_ranks_smoke_measures_real_ranks_and_compares(tmp_path):
+    """benchmarks/bench_ranks.py at 2 and 4 thread-ranks: every kind of cell runs (its loads and
+    restores are checked bitwise inside), the metadata and read counters see traffic, the JSON
+    names the commit, and --compare plots two runs against each other."""
+    out = tmp_path / "out"
+    script = os.path.join(ROOT, "benchmarks", "bench_ranks.py")
+    proc = subprocess.Popen([sys.executable, script, "--worlds", "2", "4", "--tensors", "3", "--plan-ranks", "8", "16",
+                             "--plan-tensors", "2", "--out", str(out), "--name", "smoke", "--no-plot"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"ckptstore-benchranks-{proc.pid}-")]
+    assert left == [], "bench_ranks left RAM segments in /dev/shm"
+    doc = json.loads((out / "smoke.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    assert doc["schema"] == "ckptstore-bench-ranks/1" and doc["commit"] == head
+    cells = {(c["kind"], c["world"]): c for c in doc["cells"]}
+    assert set(cells) == {("store", 2), ("store", 4), ("sharded", 2), ("sharded", 4), ("plan", 8), ("plan", 16)}
+    assert not [c for c in doc["cells"] if "error" in c or c.get("skipped")]
+    store, sharded = cells[("store", 4)], cells[("sharded", 4)]
+    ranks = store["per_rank"]
+    # Counted at ckptstore's Group: a save of 4 ranks receives metadata from the other ranks.
+    assert ranks["meta_recv_bytes"]["median"] > 0 and ranks["meta_sent_bytes"]["median"] > 0
+    assert ranks["control_plane_cpu_s"]["median"] > 0 and ranks["load_plan_cpu_s"]["max"] > 0
+    # Counted at the opener: a restore reads at least each rank's own bytes, a reshard at least the checkpoint.
+    assert ranks["restore_read_bytes"]["median"] >= ranks["own_bytes"]["median"] > 0
+    assert store["manifest_bytes"] > 0 and ranks["ram_manifest_bytes"]["median"] > 0
+    for name in ("shard1", "shard0_uneven"):
+        assert sharded[f"{name}_read_bytes_all_ranks"] >= sharded["checkpoint_bytes"] > 0
+        assert sharded[f"{name}_read_ratio"] >= 1.0
+    assert cells[("plan", 16)]["manifest_bytes"] > cells[("plan", 8)]["manifest_bytes"]
+    growth = doc["growth"]
+    assert growth["store.meta_recv_bytes"]["world_exponent"] is not None
+    assert set(growth["store.control_plane_cpu_s"]["extrapolated"]) == {"4096x10000", "16384x10000"}
+    # --compare only reads JSON and plots, so it runs here, without a second interpreter start.
+    spec = importlib.util.spec_from_file_location("bench_ranks", script)
+    assert spec is not None and spec.loader is not None
+    bench_ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_ranks)
+    png = tmp_path / "cmp.png"
+    assert bench_ranks.main(["--compare", str(out / "smoke.json"), str(out / "smoke.json"), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
