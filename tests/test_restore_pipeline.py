@@ -82,8 +82,8 @@ class LateEngine(transfer.CopyEngine):
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    """Pieces of one 4 MiB block, and staging for two of them: a 24 MiB tensor then needs six
-    pieces through two buffers, so buffers are reused while copies are still queued."""
+    """Pieces of one 4 MiB block, and staging for two of them: a 12 MiB tensor then needs three
+    pieces through two buffers, so a buffer is reused while copies are still queued."""
     monkeypatch.setattr(transfer, "PIECE_BYTES", 4 * MIB)
     monkeypatch.setattr(transfer, "STAGING_BYTES", 8 * MIB)
 
@@ -91,7 +91,7 @@ def small_pieces(monkeypatch):
 def _state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
-        "big": torch.randn(6 * MIB, generator=g).view(-1, 1024),  # 24 MiB: six 4 MiB blocks
+        "big": torch.randn(3 * MIB, generator=g).view(-1, 1024),  # 12 MiB: three 4 MiB blocks
         "odd": torch.randn(1000, 777, generator=g),  # rows that straddle block boundaries
         "small": [torch.randn(100 + i, generator=g).to(torch.bfloat16) for i in range(40)],
         "mask": torch.rand(333, generator=g) > 0.5,
@@ -128,9 +128,9 @@ def test_sharded_load_through_the_engine_is_bitwise_each_byte_copied_once(tmp_pa
     _assert_equal(target, state)
     engine.assert_each_byte_once(_tensors(target))
     assert engine.began == 1 and engine.done == len(engine.queued)
-    # Six pieces of the large tensor alone went through two staging buffers: each was handed out
-    # again only after the copies reading it ran (else their stale 0xEE bytes would have landed).
-    assert len(engine.hosts) == 2 and engine.waits >= 4
+    # The pieces went through two staging buffers: each was handed out again only after the
+    # copies reading it ran (else the bytes of the piece read into it next would have landed).
+    assert len(engine.hosts) == 2 and engine.waits >= 1
 
 
 def test_a_box_narrower_than_the_saved_rows_goes_through_the_engine(tmp_path, small_pieces):

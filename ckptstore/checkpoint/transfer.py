@@ -262,7 +262,7 @@ class _Staging:
             while True:
                 if self.free:
                     return self.free.pop()
-                if self.made < self.count:
+                if self.made < max(1, self.count):  # one at least, whatever was counted up front
                     self.made += 1
                     break
                 if self.in_flight:
