@@ -29,7 +29,29 @@ import torch
 from ckptstore import CheckpointStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import make_state, report  # noqa: E402 - shared by the benchmark scripts
+from common import make_state, pyplot, report  # noqa: E402 - shared by the benchmark scripts
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Medians of every row; with a "before" member (an earlier commit, same run) beside them."""
+    plt = pyplot()
+    if plt is None:
+        return
+    rows = list(doc["median_seconds"])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    y = range(len(rows))
+    before = doc.get("before", {}).get("median_seconds", {})
+    if before:
+        ax.barh([i + 0.2 for i in y], [before.get(r, 0) for r in rows], height=0.4, label="before", color="tab:gray")
+    ax.barh([i - 0.2 for i in y] if before else list(y), [doc["median_seconds"][r] for r in rows],
+            height=0.4 if before else 0.8, label="after" if before else None, color="tab:blue")
+    ax.set_yticks(list(y), rows)
+    ax.set_xlabel("seconds (median)")
+    ax.set_title(f"restore of {doc['bytes'] / 2**30:.2f} GiB on the CPU")
+    if before:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def flat_tensors(state: dict) -> dict[str, torch.Tensor]:
@@ -169,8 +191,9 @@ def main() -> None:
         # Throughput of the restore over that of the raw read (at least 0.9 is the target).
         "restore_local_cold_speed_vs_raw_read": med["raw_read_cold"] / med["restore_local_cold"],
     }
-    report("restore", nbytes, args.repeats, results, ratios, args.out, data_file_bytes=disk_bytes,
-           cache_drop="fadvise_dontneed", tensors=len(flat))
+    doc = report("restore", nbytes, args.repeats, results, ratios, args.out, data_file_bytes=disk_bytes,
+                 cache_drop="fadvise_dontneed", tensors=len(flat))
+    plot(doc, os.path.join(args.out, "restore.png"))
 
 
 if __name__ == "__main__":

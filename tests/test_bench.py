@@ -279,6 +279,7 @@ def test_restore_benchmarks_run_on_the_cpu(tmp_path, monkeypatch):
     assert set(doc["median_seconds"]) == {"memcpy_floor", "restore_ram", "restore_ram_restarted", "raw_read_cold",
                                           "restore_local_cold"}
     assert all(v > 0 for v in doc["ratios"].values()) and doc["cache_drop"] == "fadvise_dontneed"
+    assert (tmp_path / "restore.png").read_bytes()[:4] == b"\x89PNG"
 
     g = torch.Generator().manual_seed(0)
     flat = {"a": torch.randn(300, 700, generator=g), "b": torch.randint(0, 9, (5000,), generator=g)}
