@@ -1343,7 +1343,8 @@ def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf:
             buf = memory[job.file_start : job.file_start + job.length]
             transfer.verify_in_place(buf, _checks(job), location=location, key=entry_key)
         else:
-            assert buf is not None
+            if buf is None:  # the slot it was going to be copied from went away since: read it
+                buf = alloc_bytes(job.length)
             transfer.fill_verified(source, job.file_start, buf, _checks(job), location=location, key=entry_key)
     for dst, src in _box_copies(job, buf, dtype, es, where, location):
         dst.copy_(src)
