@@ -263,6 +263,7 @@ def _restore_bench_segments() -> set[str]:
     return {n for n in _bench_segments() if re.match(r"ckptstore-bench-(restore-|smoke-|cuda-peer-|[0-9a-f]{8}-)", n)}
 
 
+@pytest.mark.slow
 def test_restore_benchmarks_run_on_the_cpu(tmp_path, monkeypatch):
     """bench_restore.py end to end at a tiny size, and bench_cuda.py's restore pieces that run
     without a GPU (its local-tier rows and its plot), in this process."""
