@@ -7,7 +7,8 @@ machine at the same time.
 
 Each round runs every script once on each side, the side that goes first alternating between
 rounds. The earlier commit is checked out into a temporary git worktree and runs its own copy of
-each script against its own package (PYTHONPATH), so each side measures what it was. For every
+each script against its own package (PYTHONPATH), so each side measures what it was (a script the
+earlier commit lacks runs from this tree, against the earlier package). For every
 figure a script reports (its ``median_seconds``), the result gives each side's median over the
 rounds, the run-to-run spread (the larger of the two sides' ranges over the rounds), the ratio
 after/before, and whether "after" is worse by more than that spread. Figures of the baselines
@@ -37,7 +38,11 @@ def _run(tree: str, script: str, out: str) -> dict[str, float]:
     name = argv[0]
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": tree}
-    cmd = [sys.executable, os.path.join(tree, "benchmarks", name), *argv[1:], "--out", out]
+    script = os.path.join(tree, "benchmarks", name)
+    if not os.path.exists(script):
+        # A benchmark added with the change: the earlier package runs this tree's copy of it.
+        script = os.path.join(HERE, name)
+    cmd = [sys.executable, script, *argv[1:], "--out", out]
     print(f"$ (cd {tree}) {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, cwd=tree, env=env, check=True)
     figures: dict[str, float] = {}

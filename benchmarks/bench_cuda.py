@@ -1,9 +1,17 @@
 """GPU figures: what a save of device tensors blocks the trainer for, what a restore into device
 tensors costs, and what checkpointing does to a training loop's step time -- ckptstore against the
 pinned-memory floor, `.to("cpu")`, DCP's async_save with a pinned DefaultStager, and torch.save,
-same state, same run. Needs a CUDA device; writes <out>/cuda.json after every section.
+same state, same run. Writes <out>/cuda.json after every section.
 
-    python benchmarks/bench_cuda.py [--hidden 4096] [--blocks 4] [--repeats 3] [--out docs/benchmarks]
+Restores into the device tensors: from the RAM tier (`CheckpointStore.restore`) and a
+`ckptstore.load(map_location="cuda")` against the pinned host-to-device floor, torch.load and
+dcp.load; from the local tier with its files dropped from the page cache against one read of the
+same files into page-locked memory; and a rank whose node lost its RAM copy fetching its bytes from
+the other node's replica (two processes) against the floor of its own bytes.
+
+Meant for a CUDA device; without one it runs on the CPU, which only shows that it works.
+
+    python benchmarks/bench_cuda.py [--hidden 4096] [--blocks 4] [--repeats 3] [--peer-mib 1024] [--out docs/benchmarks]
 """
 
 from __future__ import annotations
@@ -25,11 +33,164 @@ from typing import Any
 
 import torch
 
+import ckptstore
 from ckptstore.engine.store import CheckpointStore
 from ckptstore.tiers.ram import RamTier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_restore import drop_cached, remove_segments  # noqa: E402
 from common import machine, pyplot  # noqa: E402 - shared by the benchmark scripts
+
+PEER_WORLD = 2
+
+
+def restore_from_local(flat: dict[str, torch.Tensor], items: list[tuple[str, torch.Tensor]], local: str, job: str,
+                       ram_dir: str, repeats: int, cuda: bool) -> dict[str, Any]:
+    """A step saved to the local tier alone (RAM segments removed), restored into ``flat``'s
+    tensors with the files dropped from the page cache before each round; against a read of the
+    same files into page-locked memory after the same drop."""
+    want = {k: v.cpu().clone() for k, v in flat.items()}
+    with CheckpointStore(job, local=local, keep_local=1, ram_dir=ram_dir) as saver:
+        saver.save(1, flat).wait("local")
+    remove_segments(job, ram_dir)
+    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(local) for f in fs if f.endswith(".bin"))
+    size = sum(os.path.getsize(f) for f in files)
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    view = memoryview(pinned.numpy()).cast("B")
+
+    def raw_pinned() -> None:
+        pos = 0
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                n = os.path.getsize(path)
+                done = 0
+                while done < n:
+                    got = os.preadv(fd, [view[pos + done : pos + min(n, done + (64 << 20))]], done)
+                    if got <= 0:
+                        raise OSError(f"{path}: short read")
+                    done += got
+                pos += n
+            finally:
+                os.close(fd)
+
+    store = CheckpointStore(job, local=local, keep_local=1, ram_dir=ram_dir)
+    try:
+        def restore() -> None:
+            assert store.restore(flat) == 1
+
+        results: dict[str, list[float]] = {"raw_read_into_pinned_cold": [], "ckptstore_store_restore_from_local_cold": []}
+        fns = {"raw_read_into_pinned_cold": raw_pinned, "ckptstore_store_restore_from_local_cold": restore}
+        for r in range(repeats):
+            for name in list(fns) if r % 2 == 0 else list(reversed(fns)):
+                drop_cached([local])
+                _sync()
+                t = time.perf_counter()
+                fns[name]()
+                _sync()
+                results[name].append(time.perf_counter() - t)
+                print(f"  {name:40s} {results[name][-1]:8.3f} s", flush=True)
+        for k, v in flat.items():
+            assert torch.equal(v.cpu(), want[k]), k
+    finally:
+        store.close()
+        remove_segments(job, ram_dir)
+    out = _summary(results, size)
+    med = out["median_seconds"]
+    out["ratios"] = {"store_restore_from_local_vs_raw_read":
+                     med["ckptstore_store_restore_from_local_cold"] / med["raw_read_into_pinned_cold"]}
+    return out
+
+
+def _peer_rank(rank: int, init: str, root: str, mib: int, repeats: int, result: str) -> None:
+    """One of two ranks on two simulated nodes (their own RAM directories): rank 0 keeps its RAM
+    copy and a replica of rank 1's; rank 1's node lost both, so its restore fetches its boxes from
+    rank 0, into device tensors. Rank 1 also times the host-to-device floor of its own bytes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ckptstore.checkpoint.sharded import GlobalBox
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=PEER_WORLD,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        rows = max(1, (mib << 20) // 4 // 4096)
+        g = torch.Generator().manual_seed(rank)
+        local = torch.randn(rows, 4096, generator=g)
+        mine = local.to(device)
+
+        def state(t: torch.Tensor) -> dict:
+            return {"w": GlobalBox(t, (rank * rows, 0), (PEER_WORLD * rows, 4096), torch.float32)}
+
+        ram_dir = os.path.join(root, f"node{rank}")
+        os.makedirs(ram_dir, exist_ok=True)
+        job = "bench-cuda-peer"
+        store = CheckpointStore(job, ram_dir=ram_dir, peer_replicas=1, node=rank)
+        try:
+            store.save(1, state(mine)).wait("peer")
+        finally:
+            store.close(keep_ram=True)  # the only copies: kept for the restores (the root goes after)
+        dist.barrier()
+        if rank == 1:
+            remove_segments(job, ram_dir)  # this node is replaced: no RAM copy, no replica
+        dist.barrier()
+        pinned = local.pin_memory() if device == "cuda" else local.clone()
+        times: dict[str, list[float]] = {"pinned_h2d_floor": [], "ckptstore_store_restore_from_peer": []}
+        for _ in range(repeats):
+            target = torch.zeros_like(mine)
+            _sync()
+            t = time.perf_counter()
+            target.copy_(pinned, non_blocking=device == "cuda")
+            _sync()
+            times["pinned_h2d_floor"].append(time.perf_counter() - t)
+            target.zero_()
+            store = CheckpointStore(job, ram_dir=ram_dir, peer_replicas=1, node=rank)
+            try:
+                dist.barrier()
+                _sync()
+                t = time.perf_counter()
+                assert store.restore(state(target)) == 1
+                _sync()
+                times["ckptstore_store_restore_from_peer"].append(time.perf_counter() - t)
+            finally:
+                store.close(keep_ram=True)
+            assert torch.equal(target.cpu(), local)
+        if rank == 1:
+            with open(result, "w") as fh:
+                json.dump({"times": times, "bytes": local.numel() * 4}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def restore_from_peer(work: str, mib: int, repeats: int, ram_dir: str) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    root = tempfile.mkdtemp(prefix="bench-cuda-peer-", dir=ram_dir)
+    result = os.path.join(work, "peer.json")
+    try:
+        ctx = mp.get_context("spawn")
+        init = f"file://{os.path.join(work, 'peer-init')}"
+        procs = [ctx.Process(target=_peer_rank, args=(r, init, root, mib, repeats, result)) for r in range(PEER_WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        if any(p.exitcode != 0 for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError(f"peer ranks exited with {[p.exitcode for p in procs]}")
+        with open(result) as fh:
+            got = json.load(fh)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out = _summary(got["times"], got["bytes"])
+    med = out["median_seconds"]
+    out["ratios"] = {"store_restore_from_peer_vs_h2d_floor":
+                     med["ckptstore_store_restore_from_peer"] / med["pinned_h2d_floor"]}
+    return out
 
 
 def _build(hidden: int, blocks: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -99,7 +260,10 @@ def plot(doc: dict[str, Any], out: str) -> None:
         axes[0].set_xlabel("seconds the trainer is blocked (median)")
         axes[0].set_title(f"save of {n / 2**30:.1f} GiB of device tensors")
         if "restore" in doc:
-            rmed = doc["restore"]["median_seconds"]
+            rmed = dict(doc["restore"]["median_seconds"])
+            rmed.update(doc.get("restore_local", {}).get("median_seconds", {}))
+            rmed.update({f"{k} (peer rank's bytes)": v
+                         for k, v in doc.get("restore_peer", {}).get("median_seconds", {}).items()})
             axes[1].barh(list(rmed), list(rmed.values()), color="tab:orange")
             axes[1].set_xlabel("seconds (median)")
             axes[1].set_title("restore into device tensors")
@@ -116,6 +280,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--ram-dir", default="/dev/shm")
+    ap.add_argument("--peer-mib", type=int, default=1024, help="MiB per rank for the restore from a peer")
     ap.add_argument("--dir", default=None, help="local tier / file directory (default: a temp dir)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
     ap.add_argument("--plot-only", metavar="JSON", help="redraw the plot from a cuda.json written earlier")
@@ -294,6 +459,8 @@ def main() -> None:
     try:
         print("restore into device tensors", flush=True)
         last_dcp = dcp_dirs[-1] if dcp_dirs and os.path.exists(os.path.join(dcp_dirs[-1], ".metadata")) else None
+        dropin = os.path.join(work, "c.ckpt")
+        ckptstore.save(flat, dropin)
 
         def h2d_floor() -> None:
             for b, (_, t) in zip(pinned, items):
@@ -301,6 +468,9 @@ def main() -> None:
 
         def store_restore() -> None:
             assert store.restore(flat) is not None
+
+        def dropin_load() -> None:
+            ckptstore.load(dropin, map_location=device)
 
         def torch_load() -> None:
             torch.load(os.path.join(work, "t.pt"), map_location=device, weights_only=True)
@@ -311,6 +481,7 @@ def main() -> None:
         rfns: dict[str, Callable[[], Any]] = {
             "pinned_h2d_floor": h2d_floor,
             "ckptstore_store_restore_from_ram": store_restore,
+            "ckptstore_load_map_location_cuda": dropin_load,
             "torch_load_map_location_cuda": torch_load,
         }
         if last_dcp:
@@ -322,6 +493,7 @@ def main() -> None:
         med = rs["median_seconds"]
         rs["ratios"] = {
             "store_restore_vs_h2d_floor": med["ckptstore_store_restore_from_ram"] / med["pinned_h2d_floor"],
+            "dropin_load_vs_h2d_floor": med["ckptstore_load_map_location_cuda"] / med["pinned_h2d_floor"],
             "torch_load_vs_store_restore": med["torch_load_map_location_cuda"] / med["ckptstore_store_restore_from_ram"],
         }
         if last_dcp:
@@ -331,6 +503,30 @@ def main() -> None:
     except Exception:
         doc["restore_error"] = traceback.format_exc()
         print(doc["restore_error"], flush=True)
+        dump()
+
+    # Restore from the local tier with its files out of the page cache (no RAM copy left), against
+    # one read of the same files into page-locked memory after the same drop.
+    try:
+        print("restore from the local tier, page cache dropped", flush=True)
+        doc["restore_local"] = restore_from_local(flat, items, os.path.join(work, "disk"), job + "-disk",
+                                                  args.ram_dir, args.repeats, cuda)
+        print(json.dumps(doc["restore_local"]["ratios"], indent=1), flush=True)
+        dump()
+    except Exception:
+        doc["restore_local_error"] = traceback.format_exc()
+        print(doc["restore_local_error"], flush=True)
+        dump()
+
+    # Restore of a rank whose node lost its RAM copy, fetched from the other node's replica.
+    try:
+        print("restore from a peer's replica", flush=True)
+        doc["restore_peer"] = restore_from_peer(work, args.peer_mib, args.repeats, args.ram_dir)
+        print(json.dumps(doc["restore_peer"]["ratios"], indent=1), flush=True)
+        dump()
+    except Exception:
+        doc["restore_peer_error"] = traceback.format_exc()
+        print(doc["restore_peer_error"], flush=True)
         dump()
 
     # A training loop that checkpoints every `every` steps, against the same loop without.

@@ -14,6 +14,8 @@ another's memory or threads), writing its JSON and PNG to ``--out``:
     tiers    bench_tiers.py    (extra) local/durable tier throughput against raw transfers (S3: SeaweedFS,
                                boto3's transfer manager and ranged GETs with the same part size and concurrency)
     peer     bench_peer.py     (extra) peer replication against raw gloo, restore from peers
+    restore  bench_restore.py  (extra) CheckpointStore.restore from RAM against the memcpy floor, and from
+                               the local tier (page cache dropped) against a raw read of the same files
 
 Then it writes ``suite.json`` (every part's headline ratios, its status and wall time) and
 ``suite.png`` to ``--out``, and prints a summary table.
@@ -39,7 +41,7 @@ sys.path.insert(0, HERE)
 from common import machine, pyplot  # noqa: E402 - shared by the benchmark scripts
 
 DEFAULT_PARTS = ("dropin", "sharded", "async", "scale", "loop")
-EXTRA_PARTS = ("tiers", "peer")
+EXTRA_PARTS = ("tiers", "peer", "restore")
 LOOP_INTERVALS = {"full": (5, 10, 20), "quick": (2, 4)}
 
 
@@ -71,6 +73,7 @@ def commands(mode: str, out: str, work: str | None, repeats: int | None = None,
         "tiers": [["bench_tiers.py", *layers, "--repeats", reps(3), *d]],
         "peer": [["bench_peer.py", *(["--repeats", "5"] if full else ["--mib", "16", "--repeats", "1",
                                                                         "--restore-mib", "16", "--restore-repeats", "1"])]],
+        "restore": [["bench_restore.py", *layers, "--repeats", reps(5), *d]],
     }
 
 
@@ -103,7 +106,7 @@ def headlines(part: str, out: str) -> dict[str, Any]:
                 s = entry["seconds"][k]
                 flat["spread_seconds"][f"{world}_ranks_{k}"] = f"{min(s):.3f}-{max(s):.3f}"
         return flat
-    if part in ("dropin", "tiers", "peer"):
+    if part in ("dropin", "tiers", "peer", "restore"):
         doc = _load(out, part)
         if doc is None:
             return {}
@@ -146,7 +149,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes and one round per part (a smoke run)")
     ap.add_argument("--only", nargs="+", choices=[*DEFAULT_PARTS, *EXTRA_PARTS], help="run only these parts")
-    ap.add_argument("--extra", action="store_true", help="also run the extra parts (tiers, peer)")
+    ap.add_argument("--extra", action="store_true", help="also run the extra parts (tiers, peer, restore)")
     ap.add_argument("--out", default=None, help="results directory (default: docs/benchmarks, or a temp dir with --quick)")
     ap.add_argument("--dir", default=None, help="where the parts write their checkpoints (a real disk)")
     ap.add_argument("--repeats", type=int, default=None, help="rounds of every part (default: 5 or 3 full, 1 quick)")

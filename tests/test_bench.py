@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -256,6 +257,61 @@ def test_benchmark_suite_quick_runs_every_part(tmp_path):
     assert "safetensors" in json.dumps(suite["parts"]["dropin"]["ratios"])
     assert "store_save_vs_dcp_process" in suite["parts"]["async"]["ratios"]
     assert set(suite["parts"]["loop"]["loop_overhead"]) == {"every 2 steps", "every 4 steps"}
+
+
+def _restore_bench_segments() -> set[str]:
+    """The RAM segments of the jobs these restore benchmarks name (other benchmarks may run beside)."""
+    return {n for n in _bench_segments() if re.match(r"ckptstore-bench-(restore-|smoke-|cuda-peer-|[0-9a-f]{8}-)", n)}
+
+
+@pytest.mark.slow
+def test_restore_benchmarks_run_on_the_cpu(tmp_path, monkeypatch):
+    """bench_restore.py end to end at a tiny size, and bench_cuda.py's restore pieces that run
+    without a GPU (its local-tier rows and its plot), in this process."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_cuda
+    import bench_restore
+
+    before = _restore_bench_segments()
+    monkeypatch.setattr(sys, "argv", ["bench_restore.py", "--layers", "1", "--repeats", "1", "--out", str(tmp_path),
+                                      "--dir", str(tmp_path)])
+    bench_restore.main()
+    with open(tmp_path / "restore.json") as fh:
+        doc = json.load(fh)
+    assert set(doc["median_seconds"]) == {"memcpy_floor", "restore_ram", "restore_ram_restarted", "raw_read_cold",
+                                          "restore_local_cold"}
+    assert all(v > 0 for v in doc["ratios"].values()) and doc["cache_drop"] == "fadvise_dontneed"
+    assert (tmp_path / "restore.png").read_bytes()[:4] == b"\x89PNG"
+
+    g = torch.Generator().manual_seed(0)
+    flat = {"a": torch.randn(300, 700, generator=g), "b": torch.randint(0, 9, (5000,), generator=g)}
+    want = {k: v.clone() for k, v in flat.items()}
+    local = bench_cuda.restore_from_local(flat, list(flat.items()), str(tmp_path / "disk"),
+                                          f"bench-smoke-{os.getpid()}", "/dev/shm", 1, False)
+    assert set(local["median_seconds"]) == {"raw_read_into_pinned_cold", "ckptstore_store_restore_from_local_cold"}
+    assert all(torch.equal(flat[k], want[k]) for k in flat)
+    fake = {"seconds": {"x": [1.0]}, "median_seconds": {"x": 1.0}}
+    bench_cuda.plot({"bytes": 1, "staging": fake, "restore": fake, "restore_local": local}, str(tmp_path))
+    assert (tmp_path / "cuda.png").read_bytes()[:4] == b"\x89PNG"
+    assert _restore_bench_segments() - before == set(), "the benchmarks left RAM segments in /dev/shm"
+
+
+@pytest.mark.slow
+def test_cuda_benchmark_runs_on_the_cpu(tmp_path):
+    """The whole GPU benchmark at a tiny size on the CPU: every section, the peer restore's two
+    processes included, runs to the end without an error recorded."""
+    before = _restore_bench_segments()
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_cuda.py"), "--hidden", "128",
+                          "--blocks", "1", "--repeats", "1", "--loop-steps", "2", "--every", "1", "--tokens", "32",
+                          "--peer-mib", "2", "--dir", str(tmp_path / "work"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(tmp_path / "cuda.json") as fh:
+        doc = json.load(fh)
+    assert not [k for k in doc if k.endswith("_error")], {k: v for k, v in doc.items() if k.endswith("_error")}
+    assert {"restore", "restore_local", "restore_peer"} <= set(doc)
+    assert "ckptstore_load_map_location_cuda" in doc["restore"]["median_seconds"]
+    assert _restore_bench_segments() - before == set(), "the benchmarks left RAM segments in /dev/shm"
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ benchmark script runs them first on a GPU machine, see benchmarks/bench_cuda.py)
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -13,6 +14,7 @@ from conftest import tensor_bytes, wipe_ram
 
 import ckptstore
 from ckptstore import CheckpointStore
+from ckptstore.checkpoint import transfer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -163,3 +165,71 @@ def test_train_state_restores_the_cuda_rng(job, tmp_path):
         assert store.restore(ckptstore.TrainState(model=model, optimizer=opt)) == 1
     assert torch.equal(torch.randn(16, device="cuda"), after)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+
+
+class _Recording(transfer.CudaEngine):
+    """CUDA's engine, noting the host memory each copy reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: list[tuple[int, bool]] = []
+        self.staged = 0
+
+    def host(self, nbytes: int) -> torch.Tensor:
+        self.staged += 1
+        return super().host(nbytes)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.sources.append((src.data_ptr(), src.is_pinned()))
+        super().copy(dst, src)
+
+
+def test_restore_from_ram_copies_straight_from_the_pinned_slot(job, tmp_path):
+    state = _state(5)
+    want = _expected(state)
+    with CheckpointStore(job, local=str(tmp_path / "local")) as store:
+        store.save(1, state).wait("local")
+        slot = next(iter(store.ram._slots.values()))
+        assert slot.pinned
+        lo, hi = slot.buffer.data_ptr(), slot.buffer.data_ptr() + slot.size
+        target = _zeros_like(want)
+        target["model"] = {k: v.to("cuda") if k != "cpu" else v for k, v in target["model"].items()}
+        with transfer.use_engine(_Recording()) as engine:
+            assert store.restore(target) == 1
+    _assert_same(target, want, "cuda")
+    assert engine.sources and engine.staged == 0
+    assert all(lo <= p < hi and pinned for p, pinned in engine.sources)
+
+
+def test_a_damaged_ram_slot_falls_back_to_local_into_device_tensors(job, tmp_path, caplog):
+    state = _state(6)
+    want = _expected(state)
+    with CheckpointStore(job, local=str(tmp_path / "local")) as store:
+        store.save(1, state).wait("local")
+        slot = next(iter(store.ram._slots.values()))
+        tensor_bytes(slot.buffer)[slot.size // 2] ^= 0xFF
+        target = _zeros_like(want)
+        target["model"] = {k: v.to("cuda") if k != "cpu" else v for k, v in target["model"].items()}
+        with caplog.at_level(logging.INFO, "ckptstore"):
+            assert store.restore(target) == 1
+    _assert_same(target, want, "cuda")
+    assert "checksum mismatch" in caplog.text and "from the local tier" in caplog.text
+
+
+def test_restore_waits_for_kernels_still_reading_the_tensors(job, tmp_path):
+    """The copies run on a side stream: they must not overwrite a tensor that kernels queued
+    before the restore still read."""
+    x = torch.randn(4096, 4096, device="cuda")
+    with CheckpointStore(job, local=str(tmp_path / "local")) as store:
+        store.save(1, {"x": torch.zeros_like(x)}).wait("local")
+        before = x.clone()
+        torch.cuda.synchronize()
+        y = x
+        for _ in range(30):  # queued, still running when restore starts
+            y = torch.tanh(y @ x / 64)
+        assert store.restore({"x": x}) == 1
+        expected = before
+        for _ in range(30):
+            expected = torch.tanh(expected @ before / 64)
+        assert torch.equal(y, expected)
+        assert not x.any()

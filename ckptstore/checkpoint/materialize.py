@@ -17,12 +17,15 @@ import torch
 
 from .._buffers import byte_view
 from ..errors import CheckpointError, CorruptCheckpointError, InvalidArgumentError, PickleNotAllowedError, also
-from ..format.dtypes import dtype_from_name
-from ..format.manifest import Manifest
+from ..format import codecs
+from ..format.dtypes import dtype_from_name, element_size
+from ..format.manifest import Chunk, Manifest, TensorEntry
 from ..format.tree import Decoder, grad_flags, npscalar_value, numpy_dtype, parse_device
 from ..planning.flatten import plan as make_plan
 from ..storage.targets import FileObjectSink, FileObjectSource, Source
-from .single_file import open_container, read_entries, write_container
+from . import transfer
+from .memory import alloc_bytes
+from .single_file import OpenContainer, open_container, read_entries, slab_range, write_container
 
 MapLocation = Union[  # noqa: UP007 - a runtime alias; X | Y with None first is not valid at runtime
     None, str, torch.device, dict[str, str | torch.device], Callable[[torch.UntypedStorage, str], Any]
@@ -52,11 +55,92 @@ def load_container(
             "load it with weights_only=False only if you trust where the file came from"
         )
     verify_checksums = (not mmap) if verify is None else verify
-    buffers = read_entries(opened, list(manifest.tensors), verify_checksums=verify_checksums, use_mmap=mmap,
-                           shared=shared_mmap)
+    placed = {} if mmap or not verify_checksums else _load_to_devices(opened, map_location)
+    buffers = read_entries(opened, [k for k in manifest.tensors if k not in placed], verify_checksums=verify_checksums,
+                           use_mmap=mmap, shared=shared_mmap)
+    buffers.update(placed)
     result = _Materializer(manifest, buffers, map_location, source.display, weights_only=weights_only).build()
     source.finish(opened.end)
     return result
+
+
+def _saved_devices(tree: Any, tensors: dict[str, Any], out: dict[str, str]) -> dict[str, str]:
+    """Each entry's saved device, from the tree's tensor and view nodes."""
+    if isinstance(tree, dict):
+        for tag in ("$tensor", "$view"):
+            key, device = tree.get(tag), tree.get("device", "cpu")
+            if isinstance(key, str) and key in tensors and isinstance(device, str):
+                out.setdefault(key, device)
+        for value in tree.values():
+            _saved_devices(value, tensors, out)
+    elif isinstance(tree, list):
+        for value in tree:
+            _saved_devices(value, tensors, out)
+    return out
+
+
+def _load_to_devices(opened: OpenContainer, map_location: MapLocation) -> dict[str, torch.Tensor]:
+    """The entries ``map_location`` sends to a device, read straight into device buffers through
+    the load pipeline (pieces verified on the host, then copied on a side stream) instead of into
+    host buffers that are copied again; {} when every entry stays on the host or ``map_location`` is
+    a function (it is given host storages)."""
+    if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
+        return {}
+    manifest, source = opened.manifest, opened.source
+    targets: dict[str, torch.device] = {}
+    for key, location in _saved_devices(manifest.tree, manifest.tensors, {}).items():
+        target = location if map_location is None else (
+            map_location.get(location, location) if isinstance(map_location, dict) else map_location)
+        try:
+            targets[key] = torch.device(target)
+        except (RuntimeError, TypeError):
+            continue  # materializing reports it
+    engine = transfer.engine_for(targets.values())
+    if engine is None:
+        return {}
+    where = source.display
+    out: dict[str, torch.Tensor] = {}
+    pieces: list[transfer.Piece] = []
+    for key, device in targets.items():
+        if not engine.claims_device(device):
+            continue
+        entry = manifest.tensors[key]
+        dtype = dtype_from_name(entry.dtype, where=where)
+        es = element_size(dtype)
+        buf = out[key] = torch.empty(entry.numel * es, dtype=torch.uint8, device=device)
+        for c in entry.chunks:
+            pieces.extend(_chunk_pieces(source, entry, c, buf, dtype, es, where, key))
+    if out:
+        engine.begin(list(out.values()))
+        transfer.run_device(pieces, engine, parallel=source.parallel and source.local_path is not None)
+    return out
+
+
+def _chunk_pieces(source: Source, entry: TensorEntry, c: Chunk, buf: torch.Tensor, dtype: torch.dtype, es: int,
+                  where: str, key: str) -> list[transfer.Piece]:
+    if not c.length:
+        return []
+    rng = slab_range(entry, c, es)
+    bs = c.block_size or 0
+    blocks = [(i * bs, sum_) for i, sum_ in enumerate(c.block_checksums)] if c.block_checksums and bs else []
+    checks = transfer.checks_of(c.length, c.checksum, blocks, bs)
+    if c.codec == "raw" and rng is not None:
+        return transfer.flat_pieces(source, c.offset, c.length, checks, buf[rng[0] : rng[0] + rng[1]], 0,
+                                    location=where, key=key)
+
+    def place(host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        raw = host
+        if c.codec != "raw":
+            raw = alloc_bytes(c.numel * es)
+            codecs.decode_into(c.codec, bytes(byte_view(host)), raw, es, where=f"{where}: tensor {key!r}")
+        if rng is not None:
+            return [(buf[rng[0] : rng[0] + rng[1]], raw)]
+        region = buf.view(dtype).view(entry.shape)
+        for d, (o, n) in enumerate(zip(c.offsets, c.sizes)):
+            region = region.narrow(d, o, n)
+        return [(region, raw.view(dtype).view(c.sizes))]
+
+    return [transfer.Piece(source, c.offset, c.length, checks, place, where, key)]
 
 
 class _Materializer:

@@ -42,7 +42,6 @@ from ..errors import (
     UnsupportedObjectError,
 )
 from ..format import codecs
-from ..format.checksum import verify
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
@@ -51,7 +50,6 @@ from ..planning.flatten import contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, intersect, read_plan, row_span, shard_boxes, spread
 from ..storage.small import write_small_exclusive
 from ..storage.targets import (
-    ShortRead,
     Source,
     Target,
     makedirs_private,
@@ -60,6 +58,7 @@ from ..storage.targets import (
     resolve,
     write_bytes,
 )
+from . import transfer
 from .memory import alloc_bytes
 from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
 
@@ -1213,37 +1212,50 @@ def read_targets(
                 source = source_for(job.chunk.file, job.target.key)
                 if job.chunk.file is not None:
                     check_extent(where, job.target.key, job.chunk, source.size)
-        # Staging memory is one arena of at most buffer_bytes, cut into equal slots that jobs take
-        # turns on: freed and re-allocated buffers would stay resident in the allocator's per-thread
-        # arenas (measured: 234-586 MiB of extra RSS for budgets of 16-64 MiB), an arena does not.
-        # Slots start at multiples of 64 bytes: a slot is viewed as the chunk's dtype (0-dim tensors),
-        # which needs an offset divisible by the element size even when another job has an odd length.
-        slot = -(-max((job.length for job in jobs), default=0) // 64) * 64
-        nslots = max(1, min(len(jobs), buffer_bytes // max(1, slot)))
-        # Device targets are filled from host memory: a page-locked arena makes those copies DMA.
-        pinned = torch.cuda.is_available() and any(t.local.device.type == "cuda" for t in targets)
-        arena = (torch.empty(nslots * slot, dtype=torch.uint8, pin_memory=True) if pinned
-                 else alloc_bytes(nslots * slot))
+        engine = transfer.engine_for(t.local.device for t in targets)
+        device = [job for job in jobs if engine is not None and engine.claims(job.target.local)]
+        host = [job for job in jobs if engine is None or not engine.claims(job.target.local)]
+        # Staging memory for host jobs is one arena of at most buffer_bytes, cut into equal slots
+        # that jobs take turns on: freed and re-allocated buffers would stay resident in the
+        # allocator's per-thread arenas (measured: 234-586 MiB of extra RSS for budgets of 16-64
+        # MiB), an arena does not. Only jobs that neither read straight into the caller's tensor nor
+        # find their bytes in memory take a slot. Slots start at multiples of 64 bytes: a slot is
+        # viewed as the chunk's dtype (0-dim tensors), which needs an offset divisible by the element
+        # size even when another job has an odd length.
+        staged = [job for job in host if _staged(job, source_for(job.chunk.file, job.target.key), manifest, where)]
+        slot = -(-max((job.length for job in staged), default=0) // 64) * 64
+        nslots = max(1, min(len(staged), buffer_bytes // max(1, slot))) if staged else 0
+        arena = alloc_bytes(nslots * slot)
         free: queue.Queue[torch.Tensor] = queue.Queue()
         for i in range(nslots):
             free.put(arena[i * slot : (i + 1) * slot])
 
         def run(batch: list[_ReadJob]) -> None:
-            buf = free.get()
-            try:
-                for job in batch:
-                    _execute(job, source_for(job.chunk.file, job.target.key), manifest, where, buf[: job.length])
-            finally:
-                free.put(buf)
+            for job in batch:
+                source = source_for(job.chunk.file, job.target.key)
+                if not _staged(job, source, manifest, where):
+                    _execute(job, source, manifest, where, None)
+                    continue
+                buf = free.get()
+                try:
+                    _execute(job, source, manifest, where, buf[: job.length])
+                finally:
+                    free.put(buf)
 
         # From an object store every read is a request of its own, so small reads are not batched
         # into one task: there they ran one after another (the 40 small tensors of a 0.47 GiB state
         # took about 1 s of a 3 s restore from S3 on a loaded machine) where the pool runs them
         # IO_THREADS at a time.
         remote = any(s.parallel and s.local_path is None for s in sources.values())
-        batches = [[job] for job in jobs] if remote else _batched(jobs)
-        for _ in map_all(run, batches) if len(batches) > 1 else map(run, batches):
-            pass
+        batches = [[job] for job in host] if remote else _batched(host)
+        if engine is not None and device:
+            engine.begin([job.target.local for job in device])
+            pieces = [p for job in device for p in _pieces(job, source_for(job.chunk.file, job.target.key), manifest,
+                                                           where)]
+            transfer.run_device(pieces, engine, host_work=[functools.partial(run, b) for b in batches])
+        else:
+            for _ in map_all(run, batches) if len(batches) > 1 else map(run, batches):
+                pass
     finally:
         for rel, s in sources.items():
             if rel is not None:
@@ -1270,49 +1282,85 @@ def _batched(jobs: list[_ReadJob]) -> list[list[_ReadJob]]:
     return out
 
 
-def _direct_destination(job: _ReadJob, es: int) -> torch.Tensor | None:
-    """The caller's memory for this job when it is exactly the bytes being read: whole rows of a raw
-    chunk, read without block rounding, into a contiguous target with the same trailing dims."""
+def _flat_destination(job: _ReadJob, es: int) -> torch.Tensor | None:
+    """The caller's memory for this job's rows as one contiguous span, when the bytes read hold
+    exactly those rows from byte ``job.skip`` on: whole rows of a raw chunk into a contiguous target
+    with the same trailing dims (any device)."""
     c, t = job.chunk, job.target
-    if c.codec != "raw" or not c.sizes or job.skip or t.local.device.type != "cpu":
-        return None
-    if job.length != job.nrows * math.prod(c.sizes[1:]) * es:
+    if c.codec != "raw" or not c.sizes or not job.nrows:
         return None
     if job.overlap[1][1:] != c.sizes[1:] or t.box[1][1:] != c.sizes[1:] or not t.local.is_contiguous():
+        return None
+    if job.skip + job.nrows * math.prod(c.sizes[1:]) * es > job.length:
         return None
     return t.local.narrow(0, job.overlap[0][0] - t.box[0][0], job.nrows)
 
 
-def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf: torch.Tensor) -> None:
+def _direct_destination(job: _ReadJob, es: int) -> torch.Tensor | None:
+    """The caller's memory for this job when it is exactly the bytes being read: whole rows of a raw
+    chunk, read without block rounding, into a contiguous CPU target with the same trailing dims."""
+    if job.skip or job.target.local.device.type != "cpu":
+        return None
+    flat = _flat_destination(job, es)
+    if flat is None or job.length != flat.numel() * es:
+        return None
+    return flat
+
+
+def _staged(job: _ReadJob, source: Source, manifest: Manifest, where: str) -> bool:
+    """Whether a host job needs a staging buffer: it neither reads straight into the caller's tensor
+    nor finds its bytes in this process's memory."""
+    if not job.length:
+        return False
+    es = element_size(dtype_from_name(manifest.tensors[job.target.key].dtype, where=where))
+    return _direct_destination(job, es) is None and source.memory() is None
+
+
+def _checks(job: _ReadJob) -> list[transfer.Check]:
+    return transfer.checks_of(job.length, job.chunk.checksum, job.blocks, job.chunk.block_size or 0)
+
+
+def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf: torch.Tensor | None) -> None:
+    """One host job: its bytes read (or taken from memory) and verified, then placed into the
+    caller's box; ``buf`` is staging memory of the job's length, None where :func:`_staged` says
+    none is needed."""
     c, entry_key = job.chunk, job.target.key
     entry = manifest.tensors[entry_key]
     dtype = dtype_from_name(entry.dtype, where=where)
     es = element_size(dtype)
     location = f"{where}/{c.file}" if c.file else where
-    direct = _direct_destination(job, es)
-    if direct is not None:
-        buf = direct  # same layout on both sides: read straight into the caller's tensor, no copy
-    try:
-        source.readinto(job.file_start, byte_view(buf))
-    except ShortRead as exc:
-        raise CorruptCheckpointError(f"{location} is truncated ({exc}) for tensor {entry_key!r}", location=location, key=entry_key) from None
-    view = byte_view(buf)
-    if job.blocks:
-        bs = c.block_size or 0
-        for off, expected in job.blocks:
-            verify(view[off : off + bs], expected, location=location, key=entry_key)
+    if not job.length:
+        buf = alloc_bytes(0)
     else:
-        verify(view, c.checksum, location=location, key=entry_key)
-    if direct is not None:
-        return
+        memory = source.memory()
+        direct = _direct_destination(job, es)
+        if direct is not None:
+            # Same layout on both sides: straight into the caller's tensor, hashed piece by piece.
+            transfer.fill_verified(source, job.file_start, direct.reshape(-1).view(torch.uint8), _checks(job),
+                                   location=location, key=entry_key, memory=memory)
+            return
+        if memory is not None:
+            buf = memory[job.file_start : job.file_start + job.length]
+            transfer.verify_in_place(buf, _checks(job), location=location, key=entry_key)
+        else:
+            if buf is None:  # the slot it was going to be copied from went away since: read it
+                buf = alloc_bytes(job.length)
+            transfer.fill_verified(source, job.file_start, buf, _checks(job), location=location, key=entry_key)
+    for dst, src in _box_copies(job, buf, dtype, es, where, location):
+        dst.copy_(src)
+
+
+def _box_copies(job: _ReadJob, buf: torch.Tensor, dtype: torch.dtype, es: int, where: str,
+                location: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs that put a job's verified bytes ``buf`` (host) into the caller's
+    box: decoded first where the chunk is compressed."""
+    c = job.chunk
     if c.codec != "raw":
         raw = alloc_bytes(c.numel * es)
-        codecs.decode_into(c.codec, bytes(view), raw, es, where=f"{location}: tensor {entry_key!r}")
+        codecs.decode_into(c.codec, bytes(byte_view(buf)), raw, es, where=f"{location}: tensor {job.target.key!r}")
         buf = raw
     if not c.sizes:
-        src = buf[: es].view(dtype).view(())
-        job.target.local.copy_(src)
-        return
+        return [(job.target.local, buf[:es].view(dtype).view(()))]
     row_elems = math.prod(c.sizes[1:])
     src = buf[job.skip : job.skip + job.nrows * row_elems * es].view(dtype).view((job.nrows,) + c.sizes[1:])
     dst = job.target.local
@@ -1321,4 +1369,24 @@ def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf:
         base = job.rows_start + c.offsets[0] if d == 0 else c.offsets[d]
         src = src.narrow(d, o - base, s)
         dst = dst.narrow(d, o - job.target.box[0][d], s)
-    dst.copy_(src)
+    return [(dst, src)]
+
+
+def _pieces(job: _ReadJob, source: Source, manifest: Manifest, where: str) -> list[transfer.Piece]:
+    """A device job as pieces of the pipeline: spans of whole rows in pieces cut at its checksum
+    blocks; anything else (a box narrower than the chunk's rows, a compressed chunk) as one piece."""
+    c, key = job.chunk, job.target.key
+    dtype = dtype_from_name(manifest.tensors[key].dtype, where=where)
+    es = element_size(dtype)
+    location = f"{where}/{c.file}" if c.file else where
+    if not job.length:
+        return []
+    flat = _flat_destination(job, es)
+    if flat is not None:
+        return transfer.flat_pieces(source, job.file_start, job.length, _checks(job),
+                                    flat.reshape(-1).view(torch.uint8), job.skip, location=location, key=key)
+
+    def place(host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return _box_copies(job, host, dtype, es, where, location)
+
+    return [transfer.Piece(source, job.file_start, job.length, _checks(job), place, location, key)]

@@ -313,7 +313,7 @@ def _mappable(entry: TensorEntry) -> bool:
     return len(entry.chunks) <= 1 and all(c.codec == "raw" for c in entry.chunks)
 
 
-def _slab_range(entry: TensorEntry, c: Chunk, es: int) -> tuple[int, int] | None:
+def slab_range(entry: TensorEntry, c: Chunk, es: int) -> tuple[int, int] | None:
     """Byte range of chunk ``c`` inside the entry's contiguous buffer, if the box is contiguous there."""
     if not entry.shape:
         return 0, es
@@ -380,7 +380,7 @@ def read_entries(
         buf = alloc_bytes(nbytes)
         out[key] = buf
         for c in entry.chunks:
-            rng = _slab_range(entry, c, es)
+            rng = slab_range(entry, c, es)
             if c.codec == "raw" and rng is not None:
                 dest = buf[rng[0] : rng[0] + rng[1]]
                 view = byte_view(dest)
@@ -451,7 +451,7 @@ def read_entries(
 
 
 def _place(entry: TensorEntry, c: Chunk, stored: bytes, buf: torch.Tensor, es: int, *, where: str) -> None:
-    rng = _slab_range(entry, c, es)
+    rng = slab_range(entry, c, es)
     if rng is not None:
         codecs.decode_into(c.codec, stored, buf[rng[0] : rng[0] + rng[1]], es, where=where)
         return

@@ -31,8 +31,22 @@ def validate_checksum_string(value: object, *, where: str) -> str:
     return value
 
 
+def hasher() -> xxhash.xxh3_64:
+    """An incremental hasher whose digest, fed a chunk's bytes in pieces, equals :func:`checksum` of
+    them whole: a reader hashes each piece right after copying it, while it is still in the cache."""
+    return xxhash.xxh3_64()
+
+
+def verify_digest(digest: str, expected: str, *, location: str, key: str) -> None:
+    """:func:`verify` for a hex digest already computed (by :func:`hasher`)."""
+    _check(_PREFIX + digest, expected, location=location, key=key)
+
+
 def verify(data: bytes | bytearray | memoryview, expected: str, *, location: str, key: str) -> None:
-    actual = checksum(data)
+    _check(checksum(data), expected, location=location, key=key)
+
+
+def _check(actual: str, expected: str, *, location: str, key: str) -> None:
     if actual != expected:
         raise CorruptCheckpointError(
             f"checksum mismatch for tensor {key!r} in {location}: stored {expected}, read {actual}. "

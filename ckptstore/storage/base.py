@@ -170,6 +170,13 @@ class Source:
         """Fill ``bufs`` in order from the consecutive bytes at ``offset`` (one read of their total)."""
         scatter(self.read(offset, sum(len(b) for b in bufs)), bufs)
 
+    def memory(self) -> Any:
+        """This source's bytes as a 1-D uint8 CPU tensor (byte 0 at index 0) when they already lie in
+        this process's memory, else None. A reader then copies from it directly, and to a device
+        straight from it (a RAM-tier slot is page-locked where CUDA is present), instead of reading
+        through a buffer of its own."""
+        return None
+
     def close(self) -> None:
         pass
 

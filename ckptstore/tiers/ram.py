@@ -29,6 +29,7 @@ import mmap
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import Manifest, check_manifest_size, load_json, parse_manifest
 from ..names import Segment, data_file, data_file_rank, document_temporary, parse_segment, segment, valid_job
 from ..storage import small
-from ..storage.targets import Source, Target, open_source
+from ..storage.targets import LocalSource, Source, Target
 from .base import Capabilities, Held, Holdings, Snapshot, Tier
 
 RAM_FORMAT = "ckptstore-ram/1"
@@ -127,14 +128,17 @@ class Slot:
 
     def __init__(self, path: str, size: int, *, private: bool = False) -> None:
         self.path, self.size, self.private = path, size, private
+        self.identity: tuple[int, int] | None = None  # the segment file's (st_dev, st_ino)
         if private:
             self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
         else:
-            self.map = _map_segment(path, size)
+            self.map, self.identity = _map_segment(path, size)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pinned = _pin(self.buffer) if torch.cuda.is_available() else False
         self._views: tuple[Layout, list[torch.Tensor]] | None = None
+        if self.identity is not None:
+            _mapped[self.identity] = self
 
     def views(self, layout: Layout) -> list[torch.Tensor]:
         """A view per entry of ``layout``, kept while the slot is staged with the same layout:
@@ -156,6 +160,8 @@ class Slot:
 
     def release(self) -> None:
         # Views handed out keep the mapping alive; dropping ours is enough.
+        if self.identity is not None and _mapped.get(self.identity) is self:
+            del _mapped[self.identity]
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
@@ -560,7 +566,7 @@ class RamTier(Tier):
             for doc in self._docs(rank):
                 if doc["step"] == step:
                     path = self._name(doc["slot"], "bin", rank)
-                    return open_source(Target(display=path, path=path))
+                    return SegmentSource(path, path)
             raise CheckpointNotFoundError(f"{self.display(step)}: rank {rank}'s snapshot is not in {self.ram_dir} on this node")
 
         return open_file
@@ -731,7 +737,28 @@ def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool) -> Ho
 
 
 def _opener(path: str) -> Callable[[], Source]:
-    return lambda: open_source(Target(display=path, path=path))
+    return lambda: SegmentSource(path, path)
+
+
+# The segments this process has mapped (its own staging slots), by file identity. A restore that
+# reads one of them copies from the mapping, which is page-locked where CUDA is present, instead of
+# reading the file through a buffer of its own: on a GPU that buffer and its second copy made a
+# restore from RAM 22x the host-to-device floor.
+_mapped: weakref.WeakValueDictionary[tuple[int, int], Slot] = weakref.WeakValueDictionary()
+
+
+class SegmentSource(LocalSource):
+    """A RAM-tier segment (a slot or a peer replica) opened for reading. Its bytes are read with
+    ``pread`` like any file, or, when this process has the same file mapped as a staging slot
+    (the identity of the open descriptor, so a segment replaced since is never mistaken for it),
+    taken from that mapping (:meth:`memory`)."""
+
+    def memory(self) -> torch.Tensor | None:
+        st = os.fstat(self.fd)
+        slot = _mapped.get((st.st_dev, st.st_ino))
+        if slot is None or slot.size < self.size or not slot.buffer.numel():
+            return None
+        return slot.buffer.narrow(0, 0, self.size)
 
 
 def _entries(doc: dict[str, Any]) -> list[SlotEntry]:
@@ -805,8 +832,9 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _map_segment(path: str, size: int) -> mmap.mmap:
-    """Open (or create) the segment at ``path``, reserve ``size`` bytes of it and map it shared."""
+def _map_segment(path: str, size: int) -> tuple[mmap.mmap, tuple[int, int]]:
+    """Open (or create) the segment at ``path``, reserve ``size`` bytes of it and map it shared;
+    returns the mapping and the file's identity (st_dev, st_ino)."""
     # ram_dir is usually /dev/shm, writable by every user: never follow a link planted under
     # our name (the staged bytes would go wherever it points), never use another user's file.
     created = not os.path.lexists(path)
@@ -827,7 +855,8 @@ def _map_segment(path: str, size: int) -> mmap.mmap:
             if created:
                 remove_file(path)  # a half-reserved new segment would hold on to the memory it got
             raise
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return mapping, (st.st_dev, st.st_ino)
     finally:
         os.close(fd)
 
