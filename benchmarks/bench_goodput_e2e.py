@@ -67,7 +67,9 @@ TIERS: dict[str, list[str]] = {
     "ckptstore-full": ["ram:survives=crash", "local:survives=crash", "peer:survives=crash+node", "durable:every=4"],
 }
 WORLD = 2
-UNRECOVERABLE = 3  # a rank's exit status when its restore found no sound copy of a step the tiers list
+# A rank's exit status when the job cannot go on by itself: its restore found no sound copy of a step
+# the tiers list, or a save was refused (a step the job rolled back past and saves again).
+UNRECOVERABLE = 3
 
 
 # ------------------------------------------------------------------------------ the trainer (one rank)
@@ -147,6 +149,12 @@ def _append(path: str, record: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
+def _committed(root: str, marker: str) -> list[int]:
+    """The steps under ``root`` whose directory holds ``marker`` (written last: the commit)."""
+    return sorted(int(n[5:]) for n in os.listdir(root)
+                  if n.startswith("step-") and os.path.exists(os.path.join(root, n, marker)))
+
+
 class TorchSave:
     """Each rank's part in a file of its own, fsynced and renamed; a marker by rank 0 commits the step."""
 
@@ -156,14 +164,10 @@ class TorchSave:
         self.root, self.rank, self.flat, self.on_commit = cfg["shared"], rank, flat, on_commit
         os.makedirs(self.root, exist_ok=True)
 
-    def committed(self) -> list[int]:
-        return sorted(int(n[5:]) for n in os.listdir(self.root)
-                      if n.startswith("step-") and os.path.exists(os.path.join(self.root, n, "COMMIT")))
-
     def restore(self) -> int | None:
         import torch
 
-        steps = self.committed()
+        steps = _committed(self.root, "COMMIT")
         if not steps:
             return None
         loaded = torch.load(os.path.join(self.root, f"step-{steps[-1]:08d}", f"rank-{self.rank}.pt"), mmap=True)
@@ -214,14 +218,10 @@ class Dcp:
                                                    use_async_staging=True, use_non_blocking_copy=False))
         self.pending: Any = None
 
-    def committed(self) -> list[int]:
-        return sorted(int(n[5:]) for n in os.listdir(self.root)
-                      if n.startswith("step-") and os.path.exists(os.path.join(self.root, n, ".metadata")))
-
     def restore(self) -> int | None:
         import torch.distributed.checkpoint as dcp
 
-        steps = self.committed()
+        steps = _committed(self.root, ".metadata")  # DCP writes it last, on the coordinator
         if not steps:
             return None
         dcp.load(self.flat, checkpoint_id=os.path.join(self.root, f"step-{steps[-1]:08d}"), process_group=self.group)
@@ -267,7 +267,7 @@ class Store:
         self.tier: str | None = None
         self.found: list[str] = []
         handler = logging.Handler(logging.INFO)
-        handler.emit = lambda r: self.found.extend(re.findall(r"restored step \d+ from the (\w+) tier", r.getMessage()))
+        handler.emit = lambda r: self.found.extend(re.findall(r"restored step \d+ from the (\S+) tier", r.getMessage()))
         logging.getLogger("ckptstore").addHandler(handler)
         logging.getLogger("ckptstore").setLevel(logging.INFO)
 
@@ -299,7 +299,7 @@ def worker(cfg_path: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from ckptstore.errors import CheckpointError
+    from ckptstore.errors import CheckpointError, InvalidArgumentError
     from ckptstore.goodput.events import EventLog
 
     with open(cfg_path) as fh:
@@ -349,7 +349,14 @@ def worker(cfg_path: str, rank: int) -> None:
                 _append(os.path.join(cfg["dir"], f"saved-{rank}.jsonl"),
                         {"attempt": cfg["attempt"], "step": step, "digest": digest(flat)})
             t = time.perf_counter()
-            backend.save(step)
+            try:
+                backend.save(step)
+            except InvalidArgumentError as exc:  # a step the job cannot save again: an operator starts it over
+                if log is not None:
+                    log.write("unrecoverable", error=str(exc)[:2000])
+                    log.close()
+                print(f"cannot save: {exc}", flush=True)
+                os._exit(UNRECOVERABLE)
             if log is not None:
                 log.write("save", step=step, blocking_s=round(time.perf_counter() - t, 6))
 

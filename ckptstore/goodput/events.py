@@ -31,6 +31,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -248,18 +249,16 @@ def account(events: list[dict[str, Any]]) -> Account:
         if not run.failed or (run.resumed_at is None and restoring):
             continue
         resumed = run.resumed_at if run.resumed_at is not None else run.start
-        # The step this run's work was kept up to: the one the next run that got going restored; when
-        # none did before the log ended, the newest step committed (saved, in a log without commits).
-        nxt = next((r for r in runs[i + 1:] if r.resumed_at is not None), None)
-        if nxt is not None:
-            run.kept_step = nxt.restored
+        # The step this run's work was kept up to: the oldest that a later run that got going restored
+        # (a later failure can roll back past this run's work too); when none did before the log
+        # ended, the newest step committed (saved, in a log without commits).
+        later = [r.restored or 0 for r in runs[i + 1:] if r.resumed_at is not None]
+        if later:
+            run.kept_step = min(later)
         else:
             made = [c.get("step") for c in run.commits] if committed else [s.get("step") for s in run.saves]
             run.kept_step = max((m for m in made if isinstance(m, int)), default=run.restored)
-        kept = resumed
-        for s in run.saves:
-            if run.kept_step is not None and s.get("step") == run.kept_step and s["t"] >= resumed:
-                kept = s["t"]
+        kept = _kept_at(run, resumed)
         overhead = sum(float(s.get("blocking_s", 0.0)) for s in run.saves if s["t"] > kept)
         run.lost = max(0.0, run.last - kept - overhead)
         lost += run.lost
@@ -270,6 +269,22 @@ def account(events: list[dict[str, Any]]) -> Account:
     return Account(wall, productive, checkpoint, lost, restart, idle, sum(r.failed for r in runs),
                    sum(len(r.saves) for r in runs), runs, bool(runs) and not runs[-1].clean, reload,
                    useful_steps, step_s)
+
+
+def _kept_at(run: Run, resumed: float) -> float:
+    """When this run's training reached ``run.kept_step``: its save of that step, or the end of that
+    step; its resumption when the step is older than where it started, its end when newer."""
+    k = run.kept_step or 0
+    for s in run.saves:
+        if s.get("step") == k and s["t"] >= resumed:
+            return float(s["t"])
+    if k <= (run.restored or 0):
+        return resumed
+    for t in run.ticks:
+        if t.get("step") == k:
+            return float(t["t"])
+    known = [int(x["step"]) for x in run.ticks + run.saves if isinstance(x.get("step"), int)]
+    return run.last if known and k > max(known) else resumed
 
 
 def _progress(runs: list[Run]) -> tuple[int | None, float | None]:
@@ -312,7 +327,8 @@ def predicted(events: list[dict[str, Any]], acc: Account | None = None) -> dict[
             if c.get("step") in saved:
                 latency.setdefault(str(c.get("tier")), []).append(max(0.0, c["t"] - saved[c.get("step")]))
         if r.resumed_at is not None and r.restored is not None:
-            reads.setdefault(str(r.restore_tier), []).append(r.reload)
+            for name in re.findall(r"\w+", str(r.restore_tier)):  # "peer+ram": assembled from both
+                reads.setdefault(name, []).append(r.reload)
     any_read = [x for v in reads.values() for x in v]
     tiers = []
     for spec in setup.get("tiers") or ["durable"]:
