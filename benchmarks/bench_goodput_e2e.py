@@ -70,6 +70,7 @@ WORLD = 2
 # A rank's exit status when the job cannot go on by itself: its restore found no sound copy of a step
 # the tiers list, or a save was refused (a step the job rolled back past and saves again).
 UNRECOVERABLE = 3
+START_OVER = "unrecoverable"  # the kill record's class then (ckptstore.goodput.simulate.START_OVER)
 
 
 # ------------------------------------------------------------------------------ the trainer (one rank)
@@ -404,8 +405,11 @@ def check(run_dir: str) -> list[str]:
         if run.resumed_at is None:
             continue
         before = [k for k in kills if k["t"] < run.start]
+        over = max((k["t"] for k in before if k["class"] == START_OVER), default=0.0)
         newest = None
         for c in commits:
+            if c["t"] < over:
+                continue
             after = [k for k in before if k["t"] > c["t"]]
             if c["t"] < run.start and all(tiers[c["tier"]].keeps(k["class"]) for k in after):
                 newest = c["step"] if newest is None else max(newest, c["step"])
@@ -694,7 +698,7 @@ class Supervisor:
                         next_load = time.time() + 15.0
                     exited = self.exited()
                     if exited is not None and exited[1] == UNRECOVERABLE:
-                        log.write("kill", **{"class": "unrecoverable", "rank": exited[0]})
+                        log.write("kill", **{"class": START_OVER, "rank": exited[0]})
                         self.start_over()
                         break
                     if exited is not None:
