@@ -11,7 +11,7 @@ from typing import Any
 
 from ._units import format_bytes
 from ._version import __version__
-from .errors import CheckpointError
+from .errors import CheckpointError, InvalidArgumentError
 
 
 def _open(url: str, storage_options: dict[str, Any] | None):
@@ -479,11 +479,10 @@ def _plot_simulation(results: list[Any], path: str, mtbf: float) -> None:
     plt.close(fig)
 
 
-def cmd_goodput(args: argparse.Namespace) -> int:
-    from .goodput.events import account, events_path, plot, read_events
-    from .goodput.planner import human
+def _read_log(root: str) -> tuple[str, list[dict[str, Any]]]:
+    from .goodput.events import events_path, read_events
 
-    path = events_path(args.root)
+    path = events_path(root)
     try:
         events = read_events(path)
     except FileNotFoundError:
@@ -492,25 +491,82 @@ def cmd_goodput(args: argparse.Namespace) -> int:
         raise CheckpointError(f"cannot read the event log {path}: {exc}") from None
     if not events:
         raise CheckpointError(f"{path} holds no events yet")
-    acc = account(events)
+    return path, events
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    from .goodput.events import account, plot, predicted
+    from .goodput.planner import human
+
+    if args.plot and len(args.root) > 1:
+        raise InvalidArgumentError("--plot draws one log: name one log with it")
+    docs = []
+    for root in args.root:
+        path, events = _read_log(root)
+        acc = account(events)
+        setup = next((e for e in events if e["event"] == "setup"), {})
+        doc = {"log": path, "config": setup.get("config"), **acc.to_json()}
+        if args.simulate:
+            try:
+                doc["simulated"] = predicted(events, acc)
+            except InvalidArgumentError as exc:
+                doc["simulated"] = None
+                print(f"ckptstore goodput: {path}: no simulation: {exc}", file=sys.stderr)
+        docs.append(doc)
+        if not args.json:
+            _print_account(doc, acc, human)
+        if args.plot:
+            plot(acc, args.plot, title=os.path.basename(os.path.abspath(root)))
+            print(f"  plot: {args.plot}", file=sys.stderr)
     if args.json:
-        json.dump(acc.to_json(), sys.stdout, indent=2)
+        json.dump(docs[0] if len(docs) == 1 else docs, sys.stdout, indent=2)
         sys.stdout.write("\n")
-    else:
-        fr = acc.fractions()
-        print(f"{path}: {len(acc.runs)} run(s), {acc.failures} failure(s), {acc.saves} save(s) over {human(acc.wall)}"
-              + (f" (+ {human(acc.idle)} idle between clean runs)" if acc.idle else ""))
-        for name, seconds in (("productive", acc.productive), ("checkpoint", acc.checkpoint), ("lost", acc.lost),
-                              ("restart", acc.restart)):
-            print(f"  {name:11s} {human(seconds):>10s}  {fr[name] * 100:5.1f}%")
-        print(f"  goodput {fr['productive'] * 100:.1f}%")
-        if acc.open_run:
-            print("  note: the last run has not closed (still running, or it died and was not restarted); its time "
-                  "counts as productive until it is known to be lost")
-    if args.plot:
-        plot(acc, args.plot, title=os.path.basename(os.path.abspath(args.root)))
-        print(f"  plot: {args.plot}", file=sys.stderr)
+    elif len(docs) > 1:
+        _print_comparison(docs)
     return 0
+
+
+_PARTS = ("checkpoint", "lost", "restart", "reload")
+
+
+def _print_account(doc: dict[str, Any], acc: Any, human: Any) -> None:
+    fr = acc.fractions()
+    name = f" ({doc['config']})" if doc["config"] else ""
+    print(f"{doc['log']}{name}: {len(acc.runs)} run(s), {acc.failures} failure(s), {acc.saves} save(s) over "
+          f"{human(acc.wall)}" + (f" (+ {human(acc.idle)} idle between clean runs)" if acc.idle else ""))
+    if acc.useful_steps is not None:
+        print(f"  {'useful':11s} {human(acc.useful):>10s}  {acc.goodput * 100:5.1f}%  "
+              f"({acc.useful_steps} steps x {acc.step_s:.3g} s, the median step)")
+        print(f"  {'slowdown':11s} {human(acc.productive - acc.useful):>10s}  "
+              f"{(fr['productive'] - acc.goodput) * 100:5.1f}%  (steps slower than the median)")
+    else:
+        print(f"  {'productive':11s} {human(acc.productive):>10s}  {fr['productive'] * 100:5.1f}%")
+    for part in _PARTS:
+        print(f"  {part:11s} {human(getattr(acc, part)):>10s}  {fr[part] * 100:5.1f}%")
+    print(f"  goodput {acc.goodput * 100:.1f}%")
+    sim = doc.get("simulated")
+    if sim:
+        sf = sim["fractions"]
+        tiers = ", ".join(f"{t['name']} (+{t['latency_s']:.3g} s, read {t['read_s']:.3g} s)" for t in sim["tiers"])
+        print(f"  simulator, replaying these {sim['failures']} failure(s) with interval {sim['interval_s']:.3g} s, "
+              f"cost {sim['cost_s']:.3g} s, restart {sim['restart_s']:.3g} s, tiers {tiers}:")
+        print(f"    productive {sf['useful'] * 100:.1f}% (measured {fr['productive'] * 100:.1f}%)  "
+              + "  ".join(f"{p} {sf[p] * 100:.1f}% ({fr[p] * 100:.1f}%)" for p in _PARTS))
+    if acc.open_run:
+        print("  note: the last run has not closed (still running, or it died and was not restarted); its time "
+              "counts as productive until it is known to be lost")
+
+
+def _print_comparison(docs: list[dict[str, Any]]) -> None:
+    sim = any("simulated" in d for d in docs)
+    print(f"\n  {'log':32s} {'goodput':>7s} {'product.':>8s} " + " ".join(f"{p:>10s}" for p in _PARTS)
+          + f" {'failures':>8s}" + (f" {'sim. product.':>13s}" if sim else ""))
+    for d in docs:
+        fr = d["fractions"]
+        label = d["config"] or d["log"]
+        print(f"  {label[-32:]:32s} {d['goodput'] * 100:6.1f}% {fr['productive'] * 100:7.1f}% "
+              + " ".join(f"{fr[p] * 100:9.1f}%" for p in _PARTS) + f" {d['failures']:8d}"
+              + (f" {d['simulated']['fractions']['useful'] * 100:12.1f}%" if d.get("simulated") else ""))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -712,13 +768,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
     p = sub.add_parser(
         "goodput",
-        help="goodput of a job from its event log: productive time, checkpoint overhead, lost work, restarts",
-        description="Read the event log a CheckpointStore(events=True) keeps in its local directory and split the "
-        "wall-clock time into productive time, checkpoint overhead, lost work and restart time.",
+        help="goodput of a job from its event log: useful time, checkpoint stalls, lost work, restarts, reloads",
+        description="Read event logs (a CheckpointStore(events=True) keeps one in its local directory; "
+        "benchmarks/bench_goodput_e2e.py writes one per configuration) and split each one's wall-clock time into "
+        "productive time (useful steps x the median step time, and the rest, where the log has step times), checkpoint "
+        "stalls, lost work, restart and reload time. Several logs are compared in a table.",
     )
-    p.add_argument("root", help="the store's local directory (or the events.jsonl file)")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline and the split (needs matplotlib)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("root", nargs="+", help="a store's local directory or an events.jsonl file (one or more)")
+    p.add_argument("--simulate", action="store_true",
+                   help="also replay each log's failures in the simulator, with the costs measured from the log")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline and the split of one log (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON (a list for several logs)")
     p.set_defaults(func=cmd_goodput)
     p = sub.add_parser(
         "bench",

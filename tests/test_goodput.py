@@ -157,6 +157,41 @@ def test_accounting_splits_a_known_timeline():
     assert ev.history(events) == (1, 250.0 + 200.0 + 100.0)
 
 
+def test_accounting_of_a_supervised_crash_loop_knows_failure_instants_and_rollbacks():
+    """A harness's log (benchmarks/bench_goodput_e2e.py): kill records give the failure instants,
+    restores carry their own seconds (reload), and a node loss that rolls the job back past an earlier
+    run's start makes that run's work lost too. Every step takes 1 s; saves block 0.5 s."""
+    def ticks(first, last, t0):
+        return [{"t": t0 + i + 1, "event": "tick", "step": s, "step_s": 1.0} for i, s in enumerate(range(first, last + 1))]
+
+    events = [
+        {"t": 0.0, "event": "setup", "tiers": ["local:survives=crash", "durable"]},
+        {"t": 0.0, "event": "start"}, {"t": 2.0, "event": "restore", "step": None, "seconds": 0.0},
+        *ticks(1, 4, 2.0), {"t": 6.5, "event": "save", "step": 4, "blocking_s": 0.5},
+        {"t": 6.6, "event": "commit", "step": 4, "tier": "durable"},
+        *ticks(5, 8, 6.5), {"t": 11.0, "event": "save", "step": 8, "blocking_s": 0.5},
+        {"t": 11.1, "event": "commit", "step": 8, "tier": "local"},
+        {"t": 12.0, "event": "kill", "class": "crash"},
+        {"t": 12.5, "event": "tick", "step": 9, "step_s": 1.0},  # a dying rank's straggler: ignored
+        {"t": 13.0, "event": "start"}, {"t": 16.0, "event": "restore", "step": 8, "seconds": 1.0},
+        *ticks(9, 11, 16.0),
+        {"t": 20.0, "event": "kill", "class": "node"},  # step 8 was only local: back to step 4
+        {"t": 20.0, "event": "start"}, {"t": 24.0, "event": "restore", "step": 4, "seconds": 2.0},
+        *ticks(5, 6, 24.0), {"t": 26.5, "event": "end"},
+    ]
+    acc = ev.account(events)
+    assert (acc.failures, len(acc.runs), acc.wall) == (2, 3, 26.5)
+    assert acc.reload == 3.0 and acc.restart == 2.0 + 3.0 + 2.0  # start-up; 12 -> 15; 20 -> 22
+    # Run 1 kept up to step 4's save (6.5 s): 6.5 -> 12 minus the save of step 8; run 2 entirely.
+    assert acc.lost == pytest.approx((12.0 - 6.5 - 0.5) + (20.0 - 16.0))
+    assert acc.checkpoint == 1.0
+    assert acc.useful_steps == 6 and acc.step_s == 1.0 and acc.useful == 6.0
+    assert acc.productive + acc.checkpoint + acc.lost + acc.restart + acc.reload == pytest.approx(acc.wall)
+    sim = ev.predicted(events, acc)
+    assert sum(sim["split_s"].values()) == pytest.approx(acc.wall) and sim["failures"] == 2
+    assert sim["interval_s"] == pytest.approx(4.5) and sim["cost_s"] == 0.5
+
+
 def test_event_log_that_cannot_be_written_warns_and_never_raises(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from .planner import parse_duration
 
+START_OVER = "unrecoverable"  # a failure after which the job starts over: no copy is kept (replay)
 DEFAULT_MIX = {"crash": 0.22, "node": 0.78}  # the seed: ~78% of interruptions were hardware (a node goes)
 
 
@@ -159,6 +160,45 @@ def simulate(config: Config, *, mtbf: float, work: float, trials: int = 2000, se
                  "restart": restart.sum() / total}
     return Result(config, goodput, (goodput - 1.96 * stderr, goodput + 1.96 * stderr), stderr, fractions,
                   float(failures.mean()), float(wall.mean() / 86400), per_trial)
+
+
+def replay(config: Config, failures: list[tuple[float, str]], horizon: float) -> dict[str, float]:
+    """One job over ``horizon`` wall seconds with failures at the given times (seconds from its
+    start) and of the given classes, under the same rules as :func:`simulate`; the job starts with a
+    restart (its start-up), and a failure of class ``START_OVER`` (a job that could not restore and
+    was started afresh) leaves no copy anywhere. Returns the split of the horizon in seconds: ``useful`` (the progress
+    kept at the end), ``checkpoint``, ``lost``, ``restart`` and ``reload`` (reading the copy restored
+    from), which add up to ``horizon``. This is the simulator's prediction for a run whose failures
+    are known, such as a measured crash loop."""
+    tiers, period, cost = config.tiers, config.interval, config.cost
+    tau = period - cost
+    held = [-math.inf] * len(tiers)
+    out = dict.fromkeys(("useful", "checkpoint", "lost", "restart", "reload"), 0.0)
+    progress, restart, read, t = 0.0, config.restart, 0.0, 0.0
+    for end, cls in sorted(f for f in failures if f[0] < horizon) + [(horizon, "")]:
+        x = max(0.0, end - t)
+        out["restart"] += min(x, restart)
+        out["reload"] += min(max(x - restart, 0.0), read)
+        run = max(x - restart - read, 0.0)
+        cycles = math.floor(run / period)
+        rem = run - cycles * period
+        computed = cycles * tau + min(rem, tau)
+        out["checkpoint"] += cycles * cost + max(rem - tau, 0.0)
+        if not cls:
+            progress += computed
+            break
+        for j, tier in enumerate(tiers):
+            usable = math.floor(math.floor(max(run - tier.latency, 0.0) / period) / tier.every) * tier.every
+            made = progress + usable * tau if usable > 0 else -math.inf
+            held[j] = max(held[j], made) if tier.keeps(cls) and cls != START_OVER else -math.inf
+        best = max(held)
+        restored = best if math.isfinite(best) else 0.0
+        out["lost"] += progress + computed - restored
+        progress, restart = restored, config.restart
+        read = tiers[held.index(best)].read if math.isfinite(best) else 0.0
+        t = end
+    out["useful"] = progress
+    return out
 
 
 # ------------------------------------------------------------------------------ configurations
