@@ -247,10 +247,19 @@ class CheckpointStore:
     def restore(self, state: Any, *, step: int | None = None, per_rank: str = "error") -> int | None:
         """Load the newest step with a sound copy into ``state`` in place, or exactly ``step``.
 
-        Returns the step loaded; None when no tier holds any checkpoint of this job (never with
-        ``step``). Raises CorruptCheckpointError (listing what was tried) when checkpoints exist but
-        none has a sound copy for every rank; with ``step``, CheckpointNotFoundError when no tier of
-        any rank holds it. Collective: every rank calls it.
+        Returns the step loaded; None when no tier holds any checkpoint of this job, or when every
+        step held is incomplete (never with ``step``). A step is incomplete when a part of it was
+        written by a rank whose node now holds nothing of the step (a node lost before the part
+        reached a peer or the durable tier) and no node nor the durable tier has it: it is skipped
+        with a warning, as older steps are tried. Raises CorruptCheckpointError (listing what was
+        tried) when checkpoints exist but none has a sound copy for every rank and some were
+        damaged; with ``step``, CheckpointNotFoundError when no tier of any rank holds it, and
+        CorruptCheckpointError when it cannot be loaded. Collective: every rank calls it.
+
+        Without ``step``, the steps newer than the one loaded (or all, on a fresh start) that
+        were found incomplete or damaged are a dead branch: every rank drops its RAM, local and
+        peer copies of them (a warning names them; the durable tier is left alone), and they no
+        longer count toward :attr:`last_step`, so the job saves those step numbers again.
 
         ``state`` is a state dict (tensors filled in place, other leaves replaced) or a
         :class:`~ckptstore.TrainState` (every part restored, the RNG states last).
