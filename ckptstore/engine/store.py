@@ -354,9 +354,9 @@ class CheckpointStore:
             dropped += [f"step {step} in {name}" for step in held]
         if dropped:
             what = f"step {dead[0]}" if len(dead) == 1 else "steps " + ", ".join(map(str, dead))
-            log.warning("ckptstore: %s, newer than %s, cannot be restored (a dead branch): rank %d dropped this node's "
-                        "copies (%s), so that the job can save %s again", what,
-                        "any step left" if restored is None else f"the restored step {restored}", self.rank,
+            log.warning("ckptstore: %s cannot be restored (%s): a dead branch; rank %d dropped this node's copies (%s), "
+                        "so that the job can save %s again", what,
+                        "no step could be" if restored is None else f"the restore loaded step {restored}", self.rank,
                         ", ".join(dropped), "that step" if len(dead) == 1 else "those steps")
         self._groups.trainer.all_gather(None)
 
