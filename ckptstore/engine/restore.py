@@ -250,9 +250,11 @@ class Restorer:
 
     def _lost(self, unowned: list[str], bare: frozenset[int]) -> bool:
         """Whether every file no node offers was written by a rank whose node holds nothing of the
-        step (or by a rank this job no longer has): then nothing is damaged, the part is gone."""
+        step: then nothing is damaged, the part is gone. A writer this job no longer has (it runs
+        on fewer ranks) does not count: its node may hold the part and come back, and calling the
+        step incomplete would drop the surviving nodes' copies of it."""
         writers = [data_file_rank(name) for name in unowned]
-        return bool(unowned) and all(w is not None and (w >= self.world or w in bare) for w in writers)
+        return bool(unowned) and all(w is not None and w < self.world and w in bare for w in writers)
 
     def _attempt_layout(self, state: Any, step: int, node: NodeInventory, digest: str | None, in_durable: bool,
                         excluded: set[str], per_rank: str, bare: frozenset[int] = frozenset(),
