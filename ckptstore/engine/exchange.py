@@ -105,6 +105,7 @@ class NodeInventory:
     def __init__(self) -> None:
         self.layouts: dict[str, Inventory] = {}
         self.unsupported: UnsupportedFormatVersionError | None = None  # a copy only a newer reader reads
+        self.damaged = False  # a copy of a manifest was unreadable: the node holds something of the step
 
     @classmethod
     def of(cls, tiers: Sequence[Tier], step: int) -> NodeInventory:
@@ -151,12 +152,17 @@ class NodeInventory:
             return None
         except CheckpointError as exc:
             log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
+            self.damaged = True
             return None
         return layout_digest(manifest), manifest
 
     def layout(self, digest: str | None) -> Inventory:
         """This node's copies in the layout ``digest`` (none: an empty inventory)."""
         return self.layouts.get(digest or "") or Inventory(digest)
+
+    def holds_any(self) -> bool:
+        """Whether this node holds anything of the step, readable or not."""
+        return bool(self.layouts) or self.damaged or self.unsupported is not None
 
     def first(self) -> Inventory | None:
         """The layout a restore tries first, of those this node holds."""
@@ -274,6 +280,9 @@ class Transfers:
     def __init__(self) -> None:
         self.sources: dict[str, RemoteSource] = {}
         self.channels: list[_Channel] = []
+        # Files some rank wants that no rank's node offers in this layout (the same list on every
+        # rank): the restore tells a step whose part is gone with a lost node from a damaged one.
+        self.unowned: list[str] = []
 
     def close(self) -> None:
         for channel in self.channels:
@@ -312,6 +321,7 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: Sequence[str], ex
                 plan.append((r, _pick(candidates, r), name))
     plan = _agree_plan(group, plan)
     out = Transfers()
+    out.unowned = sorted({name for g in gathered for name in g["want"] if not owners.get(name)})
     asked: dict[int, list[str]] = {}
     serving: dict[int, list[str]] = {}
     for requester, owner, name in plan:

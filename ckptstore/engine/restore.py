@@ -7,12 +7,21 @@ learns what its node holds of the step, fetches from other nodes what it lacks, 
 node holds from the durable tier, and verifies every byte. A damaged copy is excluded and the step
 tried again (twice at most); a step that cannot be loaded gives way to the next older one. A state
 that does not match the checkpoint is the caller's error, raised at once, never a fallback.
+
+A step can fail in two ways that a restore tells apart. It is *damaged* when bytes that should be
+sound are not (a checksum mismatch, a file missing from a copy whose node still holds the step):
+with no sound copy of any step left, that is an error, never a fresh start. It is *incomplete* when
+a part was written by a rank whose node now holds nothing of the step (the node was lost) and no
+other node nor the durable tier has it: nothing was damaged, the part never got out, and with no
+complete step left the job starts fresh. Either way the steps newer than the one restored are a
+dead branch, which the store drops from the node tiers (store.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.materialize import decode_value
@@ -26,7 +35,7 @@ from ..errors import (
     collective_error,
 )
 from ..format.manifest import Manifest
-from ..names import MANIFEST
+from ..names import MANIFEST, data_file_rank
 from ..storage.targets import Source
 from ..tiers.base import Tier
 from .exchange import (
@@ -45,6 +54,23 @@ from .replicas import ReplicaCheck
 log = logging.getLogger("ckptstore")
 RESTORE_BUFFER = 256 << 20
 _ATTEMPTS = 3
+# What went wrong in one rank's attempt: a part no node holds (its writer's node holds nothing of the
+# step, the durable tier lacks it), bytes that are not sound, or anything else (I/O, a peer gone).
+_MISSING, _DAMAGED, _OTHER = "missing", "damaged", "other"
+
+
+@dataclass
+class Found:
+    """What :meth:`Restorer.newest` found: the step loaded (None: none) and the tiers it came from;
+    ``dead``: the newer steps that could not be restored because they are incomplete or damaged
+    (the store drops their node copies); ``uncounted``: those of them no tier outside the nodes
+    lists, which no longer count as saved; ``counted``: the newest step held that still counts."""
+
+    step: int | None
+    tiers: str = ""
+    dead: list[int] = field(default_factory=list)
+    uncounted: set[int] = field(default_factory=set)
+    counted: int | None = None
 
 
 class Restorer:
@@ -77,23 +103,43 @@ class Restorer:
     def _node_steps(self) -> set[int]:
         return set().union(*(t.node_steps() for t in self.node_tiers))
 
-    def newest(self, state: Any, per_rank: str) -> tuple[int | None, str]:
-        """Load the newest step with a sound copy into ``state``; returns it and the tiers it came
-        from, or (None, "") when no tier of any rank holds any step. Raises CorruptCheckpointError,
-        listing what was tried, when steps exist but none has a sound copy for every rank."""
+    def newest(self, state: Any, per_rank: str) -> Found:
+        """Load the newest step with a sound copy into ``state``; returns it, the tiers it came from
+        and the newer steps found incomplete or damaged. The step is None when no tier of any rank
+        holds any step, or when every step held is incomplete and none damaged (a warning says so:
+        the job starts fresh). Raises CorruptCheckpointError, listing what was tried, when steps
+        exist but none has a sound copy for every rank and some were damaged (or unreadable)."""
         durable = self._durable_steps()
         seen = self._node_steps() | durable
         candidates = sorted(set().union(*map(set, self.groups.trainer.all_gather(sorted(seen)))), reverse=True)
         tried: list[str] = []
+        verdicts: dict[int, str] = {}
         for step in candidates:
-            ok, detail = self._attempt(state, step, step in durable, per_rank)
+            ok, detail, verdict = self._attempt(state, step, step in durable, per_rank)
             if ok:
-                return step, detail
-            log.warning("ckptstore: step %d cannot be restored (%s); trying an older step", step, detail)
+                return self._found(step, detail, verdicts, durable, candidates)
+            if verdict == _MISSING:
+                log.warning("ckptstore: step %d is incomplete, skipping it (%s); trying an older step", step, detail)
+            else:
+                log.warning("ckptstore: step %d cannot be restored (%s); trying an older step", step, detail)
             tried.append(detail)
+            verdicts[step] = verdict
+        if tried and all(v == _MISSING for v in verdicts.values()):
+            log.warning("ckptstore: no step of job %s is complete (%s lost a part with a node, and none is "
+                        "damaged): starting fresh", self.job, _steps(verdicts))
+            return self._found(None, "", verdicts, durable, candidates)
         if tried:
             raise CorruptCheckpointError("no sound copy of any checkpoint of this job: " + "; ".join(tried))
-        return None, ""
+        return Found(None)
+
+    @staticmethod
+    def _found(step: int | None, tiers: str, verdicts: dict[int, str], durable: set[int],
+               candidates: list[int]) -> Found:
+        # Only steps that cannot be restored as they are form the dead branch: one that failed for
+        # another reason (an I/O error, a peer that did not answer) may be complete.
+        dead = sorted(s for s, v in verdicts.items() if v in (_MISSING, _DAMAGED))
+        uncounted = set(dead) - durable
+        return Found(step, tiers, dead, uncounted, max((c for c in candidates if c not in uncounted), default=None))
 
     def exact(self, state: Any, step: int, per_rank: str) -> str:
         """Load exactly ``step`` into ``state``, never another one; returns the tiers it came from.
@@ -103,7 +149,7 @@ class Restorer:
         held = step in self._node_steps()
         if not any(self.groups.trainer.all_gather(held or in_durable)):
             raise CheckpointNotFoundError(f"no tier holds step {step} of job {self.job}")
-        ok, detail = self._attempt(state, step, in_durable, per_rank)
+        ok, detail, _verdict = self._attempt(state, step, in_durable, per_rank)
         if not ok:
             raise CorruptCheckpointError(f"no sound copy of step {step} of job {self.job}: {detail}")
         return detail
@@ -163,20 +209,27 @@ class Restorer:
             self._durable_digest = (step, digest)
         return self._durable_digest[1]
 
-    def _attempt(self, state: Any, step: int, in_durable: bool, per_rank: str) -> tuple[bool, str]:
+    def _attempt(self, state: Any, step: int, in_durable: bool, per_rank: str) -> tuple[bool, str, str]:
         """Load ``step`` on every rank, one layout after another (collective): the layouts the
         nodes hold, in the order every rank agrees on (the staged slot's, then the local tier's),
-        then the durable tier's own when it differs from all of them."""
+        then the durable tier's own when it differs from all of them. Returns whether it loaded,
+        the tiers it came from or what went wrong, and (on failure) why: ``_MISSING`` when every
+        problem was a part no node holds, ``_DAMAGED`` when some bytes were not sound."""
         fg = self.groups.trainer
         node = NodeInventory.of(self.node_tiers, step)
         mine = sorted((inv.preference, d) for d, inv in node.layouts.items())
+        gathered = fg.all_gather((mine, node.holds_any())) if self.world > 1 else [(mine, node.holds_any())]
+        # Ranks whose node holds nothing of the step: a part only they wrote that no other node
+        # holds never got out before their node was lost; it is missing, not damaged.
+        bare = frozenset(r for r, (_listed, holds) in enumerate(gathered) if not holds)
         preference: dict[str, int] = {}
-        for listed in (fg.all_gather(mine) if self.world > 1 else [mine]):
+        for listed, _holds in gathered:
             for p, d in listed:
                 preference[d] = min(preference.get(d, p), p)
         ranked = sorted(preference, key=lambda d: (preference[d], d))
         order: list[str | None] = list(ranked)
         excluded: set[str] = set()  # damaged copies, by where they lie: never read again in this step
+        kinds: set[str] = set()  # what went wrong in every attempt so far (the same on every rank)
         details: list[str] = []
         if in_durable:
             own = self._durable_layout(step)
@@ -186,16 +239,26 @@ class Restorer:
         if not order:
             order = [None]  # nothing readable anywhere: one attempt says why (or that a newer reader is needed)
         for digest in order:
-            ok, detail = self._attempt_layout(state, step, node, digest, in_durable, excluded, per_rank)
+            ok, detail = self._attempt_layout(state, step, node, digest, in_durable, excluded, per_rank, bare, kinds)
             if ok:
-                return True, detail
+                return True, detail, ""
             details.append(detail)
             if digest != order[-1]:
                 log.warning("ckptstore: %s; trying the next copy of the step laid out differently", detail)
-        return False, "; then ".join(details)
+        verdict = _DAMAGED if _DAMAGED in kinds else _MISSING if kinds == {_MISSING} else _OTHER
+        return False, "; then ".join(details), verdict
+
+    def _lost(self, unowned: list[str], bare: frozenset[int]) -> bool:
+        """Whether every file no node offers was written by a rank whose node holds nothing of the
+        step: then nothing is damaged, the part is gone. A writer this job no longer has (it runs
+        on fewer ranks) does not count: its node may hold the part and come back, and calling the
+        step incomplete would drop the surviving nodes' copies of it."""
+        writers = [data_file_rank(name) for name in unowned]
+        return bool(unowned) and all(w is not None and w < self.world and w in bare for w in writers)
 
     def _attempt_layout(self, state: Any, step: int, node: NodeInventory, digest: str | None, in_durable: bool,
-                        excluded: set[str], per_rank: str) -> tuple[bool, str]:
+                        excluded: set[str], per_rank: str, bare: frozenset[int] = frozenset(),
+                        kinds: set[str] | None = None) -> tuple[bool, str]:
         """Collective attempts (retried with bad copies excluded) to load ``step`` on every rank from
         the copies in one layout: the nodes' copies in it, fetched across nodes where a node lacks
         a file, and the durable copy when it is laid out alike (or is the layout, ``_DURABLE``)."""
@@ -211,10 +274,11 @@ class Restorer:
             durable = None
         display = f"step {step} of job {self.job}"
         bad_owners: set[tuple[str, int]] = set()
+        kinds = set() if kinds is None else kinds
         detail = ""
         for _try in range(_ATTEMPTS):
             fatal: Exception | None = None
-            problem = ""
+            problem = kind = ""
             retry = False
             used: set[str] = set()
             manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}")
@@ -231,23 +295,35 @@ class Restorer:
                                  chunks_needed(state, manifest, display, self.rank, self.world)})
             except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
                 wanted, problem = [], f"{exc}"
+                unreadable = manifest is None and not from_durable  # listed, yet no node's copy parses
+                kind = _DAMAGED if isinstance(exc, CorruptCheckpointError) or unreadable else _OTHER
             except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint
                 wanted, fatal = [], exc
             self._round += 1  # every rank counts the same rounds: the tags of this one are its own
             transfers = exchange(fg, self.groups.transfer, inv, wanted, excluded, bad_owners, display,
                                  tags=(2 * self._round + 1, 2 * self._round + 2), timeout_s=self.peer_timeout_s)
+            # Decided alike on every rank (from what the exchange gathered): when a part is gone with
+            # a lost node, no rank loads, so no rank's state is left half-filled with this step.
+            # Once a copy was found damaged the attempt runs as it always did, and says so.
+            lost = durable is None and _DAMAGED not in kinds and self._lost(transfers.unowned, bare)
             try:
-                if not problem and fatal is None:
+                if lost and not problem and fatal is None:
+                    gone = sorted(set(wanted) & set(transfers.unowned))
+                    if gone:
+                        problem, kind = (f"incomplete: {', '.join(gone)} {'is' if len(gone) == 1 else 'are'} held by "
+                                         "no node (the node of the rank that wrote it holds nothing of the step) and "
+                                         "the durable tier lacks the step"), _MISSING
+                elif not problem and fatal is None:
                     assert manifest is not None
                     opener = _Opener(transfers.sources, inv, excluded, durable.opener(step) if durable else None,
                                      display, used)
-                    problem, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers, inv,
-                                                       excluded, bad_owners)
+                    problem, kind, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers,
+                                                             inv, excluded, bad_owners)
             finally:
                 transfers.close()
             mine: dict[str, Any] = {"fatal": None if fatal is None else f"rank {self.rank}: {fatal}",
                                     "failure": None if fatal is None else failure_record(self.rank, fatal),
-                                    "problem": problem, "retry": retry, "used": sorted(used)}
+                                    "problem": problem, "kind": kind, "retry": retry, "used": sorted(used)}
             outcomes = fg.all_gather(mine) if self.world > 1 else [mine]
             if any(o["fatal"] for o in outcomes):
                 if fatal is not None:
@@ -256,9 +332,10 @@ class Restorer:
                 raise collective_error("restore failed on other ranks: " + "; ".join(o["fatal"] for o in outcomes
                                                                                    if o["fatal"]), failures)
             problems = [f"rank {r}: {o['problem']}" for r, o in enumerate(outcomes) if o["problem"]]
+            kinds.update(o["kind"] for o in outcomes if o["kind"])
             if not problems:
-                kinds = sorted({k for o in outcomes for k in o["used"]})
-                return True, "+".join(kinds) if kinds else "ram"
+                tiers = sorted({k for o in outcomes for k in o["used"]})
+                return True, "+".join(tiers) if tiers else "ram"
             summary = f"step {step}: " + "; ".join(problems)
             detail = f"{detail}; then {summary}" if detail else summary
             if not any(o["retry"] for o in outcomes):
@@ -268,23 +345,28 @@ class Restorer:
 
     def _load(self, state: Any, manifest: Manifest, display: str, opener: _Opener, per_rank: str,
               transfers: Transfers, inv: Inventory, excluded: set[str],
-              bad_owners: set[tuple[str, int]]) -> tuple[str, bool, Exception | None]:
-        """Load this rank's part; returns (a problem with the copies read, whether another copy is
-        worth a retry, an error of the caller's state)."""
+              bad_owners: set[tuple[str, int]]) -> tuple[str, str, bool, Exception | None]:
+        """Load this rank's part; returns (a problem with the copies read, its kind, whether another
+        copy is worth a retry, an error of the caller's state)."""
         try:
             load_manifest(state, manifest, display, opener, group=self.groups.trainer, strict=True, per_rank=per_rank,
                           buffer_bytes=self.buffer_bytes, decode_per_rank=decode_value)
         except PeerUnavailable as exc:
             bad_owners.update((name, exc.owner) for name in exc.names)
-            return str(exc), True, None
+            return str(exc), _OTHER, True, None
         except CorruptCheckpointError as exc:
             bad = _exclude(exc, transfers.sources, inv, excluded, bad_owners)
-            return str(exc) + (f" (the copy read was {bad})" if bad else ""), bad is not None, None
+            return str(exc) + (f" (the copy read was {bad})" if bad else ""), _DAMAGED, bad is not None, None
         except (CheckpointNotFoundError, StorageError, OSError) as exc:
-            return str(exc), False, None
+            return str(exc), _OTHER, False, None
         except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint
-            return "", False, exc
-        return "", False, None
+            return "", "", False, exc
+        return "", "", False, None
+
+
+def _steps(verdicts: dict[int, str]) -> str:
+    steps = sorted(verdicts)
+    return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
 
 
 _DURABLE = "durable"  # the durable tier's own layout, tried after every layout the nodes hold

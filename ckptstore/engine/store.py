@@ -247,10 +247,19 @@ class CheckpointStore:
     def restore(self, state: Any, *, step: int | None = None, per_rank: str = "error") -> int | None:
         """Load the newest step with a sound copy into ``state`` in place, or exactly ``step``.
 
-        Returns the step loaded; None when no tier holds any checkpoint of this job (never with
-        ``step``). Raises CorruptCheckpointError (listing what was tried) when checkpoints exist but
-        none has a sound copy for every rank; with ``step``, CheckpointNotFoundError when no tier of
-        any rank holds it. Collective: every rank calls it.
+        Returns the step loaded; None when no tier holds any checkpoint of this job, or when every
+        step held is incomplete (never with ``step``). A step is incomplete when a part of it was
+        written by a rank whose node now holds nothing of the step (a node lost before the part
+        reached a peer or the durable tier) and no node nor the durable tier has it: it is skipped
+        with a warning, as older steps are tried. Raises CorruptCheckpointError (listing what was
+        tried) when checkpoints exist but none has a sound copy for every rank and some were
+        damaged; with ``step``, CheckpointNotFoundError when no tier of any rank holds it, and
+        CorruptCheckpointError when it cannot be loaded. Collective: every rank calls it.
+
+        Without ``step``, the steps newer than the one loaded (or all, on a fresh start) that
+        were found incomplete or damaged are a dead branch: every rank drops its RAM, local and
+        peer copies of them (a warning names them; the durable tier is left alone), and they no
+        longer count toward :attr:`last_step`, so the job saves those step numbers again.
 
         ``state`` is a state dict (tensors filled in place, other leaves replaced) or a
         :class:`~ckptstore.TrainState` (every part restored, the RNG states last).
@@ -283,8 +292,19 @@ class CheckpointStore:
         assert self._tracker is not None
         t0 = time.perf_counter()
         self._pipeline.drain()
+        last = self._pipeline.last_step
         if step is None:
-            found, tiers = self._restorer.newest(state, per_rank)
+            result = self._restorer.newest(state, per_rank)
+            found, tiers = result.step, result.tiers
+            if result.dead:
+                self._drop_dead_branch(result.dead, found)
+            if last is not None and last in result.uncounted:
+                # What the store counted as saved was the dead branch: a save may use those numbers
+                # again. A newer step that failed for another reason (an I/O error) still counts.
+                last = result.counted
+                if found is None:
+                    self._pipeline.last_step = last
+                    self._pipeline.resume({}, durable_holds_it=False)  # the cadence was the dead branch's
         else:
             found, tiers = step, self._restorer.exact(state, step, per_rank)
         seconds = round(time.perf_counter() - t0, 6)
@@ -292,7 +312,6 @@ class CheckpointStore:
             self._tracker.event("restore", step=None, tier=None, seconds=seconds)
             return None
         log.info("ckptstore: restored step %d from the %s tier", found, tiers)
-        last = self._pipeline.last_step
         self._pipeline.last_step = found if last is None else max(last, found)
         self._tracker.event("restore", step=found, tier=tiers, seconds=seconds)
         meta, in_durable = self._restorer.meta_of(found)
@@ -302,6 +321,44 @@ class CheckpointStore:
         if self.durable is not None and in_durable is False:
             self._pipeline.promote_restored(found, meta)
         return found
+
+    def _drop_dead_branch(self, dead: list[int], restored: int | None) -> None:
+        """Remove this rank's node-tier copies of ``dead``, steps newer than the one restored that
+        cannot be restored: never restored later in place of a newer save, never counted as saved,
+        and never beside a new save of the same number. Collective: no rank saves before every
+        rank's node is clean (a directory shared by a node's ranks is cleaned by its owner).
+
+        The durable tier is left alone: a durable copy is complete, or it would have been restored
+        (damaged bytes there are the operator's to inspect, and the step stays counted)."""
+        owner = self.local is not None and self.local.manifest_writer
+        ram, peer = self.ram, self.peer
+        assert ram is not None and peer is not None
+        listings: list[tuple[str, Callable[[], set[int]], Callable[[int], None]]] = [
+            ("ram", lambda: set(ram.steps_sync()), ram.remove_sync),
+            ("peer", lambda: {doc["step"] for _src, doc in peer.replicas()}, peer.remove_sync),
+        ]
+        if owner:
+            assert self.local is not None
+            listings += [("local", self.local.node_steps, self.local.remove_sync),
+                         ("peer replicas on disk", peer.disk_steps, peer.remove_from_disk)]
+        dropped: list[str] = []
+        for name, listed, remove in listings:
+            try:
+                held = sorted(set(dead) & listed())
+                for step in held:
+                    remove(step)
+            except (CheckpointError, OSError) as exc:
+                log.warning("ckptstore: cannot drop steps %s, which cannot be restored, from the %s tier (a new save "
+                            "of one of them may fail): %s", dead, name, exc)
+                continue
+            dropped += [f"step {step} in {name}" for step in held]
+        if dropped:
+            what = f"step {dead[0]}" if len(dead) == 1 else "steps " + ", ".join(map(str, dead))
+            log.warning("ckptstore: %s cannot be restored (%s): a dead branch; rank %d dropped this node's copies (%s), "
+                        "so that the job can save %s again", what,
+                        "no step could be" if restored is None else f"the restore loaded step {restored}", self.rank,
+                        ", ".join(dropped), "that step" if len(dead) == 1 else "those steps")
+        self._groups.trainer.all_gather(None)
 
     def latest_step(self) -> int | None:
         """The newest step any tier of any rank holds committed, without loading it (collective);

@@ -163,9 +163,7 @@ class PeerTier(Tier):
         assert self.local_root is not None and self.keep is not None
         root = os.path.join(self.local_root, PEER_DIR)
         for old in sorted(committed_steps(root))[: -self.keep]:
-            where = os.path.join(root, step_dir(old))
-            remove_file(os.path.join(where, MANIFEST))  # uncommitted first: never a half-removed step that looks whole
-            shutil.rmtree(where, ignore_errors=True)
+            self.remove_from_disk(old)
 
     # ------------------------------------------------------------------------------ reading
 
@@ -220,6 +218,17 @@ class PeerTier(Tier):
         for src, doc in self.replicas():
             if doc["step"] == step:
                 remove_file(self._name(src, doc["slot"], "json"))
+
+    def disk_steps(self) -> set[int]:
+        """The steps of the replicas kept on this node's disk (``<local>/peer``)."""
+        return committed_steps(os.path.join(self.local_root, PEER_DIR)) if self.local_root is not None else set()
+
+    def remove_from_disk(self, step: int) -> None:
+        """Remove ``step``'s replicas from this node's disk (shared by its ranks: one of them calls it)."""
+        if self.local_root is not None:
+            where = os.path.join(self.local_root, PEER_DIR, step_dir(step))
+            remove_file(os.path.join(where, MANIFEST))  # uncommitted first: never a half-removed step that looks whole
+            shutil.rmtree(where, ignore_errors=True)
 
     def close(self) -> None:
         for seg in self._segments.values():

@@ -1,0 +1,92 @@
+"""Ranks of tests/test_node_loss.py (run by dist_workers.run): a job whose newest step is committed
+in RAM only when its processes die, and the restarts that follow the loss of a node.
+
+Rank r runs on node r: its own RAM directory (``<ram_root>/node<r>``) and local directory
+(``<local_root>/node<r>``), so a node is lost by removing both. Each rank saves a tensor of its own
+(``w<rank>``), so each step has one part per rank, written only by that rank's node.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from dist_workers import _ckptstore_log
+
+import ckptstore
+from ckptstore import _faults
+
+
+def _store(name: str, rank: int, ram_root: str, local_root: str, replicas: int) -> ckptstore.CheckpointStore:
+    ram_dir = os.path.join(ram_root, f"node{rank}")
+    os.makedirs(ram_dir, exist_ok=True)
+    return ckptstore.CheckpointStore(name, local=os.path.join(local_root, f"node{rank}"), ram_dir=ram_dir, node=rank,
+                                     peer_replicas=replicas, keep_local=3)
+
+
+def _state(rank: int, step: int, run: int = 0) -> dict:
+    """Rank ``rank``'s state at ``step`` in ``run`` (a step saved again after a rollback differs)."""
+    return {f"w{rank}": torch.arange(4096, dtype=torch.float32) + (1000.0 * run + 10.0 * step + rank),
+            "step": step, "run": run}
+
+
+def _empty(rank: int) -> dict:
+    return {f"w{rank}": torch.zeros(4096), "step": -1, "run": -1}
+
+
+def _same(got: dict, want: dict) -> bool:
+    return all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in want.items())
+
+
+def crash_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
+              steps: list[int]) -> None:
+    """Save ``steps`` (each older one on every node tier), then the last one: committed in RAM, the
+    process dies by SIGKILL as its local write begins (never reaching a peer either)."""
+    store = _store(name, rank, ram_root, local_root, replicas)
+    for step in steps[:-1]:
+        handle = store.save(step, _state(rank, step))
+        handle.wait("local")
+        if replicas:
+            handle.wait("peer")
+    store._drain()
+    _faults.arm("tier.data_written", f"step-{steps[-1]:012d}")
+    store.save(steps[-1], _state(rank, steps[-1])).wait("local")
+    raise AssertionError("the crash point was never reached")
+
+
+def restart_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
+                expect: int | None, dead: int) -> None:
+    """Restore after the loss of node 0: ``expect`` (None: a fresh start), never the incomplete
+    ``dead`` step; then save ``dead`` again and restore it bitwise."""
+    records = _ckptstore_log()
+    store = _store(name, rank, ram_root, local_root, replicas)
+    state = _empty(rank)
+    got = store.restore(state)
+    assert got == expect, (got, records)
+    if expect is not None:
+        assert _same(state, _state(rank, expect)), state
+    # The dead branch is gone from every node tier, and no longer counts as saved.
+    for tier in (store.ram, store.local, store.peer):
+        assert dead not in tier.node_steps(), (tier.name, tier.node_steps())
+    assert store.last_step == expect, store.last_step
+    assert store.latest_step() == expect
+    handle = store.save(dead, _state(rank, dead, run=1))
+    handle.wait("local")
+    if replicas:
+        handle.wait("peer")
+    again = _empty(rank)
+    assert store.restore(again) == dead
+    assert _same(again, _state(rank, dead, run=1)), again
+    assert any(f"step {dead} is incomplete" in m for m in records), records
+    if expect is None:
+        assert any("starting fresh" in m for m in records), records
+    store.close(keep_ram=True)  # the next run restarts on these nodes, from their RAM too
+
+
+def check_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int, step: int) -> None:
+    """A later restart finds only the new copy of ``step``, in every tier."""
+    store = _store(name, rank, ram_root, local_root, replicas)
+    state = _empty(rank)
+    assert store.restore(state) == step
+    assert _same(state, _state(rank, step, run=1)), state
+    store.close()

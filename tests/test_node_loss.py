@@ -1,0 +1,79 @@
+"""A node lost right after a crash: the restart skips the steps whose part went with it (incomplete,
+not damaged), restores the newest complete one or starts fresh, and drops the dead branch so the
+job can save those step numbers again.
+
+Real processes (two ranks on two simulated nodes, each with its RAM directory under /dev/shm and
+its own local directory), a real SIGKILL (a crash point armed as the newest step's local write
+begins, after its RAM commit), and a whole-node wipe (node 0's RAM directory and local directory).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import dist_workers
+import pytest
+
+_spawn = dist_workers.spawn
+
+
+def _crash(tmp_path, **args) -> None:
+    """Run node_loss_workers.crash_job on two ranks and see both die by SIGKILL at the crash point."""
+    store = tmp_path / f"store-crash-{os.urandom(4).hex()}"
+    results = tmp_path / f"results-{os.urandom(4).hex()}"
+    results.mkdir()
+    ctx = dist_workers.context()
+    env = dict(os.environ)
+    procs = [ctx.Process(target=dist_workers.enter, args=(env, dist_workers.run, r, 2, str(store),
+                                                          "node_loss_workers:crash_job", args, str(results)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = {f.name: f.read_text() for f in results.iterdir()}
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 2, errors
+
+
+@pytest.fixture
+def ram_root(job):
+    root = f"/dev/shm/{job}-nodes"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _lose_node(ram_root: str, local_root: str, node: int) -> None:
+    shutil.rmtree(os.path.join(ram_root, f"node{node}"))
+    shutil.rmtree(os.path.join(local_root, f"node{node}"))
+
+
+def test_a_node_lost_before_its_part_got_out_leaves_a_job_that_starts_fresh(tmp_path, job, ram_root):
+    """Step 2, the only step, is committed in RAM only when both ranks die; node 0 is then lost.
+    Its part of step 2 is nowhere: the restart starts fresh (None) with a warning instead of raising,
+    then saves step 2 again and restores that bitwise."""
+    local_root = str(tmp_path / "local")
+    args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=0)
+    _crash(tmp_path, steps=[2], **args)
+    _lose_node(ram_root, local_root, 0)
+    _spawn(2, "node_loss_workers:restart_job", tmp_path, expect=None, dead=2, **args)
+
+
+# The later restart in fresh processes runs with -m slow: the default run checks the new step 2 in
+# the restarted store itself (its RAM, local and peer copies), which the dead half would shadow.
+@pytest.mark.parametrize("later", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["same-run", "later-run"])
+def test_a_rollback_past_a_half_lost_step_saves_that_step_again(tmp_path, job, ram_root, later):
+    """The rollback: step 1 is complete (node 0's part also replicated to node 1), step 2 was in
+    RAM only when node 0 was lost. The restart restores step 1 and drops node 1's half of step 2;
+    ``save(2)`` then commits, and a later restart restores the new step 2, never the old half."""
+    local_root = str(tmp_path / "local")
+    args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1)
+    _crash(tmp_path, steps=[1, 2], **args)
+    _lose_node(ram_root, local_root, 0)
+    _spawn(2, "node_loss_workers:restart_job", tmp_path, expect=1, dead=2, **args)
+    if later:
+        _spawn(2, "node_loss_workers:check_job", tmp_path, step=2, **args)
