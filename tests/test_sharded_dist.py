@@ -154,6 +154,9 @@ def ram_root(job):
     shutil.rmtree(root, ignore_errors=True)
 
 
+# Slow: the default run keeps a lost node restored from peer replicas in
+# test_a_corrupt_replica_is_detected_and_the_next_copy_used and tests/test_node_loss.py.
+@pytest.mark.slow
 def test_a_lost_node_is_restored_from_peer_replicas_without_any_durable_tier(tmp_path, job, ram_root):
     # Three simulated nodes of two ranks; node 1 dies with its RAM and its local disk.
     args = dict(name=job, ram_root=ram_root, local_root=str(tmp_path / "local"), per_node=2, replicas=1)
