@@ -62,7 +62,7 @@ _MISSING, _DAMAGED, _OTHER = "missing", "damaged", "other"
 @dataclass
 class Found:
     """What :meth:`Restorer.newest` found: the step loaded (None: none) and the tiers it came from;
-    ``dead``: the newer steps that could not be restored because they are incomplete or damaged
+    ``dead``: the newer steps that could not be restored because they are incomplete
     (the store drops their node copies); ``uncounted``: those of them no tier outside the nodes
     lists, which no longer count as saved; ``counted``: the newest step held that still counts."""
 
@@ -105,7 +105,7 @@ class Restorer:
 
     def newest(self, state: Any, per_rank: str) -> Found:
         """Load the newest step with a sound copy into ``state``; returns it, the tiers it came from
-        and the newer steps found incomplete or damaged. The step is None when no tier of any rank
+        and the newer steps found incomplete. The step is None when no tier of any rank
         holds any step, or when every step held is incomplete and none damaged (a warning says so:
         the job starts fresh). Raises CorruptCheckpointError, listing what was tried, when steps
         exist but none has a sound copy for every rank and some were damaged (or unreadable)."""
@@ -135,9 +135,11 @@ class Restorer:
     @staticmethod
     def _found(step: int | None, tiers: str, verdicts: dict[int, str], durable: set[int],
                candidates: list[int]) -> Found:
-        # Only steps that cannot be restored as they are form the dead branch: one that failed for
-        # another reason (an I/O error, a peer that did not answer) may be complete.
-        dead = sorted(s for s, v in verdicts.items() if v in (_MISSING, _DAMAGED))
+        # Only incomplete steps form the dead branch: their missing part is gone with its node, so
+        # nothing is lost by dropping the rest. A damaged step is kept (and counted) as evidence for
+        # whoever investigates it (a checksum mismatch, a replica check that failed the step), and
+        # one that failed for another reason (an I/O error, a peer that did not answer) may be complete.
+        dead = sorted(s for s, v in verdicts.items() if v == _MISSING)
         uncounted = set(dead) - durable
         return Found(step, tiers, dead, uncounted, max((c for c in candidates if c not in uncounted), default=None))
 

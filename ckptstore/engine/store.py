@@ -257,7 +257,8 @@ class CheckpointStore:
         CorruptCheckpointError when it cannot be loaded. Collective: every rank calls it.
 
         Without ``step``, the steps newer than the one loaded (or all, on a fresh start) that
-        were found incomplete or damaged are a dead branch: every rank drops its RAM, local and
+        were found incomplete are a dead branch (damaged ones are kept, and counted, for whoever
+        investigates them): every rank drops its RAM, local and
         peer copies of them (a warning names them; the durable tier is left alone), and they no
         longer count toward :attr:`last_step`, so the job saves those step numbers again.
 
