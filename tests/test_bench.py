@@ -323,6 +323,8 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+# Slow, like the other benchmarks' smoke runs: the default run keeps the quick suite smoke above.
+@pytest.mark.slow
 def test_bench_ranks_smoke_measures_real_ranks_and_compares(tmp_path):
     """benchmarks/bench_ranks.py at 2 and 4 thread-ranks: every kind of cell runs (its loads and
     restores are checked bitwise inside), the metadata and read counters see traffic, the JSON

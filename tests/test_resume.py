@@ -234,8 +234,9 @@ IN_LOCAL_AT_KILL = {N - 2 * EVERY, N - EVERY, N}
 @pytest.mark.parametrize(
     ("tier", "num_workers"),
     # From the local tier with -m slow: the default run restores from local in tests/test_crash.py
-    # and tests/test_crash_loop.py, and keeps the bitwise loss-curve check for RAM here.
-    [("ram", 0), ("ram", 2), pytest.param("local", 0, marks=pytest.mark.slow)],
+    # and tests/test_crash_loop.py, and keeps the bitwise loss-curve check for RAM here. Loader
+    # workers with -m slow too: the default run resumes a loader with workers in tests/test_data.py.
+    [("ram", 0), pytest.param("ram", 2, marks=pytest.mark.slow), pytest.param("local", 0, marks=pytest.mark.slow)],
     ids=["ram-workers0", "ram-workers2", "local-workers0"],
 )
 def test_resume_after_sigkill_is_bitwise_equal_to_an_uninterrupted_run(runner, reference, tier, num_workers):
