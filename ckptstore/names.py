@@ -25,6 +25,8 @@ import secrets
 from dataclasses import dataclass
 
 MANIFEST = "manifest.json"
+# Beside the manifest: what one rank reads to plan its load (checkpoint/index.py).
+INDEX = "index.json"
 PEER_DIR = "peer"
 EVENTS_FILE = "events.jsonl"
 # Part of every temporary name: a sweep after a crash removes what carries it.

@@ -990,6 +990,23 @@ def chunks_needed(state: Any, manifest: Manifest, display: str, rank: int, world
     return sorted(out)
 
 
+def load_boxes(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, Box]]:
+    """The (entry key, box) of every piece a load of ``state`` by ``rank`` of ``world`` fills: the
+    walk of :func:`chunks_needed`, which needs of ``manifest`` its tree and tensor table only (no
+    chunk), so a rank can learn what to read before it reads any chunk table (checkpoint/index.py)."""
+    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
+    ctx = _LoadCtx(manifest, plan_only=True)
+    with torch.no_grad():
+        _fill(state, saved, [], ctx, top=True)
+    out = [(target.key, target.box) for target in ctx.targets]
+    if int(manifest.meta.get("world_size", 1)) == world:
+        for _wrapper, key, _path in ctx.per_rank:
+            per = manifest.tensors.get(f"{key}#rank{rank:05d}")
+            if per is not None:
+                out.append((f"{key}#rank{rank:05d}", ((0,) * len(per.shape), per.shape)))
+    return out
+
+
 def load_manifest(
     state: Any,
     manifest: Manifest,

@@ -43,8 +43,7 @@ import torch
 
 from ..collective import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError, UnsupportedFormatVersionError
-from ..format.checksum import checksum
-from ..format.manifest import Manifest, parse_manifest
+from ..format.manifest import Manifest, layout_digest, parse_manifest
 from ..storage.targets import ShortRead, Source
 from ..tiers.base import Held, Tier
 
@@ -58,19 +57,6 @@ NODE_PREFERENCE, DURABLE_PREFERENCE = 1, 2
 
 # What an owner answers to a request, before the bytes: served, no longer held, out of range.
 _OK, _GONE, _SHORT = 0, 1, 2
-
-
-def layout_digest(manifest: Manifest) -> str:
-    """A name for ``manifest``'s chunk table: equal for two manifests exactly when every chunk of
-    every tensor lies in the same file at the same offset, with the same length, codec and checksums
-    (timings and other ``meta`` differ between tiers' copies of one step and do not count)."""
-    parts = []
-    for key in sorted(manifest.tensors):
-        entry = manifest.tensors[key]
-        parts.append(repr((key, entry.dtype, entry.shape, [
-            (c.offsets, c.sizes, c.file, c.offset, c.length, c.codec, c.checksum, c.block_size, c.block_checksums)
-            for c in entry.chunks])))
-    return checksum("\n".join(parts).encode())
 
 
 class Inventory:

@@ -643,7 +643,9 @@ class Pipeline:
 
                     async def commit() -> None:
                         if group.rank == 0:
-                            await tier.commit(job.step, self._manifest(job, parts))
+                            assert self.durable is not None
+                            # With its index: a rank plans its restore from it and its own part.
+                            await self.durable.commit(job.step, self._manifest(job, parts), parts)
 
                     await concur_async(group, committing, commit)
                     return part

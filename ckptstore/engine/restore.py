@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.index import Index, plan_from_index, read_index
 from ..checkpoint.materialize import decode_value
 from ..checkpoint.sharded import chunks_needed, load_manifest
 from ..collective import StoreGroups, failure_record, failures_from
@@ -193,7 +194,8 @@ class Restorer:
             return dict(first.parsed.meta)
         if in_durable and self.durable is not None:
             try:
-                return dict(self.durable.manifest_sync(step).meta)
+                index = self._durable_index(step)
+                return dict((index.header if index is not None else self.durable.manifest_sync(step)).meta)
             except (CheckpointError, OSError) as exc:
                 log.warning("ckptstore: cannot read the manifest of step %d in the durable tier: %s", step, exc)
         return {}
@@ -205,11 +207,43 @@ class Restorer:
             digest = None
             if self.durable is not None:
                 try:
-                    digest = layout_digest(self.durable.manifest_sync(step))
+                    index = self._durable_index(step)
+                    digest = index.layout if index is not None else layout_digest(self.durable.manifest_sync(step))
                 except (CheckpointError, OSError) as exc:
                     log.warning("ckptstore: cannot read the manifest of step %d in the durable tier: %s", step, exc)
             self._durable_digest = (step, digest)
         return self._durable_digest[1]
+
+    def _durable_index(self, step: int) -> Index | None:
+        """The index of ``step``'s durable copy; None when it has none or it is unreadable (the
+        manifest is read instead, with a warning)."""
+        assert self.durable is not None
+        read = self.durable.small_reader(step)
+        if read is None:
+            return None
+        try:
+            return read_index(read, self.durable.display(step))
+        except (CheckpointError, OSError) as exc:
+            log.warning("ckptstore: cannot read the index of %s (%s); reading its manifest", self.durable.display(step),
+                        exc)
+            return None
+
+    def _durable_manifest(self, state: Any, step: int, display: str) -> Manifest:
+        """The manifest this rank loads ``step``'s durable copy with: planned from the step's index
+        and the part files this rank's load needs (its own, at the layout it saved), never the
+        whole world's chunk table; the whole manifest when the step has no sound index."""
+        assert self.durable is not None
+        index = self._durable_index(step)
+        read = self.durable.small_reader(step)
+        if index is not None and read is not None:
+            try:
+                planned = plan_from_index(read, state, self.rank, self.world, display, index)
+                if planned is not None:
+                    return planned
+            except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
+                log.warning("ckptstore: cannot plan the load of %s from its index (%s); reading its manifest",
+                            display, exc)
+        return self.durable.manifest_sync(step)
 
     def _attempt(self, state: Any, step: int, in_durable: bool, per_rank: str) -> tuple[bool, str, str]:
         """Load ``step`` on every rank, one layout after another (collective): the layouts the
@@ -286,8 +320,7 @@ class Restorer:
             manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}")
             try:
                 if manifest is None and from_durable:
-                    assert self.durable is not None
-                    manifest = self.durable.manifest_sync(step)
+                    manifest = self._durable_manifest(state, step, display)
                 if manifest is None and node.unsupported is not None:
                     raise node.unsupported  # written by a newer ckptstore: say so, do not fall back silently
                 if manifest is None:

@@ -263,7 +263,7 @@ def _int_list(value: Any, what: str, where: str, *, allow_empty: bool = True) ->
     return tuple(value)
 
 
-def _parse_entry(key: str, value: Any, where: str) -> TensorEntry:
+def _parse_entry(key: str, value: Any, where: str, *, coverage: bool = True) -> TensorEntry:
     at = f"{where}: tensor {key!r}"
     if not isinstance(value, dict) or not isinstance(value.get("chunks"), list):
         raise CorruptCheckpointError(f"{at}: entry must be an object with chunks", location=where, key=key)
@@ -336,7 +336,8 @@ def _parse_entry(key: str, value: Any, where: str) -> TensorEntry:
                 blocks,
             )
         )
-    _check_coverage(key, shape, chunks, where)
+    if coverage:
+        _check_coverage(key, shape, chunks, where)
     return TensorEntry(dtype=value["dtype"], shape=shape, chunks=chunks)
 
 
@@ -365,6 +366,41 @@ def _check_coverage(key: str, shape: tuple[int, ...], chunks: list[Chunk], where
                     key=key,
                 )
         active.append(box)
+
+
+def parse_entry(key: str, value: Any, where: str, *, coverage: bool = True) -> TensorEntry:
+    """One tensor entry of a manifest document, validated as :func:`parse_manifest` validates it;
+    ``coverage=False`` accepts chunks that cover part of the tensor (an index holds a rank's share)."""
+    return _parse_entry(key, value, where, coverage=coverage)
+
+
+def check_byte_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
+    """No two chunks of ``tensors`` claim the same stored bytes (see :func:`parse_manifest`)."""
+    _check_byte_ranges(tensors, where)
+
+
+def verify_own_checksum(data: bytes, doc: dict[str, Any], where: str) -> None:
+    """The checksum a sharded manifest (or an index) ends with, checked as :func:`parse_manifest` does."""
+    _verify_own_checksum(data, doc, where)
+
+
+def check_version(doc: dict[str, Any], where: str) -> None:
+    """Refuse a document of a newer major format version, or one with no valid version."""
+    _check_version(doc, where)
+
+
+def layout_digest(manifest: Manifest) -> str:
+    """A name for ``manifest``'s chunk table: equal for two manifests exactly when every chunk of
+    every tensor lies in the same file at the same offset, with the same length, codec and checksums
+    (timings and other ``meta`` differ between tiers' copies of one step and do not count)."""
+    parts = []
+    for key in sorted(manifest.tensors):
+        entry = manifest.tensors[key]
+        parts.append(repr((key, entry.dtype, tuple(entry.shape), [
+            (tuple(c.offsets), tuple(c.sizes), c.file, c.offset, c.length, c.codec, c.checksum, c.block_size,
+             None if c.block_checksums is None else tuple(c.block_checksums))
+            for c in entry.chunks])))
+    return checksum("\n".join(parts).encode())
 
 
 def _check_byte_ranges(tensors: dict[str, TensorEntry], where: str) -> None:

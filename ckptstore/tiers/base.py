@@ -146,6 +146,11 @@ class Tier(abc.ABC):
         """Every step this node holds anything of (node-local tiers)."""
         return set()
 
+    def small_reader(self, step: int) -> Callable[[str], bytes] | None:
+        """Reads ``step``'s small files by name (its index and part files: checkpoint/index.py),
+        for a tier that keeps an index beside its manifests; None for one that does not."""
+        return None
+
     @abc.abstractmethod
     def display(self, step: int) -> str:
         """Where ``step`` lives, for messages."""

@@ -28,19 +28,22 @@ import secrets
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._faults import crashpoint
+from ..checkpoint.index import build_index
 from ..checkpoint.sharded import Directory, read_manifest
 from ..checkpoint.single_file import write_raw
 from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError
 from ..format import codecs
+from ..format.checksum import checksum
 from ..format.container import align_up
-from ..format.manifest import Manifest, max_manifest_bytes, parse_manifest
+from ..format.manifest import Manifest, layout_digest, max_manifest_bytes, parse_manifest
 from ..names import (
+    INDEX,
     MANIFEST,
     data_file,
     data_file_rank,
@@ -183,8 +186,11 @@ class DirectoryTier(Tier):
             "timings": {"write_s": round(time.perf_counter() - t0, 6), **snap.meta.get("timings", {})},
             **snap.meta.get("part", {}),  # members a writer adds to its part (the node agent: its snapshot)
         }
-        await small.write(d.target(part_rel), json.dumps(part, separators=(",", ":")).encode(), exclusive=True)
+        body = json.dumps(part, separators=(",", ":")).encode()
+        await small.write(d.target(part_rel), body, exclusive=True)
         mine.append(part_rel)
+        # Not in the file (they are about its bytes): what the committer's index names it by.
+        part.update(part_file=part_rel, part_checksum=checksum(body))
         crashpoint("tier.part_written", d.display)
         return part
 
@@ -225,7 +231,10 @@ class DirectoryTier(Tier):
             return None
         return held[1]
 
-    async def commit(self, step: int, manifest: Manifest) -> None:
+    async def commit(self, step: int, manifest: Manifest, parts: Sequence[dict[str, Any]] | None = None) -> None:
+        """Commit ``manifest`` (the conditional create decides between racing writers); then, given
+        the ``parts`` it was built from, write its index beside it (checkpoint/index.py), so a rank
+        plans its load from the index and its own part instead of the whole manifest."""
         if not self.manifest_writer:
             return
         d = self._dir(step)
@@ -243,6 +252,24 @@ class DirectoryTier(Tier):
                 "directory, or save under a new step.",
                 location=exc.location,
             ) from None
+        if parts is not None:
+            await self._index(d, manifest, parts)
+
+    async def _index(self, d: Directory, manifest: Manifest, parts: Sequence[dict[str, Any]]) -> None:
+        # After the manifest, by the writer that committed it (a racing writer that lost never gets
+        # here): the index can only describe the committed manifest. A step without one is read
+        # through its manifest, so failing to write it fails nothing.
+        try:
+            body = await asyncio.to_thread(build_index, manifest, parts, layout_digest(manifest))
+            if body is not None:
+                await small.create(d.target(INDEX), body)
+        except (CheckpointError, OSError) as exc:
+            log.warning("ckptstore: cannot write the index of %s (%s); it is read through its manifest", d.display,
+                        exc)
+
+    def small_reader(self, step: int) -> Callable[[str], bytes] | None:
+        """Reads the step's index and part files by name (see Tier.small_reader)."""
+        return self._dir(step).read_small
 
     async def discard(self, step: int) -> None:
         """Remove the files this writer created for a failed save of ``step``, unless the step is

@@ -1,0 +1,252 @@
+"""The index beside a sharded manifest: what one rank reads to plan its load.
+
+A manifest names every chunk of every rank with its checksums: at 4,096 ranks of 10,000 tensors
+each that is gigabytes of JSON, which no rank can read, let alone every rank at every restore. The
+index (``index.json``, written by the committer right after the manifest) holds the manifest's
+tree, tensor table and ``meta``; the chunks of every tensor one rank wrote whole (a replicated
+tensor, a per-rank value: a few per tensor); and for each tensor several ranks wrote (a sharded
+one) only which ranks hold its chunks, as ranges. Those chunks stay in their writers' part files
+(``parts/rank-<r>.json``, each named in the index with the checksum of its bytes).
+
+A rank plans its load (:func:`plan_from_index`) from the index and the part files it needs: its
+own, when it loads the layout it saved and its own part covers what it loads; the parts of a
+tensor's writers otherwise (a resharded load). It reads neither the manifest nor the parts of
+ranks whose data it does not load, and the manifest it gets names only the chunks it may read.
+A step without an index (written before indexes existed, or whose committer crashed between its
+manifest and its index) is read through its manifest, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._version import __version__
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.checksum import checksum, validate_checksum_string
+from ..format.manifest import (
+    FORMAT_NAME,
+    Manifest,
+    TensorEntry,
+    check_byte_ranges,
+    check_manifest_size,
+    check_version,
+    load_json,
+    parse_entry,
+    verify_own_checksum,
+)
+from ..names import INDEX
+from ..planning.sharding import Box, intersect
+from .sharded import _unalias, load_boxes
+
+Reader = Callable[[str], bytes]
+
+
+@dataclass
+class Index:
+    """A parsed index: ``header`` is the manifest with the chunks of the sharded tensors left out;
+    ``sharded``: those tensors' writer ranks (ranges, both ends included); ``parts``: each such
+    writer's part file and the checksum of its bytes; ``layout``: the manifest's layout digest."""
+
+    header: Manifest
+    sharded: dict[str, list[tuple[int, int]]]
+    parts: dict[int, tuple[str, str]]
+    layout: str
+
+    def writers(self, key: str) -> list[int]:
+        return [r for a, b in self.sharded[key] for r in range(a, b + 1)]
+
+
+def build_index(manifest: Manifest, parts: Sequence[dict[str, Any]], layout: str) -> bytes | None:
+    """The index of ``manifest``, committed from ``parts`` (each as its writer's tier returned it,
+    naming its ``part_file`` and ``part_checksum``); None when a part does not name its file (the
+    step is then read through its manifest)."""
+    writers: dict[str, set[int]] = {}
+    files: dict[int, tuple[str, str]] = {}
+    for part in parts:
+        rank = part["rank"]
+        if not isinstance(part.get("part_file"), str) or not isinstance(part.get("part_checksum"), str):
+            return None
+        files[rank] = (part["part_file"], part["part_checksum"])
+        for alias in part["chunks"]:
+            writers.setdefault(_unalias(alias), set()).add(rank)
+    inline: dict[str, Any] = {}
+    sharded: dict[str, Any] = {}
+    used: set[int] = set()
+    for key, entry in manifest.tensors.items():
+        ranks = writers.get(key, set())
+        if len(ranks) <= 1:
+            inline[key] = entry.to_json()
+        else:
+            sharded[key] = {"dtype": entry.dtype, "shape": entry.shape, "writers": _ranges(sorted(ranks))}
+            used |= ranks
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": manifest.format_version,
+        "writer": f"ckptstore {__version__}",
+        "kind": "index",
+        "layout": layout,
+        "meta": {k: v for k, v in manifest.meta.items() if k != "ranks"},  # per-rank timings: the manifest's
+        "pickled": manifest.pickled,
+        "tree": manifest.tree,
+        "tensors": inline,
+        "sharded": sharded,
+        "parts": {str(r): list(files[r]) for r in sorted(used)},
+    }
+    body = json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}'
+
+
+def _ranges(ranks: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
+def parse_index(data: bytes, *, where: str) -> Index:
+    """Parse and validate an index; every failure is a CorruptCheckpointError naming ``where``
+    (an UnsupportedFormatVersionError for a newer major version)."""
+    check_manifest_size(len(data), where=where)
+    doc = load_json(data, where=where, what="index")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME or doc.get("kind") != "index":
+        raise CorruptCheckpointError(f"{where}: not a ckptstore index", location=where)
+    check_version(doc, where)
+    if "checksum" not in doc:
+        raise CorruptCheckpointError(f"{where}: the index has no checksum of its own", location=where)
+    verify_own_checksum(data, doc, where)
+    meta, inline, sharded, parts = doc.get("meta"), doc.get("tensors"), doc.get("sharded"), doc.get("parts")
+    layout, pickled = doc.get("layout"), doc.get("pickled", [])
+    if (not isinstance(meta, dict) or not isinstance(inline, dict) or not isinstance(sharded, dict)
+            or not isinstance(parts, dict) or not isinstance(layout, str) or "tree" not in doc
+            or not isinstance(pickled, list)):
+        raise CorruptCheckpointError(f"{where}: the index lacks meta/tensors/sharded/parts/layout/tree", location=where)
+    world = meta.get("world_size")
+    if type(world) is not int or world < 1:
+        raise CorruptCheckpointError(f"{where}: meta.world_size must be a positive int, got {world!r}", location=where)
+    tensors = {key: parse_entry(key, value, where) for key, value in inline.items()}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for key, value in sharded.items():
+        if key in tensors or not isinstance(value, dict):
+            raise CorruptCheckpointError(f"{where}: sharded tensor {key!r} is listed twice or malformed",
+                                         location=where, key=key)
+        tensors[key] = parse_entry(key, {"dtype": value.get("dtype"), "shape": value.get("shape"), "chunks": []},
+                                   where, coverage=False)
+        got = value.get("writers")
+        if (not isinstance(got, list) or not got or any(
+                not isinstance(p, list) or len(p) != 2 or any(type(v) is not int for v in p)
+                or not 0 <= p[0] <= p[1] < world for p in got)):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r}: writers must be ranges of ranks below {world}",
+                                         location=where, key=key)
+        ranges[key] = [(a, b) for a, b in got]
+    files: dict[int, tuple[str, str]] = {}
+    for rank, value in parts.items():
+        if (not rank.isdigit() or not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
+                or not value[0].startswith("parts/") or ".." in value[0]):
+            raise CorruptCheckpointError(f"{where}: part entry {rank!r} is malformed", location=where)
+        files[int(rank)] = (value[0], validate_checksum_string(value[1], where=f"{where}: part of rank {rank}"))
+    for key, spans in ranges.items():
+        missing = [r for a, b in spans for r in range(a, b + 1) if r not in files]
+        if missing:
+            raise CorruptCheckpointError(f"{where}: tensor {key!r} names writers {missing[:5]} whose parts it lacks",
+                                         location=where, key=key)
+    header = Manifest(kind="sharded", tensors=tensors, tree=doc["tree"], pickled=list(pickled), meta=meta,
+                      format_version=doc["format_version"], writer=str(doc.get("writer", "")))
+    return Index(header, ranges, files, layout)
+
+
+def read_index(read: Reader, display: str) -> Index | None:
+    """The index of the step ``read`` reads files of; None when it has none."""
+    try:
+        data = read(INDEX)
+    except (CheckpointNotFoundError, FileNotFoundError):
+        return None
+    return parse_index(data, where=f"{display}/{INDEX}")
+
+
+def plan_from_index(read: Reader, state: Any, rank: int, world: int, display: str,
+                    index: Index | None = None) -> Manifest | None:
+    """The manifest ``rank`` of ``world`` loads ``state`` with, read from the step's index and the
+    part files it needs (see the module docstring): every chunk of every box it loads, and only
+    those of the sharded tensors. None when the step has no index. Raises CorruptCheckpointError
+    when the index or a part it names is damaged, or the parts do not cover what the rank loads
+    (the caller reads the manifest instead); CheckpointError when ``state`` does not match."""
+    if index is None:
+        index = read_index(read, display)
+        if index is None:
+            return None
+    tensors = index.header.tensors
+    targets = [(key, box) for key, box in load_boxes(state, index.header, display, rank, world)
+               if key in index.sharded]
+    keys = {key for key, _box in targets}
+    read_parts: set[int] = set()
+
+    def take(writer: int) -> None:
+        if writer in read_parts:
+            return
+        read_parts.add(writer)
+        for key, entry in _read_part(read, index, writer, display, keys).items():
+            tensors[key].chunks.extend(entry.chunks)
+
+    if rank in index.parts:
+        take(rank)
+    for key, box in targets:
+        if _covered(tensors[key], box):
+            continue
+        for writer in index.writers(key):
+            take(writer)
+        if not _covered(tensors[key], box):
+            raise CorruptCheckpointError(
+                f"{display}/{INDEX}: the parts of tensor {key!r}'s writers do not cover the box {list(box[0])} + "
+                f"{list(box[1])} a load reads; the index or a part is damaged (the manifest is read instead)",
+                location=f"{display}/{INDEX}", key=key)
+    for key in keys:
+        tensors[key].chunks.sort(key=lambda c: c.offsets)
+    check_byte_ranges({k: tensors[k] for k in keys}, f"{display}/{INDEX}")
+    return index.header
+
+
+def _read_part(read: Reader, index: Index, writer: int, display: str, keys: set[str]) -> dict[str, TensorEntry]:
+    """The chunks of ``keys`` in ``writer``'s part, checked against the index's checksum of it."""
+    rel, expected = index.parts[writer]
+    where = f"{display}/{rel}"
+    data = read(rel)
+    if checksum(data) != expected:
+        raise CorruptCheckpointError(f"{where}: the part file does not match the index's checksum of it: this copy "
+                                     "is damaged (the manifest is read instead)", location=where)
+    doc = load_json(data, where=where, what="part file")
+    if not isinstance(doc, dict) or doc.get("rank") != writer or not isinstance(doc.get("chunks"), dict):
+        raise CorruptCheckpointError(f"{where}: not the part of rank {writer}", location=where)
+    grouped: dict[str, list[Any]] = {}
+    for alias, chunks in doc["chunks"].items():
+        key = _unalias(alias)
+        if key in keys and isinstance(chunks, list):
+            grouped.setdefault(key, []).extend(chunks)
+    out = {}
+    for key, chunks in grouped.items():
+        entry = index.header.tensors[key]
+        out[key] = parse_entry(key, {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": chunks}, where,
+                               coverage=False)
+    return out
+
+
+def _covered(entry: TensorEntry, box: Box) -> bool:
+    """Whether ``entry``'s chunks cover ``box`` (chunks of one manifest never overlap)."""
+    need = math.prod(box[1])
+    if need == 0:
+        return True
+    got = 0
+    for c in entry.chunks:
+        part = intersect(box, (c.offsets, c.sizes))
+        if part is not None:
+            got += math.prod(part[1])
+    return got == need
+
+
+__all__ = ["Index", "build_index", "parse_index", "plan_from_index", "read_index"]
