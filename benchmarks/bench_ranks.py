@@ -705,6 +705,64 @@ def plan_cell(ranks: int, tensors: int) -> dict[str, Any]:
     return out
 
 
+def index_cell(ranks: int, tensors: int) -> dict[str, Any]:
+    """The index beside a durable manifest (checkpoint/index.py) at ``ranks`` ranks, each holding a
+    Shard(0) slice of ``tensors`` tensors of shape (2 x ranks, 64): the coordinator's build of it,
+    its size, and one rank's plan at the layout it saved (index parse, its own part, the plan),
+    with the bytes it reads. The manifest itself is not built (at these sizes it is gigabytes):
+    the coordinator is given the tensor table and every rank's part, as a commit has them."""
+    from ckptstore.checkpoint.index import build_index, plan_from_index
+    from ckptstore.checkpoint.sharded import GlobalBox
+    from ckptstore.format.checksum import checksum
+    from ckptstore.format.manifest import Manifest, TensorEntry
+    from ckptstore.names import INDEX
+
+    rows, cols = 2 * ranks, 64
+    keys = [f"layers.{i}.w" for i in range(tensors)]
+    rank = ranks // 2
+
+    def part_of(r: int) -> dict[str, Any]:
+        start, n = chunk_range(rows, ranks, r)
+        return {k: [{"offsets": [start, 0], "sizes": [n, cols], "file": f"data/rank-{r:05d}.bin",
+                     "offset": i * n * cols, "length": n * cols, "codec": "raw",
+                     "checksum": f"xxh3_64:{r:08x}{i:08x}", "block_size": None, "block_checksums": None}]
+                for i, k in enumerate(keys)}
+
+    own = json.dumps({"rank": rank, "chunks": part_of(rank)}, separators=(",", ":")).encode()
+    shared_chunks = {k: [] for k in keys}  # every other rank's part, as the coordinator walks it: its keys
+    parts = [{"rank": r, "chunks": part_of(r) if r == rank else shared_chunks, "part_file": f"parts/rank-{r:05d}.json",
+              "part_checksum": checksum(own) if r == rank else "xxh3_64:0000000000000000"} for r in range(ranks)]
+    header = Manifest(kind="sharded", tensors={k: TensorEntry("uint8", (rows, cols)) for k in keys},
+                      tree={k: {"$tensor": k} for k in keys}, meta={"world_size": ranks})
+    out: dict[str, Any] = {"kind": "index", "world": ranks, "tensors": tensors}
+    t = time.thread_time()
+    body = build_index(header, parts, "xxh3_64:0000000000000000")
+    out["index_build_cpu_s"] = time.thread_time() - t
+    assert body is not None
+    del parts, shared_chunks
+    out["index_bytes"] = len(body)
+    out["own_part_bytes"] = len(own)
+    files = {INDEX: body, f"parts/rank-{rank:05d}.json": own}
+    read: dict[str, int] = {}
+
+    def reader(rel: str) -> bytes:
+        read[rel] = read.get(rel, 0) + len(files[rel])  # a KeyError: a part this rank must not need
+        return files[rel]
+
+    start, n = chunk_range(rows, ranks, rank)
+    target = {k: GlobalBox(torch.empty(n, cols, dtype=torch.uint8), (start, 0), (rows, cols), torch.uint8)
+              for k in keys}
+    gc.collect()
+    t = time.perf_counter()
+    c = time.thread_time()
+    planned = plan_from_index(reader, target, rank, ranks, "synthesized")
+    out["index_plan_cpu_s"] = time.thread_time() - c
+    out["index_plan_s"] = time.perf_counter() - t
+    assert planned is not None and all(len(planned.tensors[k].chunks) == 1 for k in keys)
+    out["index_plan_read_bytes"] = sum(read.values())
+    return out
+
+
 WORLD = ThreadedWorld()
 
 
@@ -836,7 +894,7 @@ def predicted(kind: str, world: int, tensors: int, done: list[dict[str, Any]]) -
         return None
     a = fit([(c["world"], c["seconds"]) for c in mine if c["tensors"] == tensors])
     b = fit([(c["tensors"], c["seconds"]) for c in mine if c["world"] == world])
-    a = (1.0 if kind == "plan" else 2.0) if a is None else max(a, 0.5)
+    a = (1.0 if kind in ("plan", "index") else 2.0) if a is None else max(a, 0.5)
     b = 1.0 if b is None else max(b, 0.5)
     ref = max(mine, key=lambda c: c["seconds"])
     return ref["seconds"] * (world / ref["world"]) ** a * (tensors / ref["tensors"]) ** b
@@ -854,6 +912,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
         share = args.budget_s * (i + 1) / len(args.kinds)
         if kind == "plan":
             jobs += [("plan", w, t, share) for t in args.plan_tensors for w in args.plan_ranks]
+        elif kind == "index":
+            jobs += [("index", w, t, share) for t in args.index_tensors for w in args.plan_ranks]
         else:
             grid = {(w, args.tensors[0]) for w in args.worlds} | {(args.worlds[0], t) for t in args.tensors}
             jobs += [(kind, w, t, share) for w, t in sorted(grid, key=lambda p: (p[0] * p[1], p[0]))]
@@ -877,6 +937,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                 cell = store_cell(world, tensors, tmp)
             elif kind == "sharded":
                 cell = sharded_cell(world, tensors, tmp)
+            elif kind == "index":
+                cell = index_cell(world, tensors)
             else:
                 cell = plan_cell(world, tensors)
         except Exception as exc:  # noqa: BLE001 - recorded, the rest of the grid goes on
@@ -1075,7 +1137,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="tensors per rank: the first at every world, the others at the smallest world")
     ap.add_argument("--plan-ranks", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--plan-tensors", type=int, nargs="+", default=[10, 40])
-    ap.add_argument("--kinds", nargs="+", default=["plan", "store", "sharded"], choices=["plan", "store", "sharded"])
+    ap.add_argument("--index-tensors", type=int, nargs="+", default=[1000, 10000],
+                    help="tensors per rank of the index cells (--kinds index), at each of --plan-ranks")
+    ap.add_argument("--kinds", nargs="+", default=["plan", "store", "sharded"],
+                    choices=["plan", "index", "store", "sharded"])
     ap.add_argument("--budget-s", type=float, default=840.0, help="no cell starts that would end the run after this")
     ap.add_argument("--cell-budget-s", type=float, default=300.0, help="no cell predicted to take longer starts")
     ap.add_argument("--long", action="store_true",
