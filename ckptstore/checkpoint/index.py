@@ -132,19 +132,28 @@ def parse_index(data: bytes, *, where: str) -> Index:
         raise CorruptCheckpointError(f"{where}: meta.world_size must be a positive int, got {world!r}", location=where)
     tensors = {key: parse_entry(key, value, where) for key, value in inline.items()}
     ranges: dict[str, list[tuple[int, int]]] = {}
+    # Tensors of one layout share their dtype, shape and writers: each distinct one is checked once.
+    headers: dict[str, TensorEntry] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}
     for key, value in sharded.items():
         if key in tensors or not isinstance(value, dict):
             raise CorruptCheckpointError(f"{where}: sharded tensor {key!r} is listed twice or malformed",
                                          location=where, key=key)
-        tensors[key] = parse_entry(key, {"dtype": value.get("dtype"), "shape": value.get("shape"), "chunks": []},
-                                   where, coverage=False)
+        head = f"{value.get('dtype')!r}{value.get('shape')!r}"
+        if head not in headers:
+            headers[head] = parse_entry(key, {"dtype": value.get("dtype"), "shape": value.get("shape"),
+                                              "chunks": []}, where, coverage=False)
+        tensors[key] = TensorEntry(headers[head].dtype, headers[head].shape, [])
         got = value.get("writers")
-        if (not isinstance(got, list) or not got or any(
-                not isinstance(p, list) or len(p) != 2 or any(type(v) is not int for v in p)
-                or not 0 <= p[0] <= p[1] < world for p in got)):
-            raise CorruptCheckpointError(f"{where}: tensor {key!r}: writers must be ranges of ranks below {world}",
-                                         location=where, key=key)
-        ranges[key] = [(a, b) for a, b in got]
+        sig = repr(got)
+        if sig not in spans:
+            if (not isinstance(got, list) or not got or any(
+                    not isinstance(p, list) or len(p) != 2 or any(type(v) is not int for v in p)
+                    or not 0 <= p[0] <= p[1] < world for p in got)):
+                raise CorruptCheckpointError(f"{where}: tensor {key!r}: writers must be ranges of ranks below {world}",
+                                             location=where, key=key)
+            spans[sig] = [(a, b) for a, b in got]
+        ranges[key] = spans[sig]
     files: dict[int, tuple[str, str]] = {}
     for rank, value in parts.items():
         if (not rank.isdigit() or not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
