@@ -1,27 +1,23 @@
 """Resharded loads read each stored byte once across the job (checkpoint/coop.py): real gloo
-processes at 2, 3 and 4 ranks load rows saved by every rank into columns, replicated tensors, an
-uneven cut of rows and a 2-D mesh, bitwise equal to what was saved and with the bytes read across
-all ranks within 1.05x the checkpoint; a chunk damaged on disk fails every rank that needed it with
-CorruptCheckpointError although one rank read it, and a store's restore falls back to the next copy.
-
-The pure plan (owners, bands, rounds within the budget) is tested without processes."""
+processes load rows saved by every rank into columns, replicated tensors, an uneven cut of rows and
+a 2-D mesh, bitwise equal to what was saved, with the bytes read from storage across all ranks
+within 1.05x the checkpoint and each rank's rounds within ``buffer_bytes``; a chunk damaged on disk
+fails every rank that needed it with CorruptCheckpointError although one rank alone read it, and a
+store's restore into another layout falls back from the damaged local copy to the durable one."""
 
 from __future__ import annotations
 
+import pytest
 from dist_workers import spawn
 
-from ckptstore.checkpoint import coop
-from ckptstore.format.manifest import Chunk, Manifest, TensorEntry
+
+def test_coop_reads_at_4_ranks_layouts_damage_and_restore(tmp_path):
+    spawn(4, "coop_workers:all_job", tmp_path, tmp=str(tmp_path))
 
 
-def test_resharded_loads_read_each_byte_once_at_2_ranks(tmp_path):
-    spawn(2, "coop_workers:resharded_job", tmp_path, url=str(tmp_path / "ckpt"))
-
-
-def test_resharded_loads_read_each_byte_once_at_3_ranks_uneven(tmp_path):
-    # 6000 rows over 3 ranks, loaded as 3000 + 3000: the middle slab is split between two ranks.
-    spawn(3, "coop_workers:resharded_job", tmp_path, url=str(tmp_path / "ckpt"))
-
-
-def test_resharded_loads_at_4_ranks_with_a_damaged_chunk_and_a_store_restore(tmp_path):
-    spawn(4, "coop_workers:resharded_job", tmp_path, url=str(tmp_path / "ckpt"))
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_coop_reads_at_other_world_sizes(tmp_path, world):
+    # At 3 ranks the rows of 6000 split 2000 apiece and load as 3000 + 3000: uneven, and the middle
+    # slab is needed by two ranks.
+    spawn(world, "coop_workers:resharded_job", tmp_path, url=str(tmp_path / "ckpt"), dtensors=True)
