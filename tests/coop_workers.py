@@ -68,7 +68,10 @@ PLANS: list[Any] = []
 
 def _count_reads() -> None:
     """Count every byte a load reads from a chunk file (read_targets is the one read path), and keep
-    the cooperative plans made (the code before this change has none)."""
+    the cooperative plans made (the code before this change has none); once per process."""
+    if getattr(_count_reads, "done", False):
+        return
+    _count_reads.done = True  # type: ignore[attr-defined]
     real = _sharded.read_targets
 
     def read_targets(where: str, open_file: Any, *args: Any, **kwargs: Any) -> Any:
