@@ -349,6 +349,9 @@ class CountingSource:
         return self._real.read_many(ranges)
 
 
+PEAKS: dict[int, int] = {}  # rank -> the largest round of the cooperative reads of its last load
+
+
 def install_counters() -> None:
     """Wrap the collectives ckptstore's Group issues, and the chunk reads of every load and restore
     (all of them go through ``read_targets``), in this process only."""
@@ -403,6 +406,20 @@ def install_counters() -> None:
         return body
 
     _sharded.Directory.read_small = read_small  # type: ignore[method-assign]
+    try:
+        from ckptstore.checkpoint import coop as _coop
+    except ImportError:  # the code before cooperative reads
+        _coop = None
+    if _coop is not None:
+        real_plan = _coop.plan
+
+        def plan(*args: Any, **kwargs: Any) -> Any:
+            out = real_plan(*args, **kwargs)
+            rank = current_rank()
+            PEAKS[rank] = max(PEAKS.get(rank, 0), out.peak_bytes[rank] if rank < len(out.peak_bytes) else 0)
+            return out
+
+        _coop.plan = plan
     install_counters.done = True  # type: ignore[attr-defined]
 
 
@@ -542,7 +559,7 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
 
 def sharded_cell(world: int, tensors: int, tmp: str) -> dict[str, Any]:
     """save_sharded of Shard(0) DTensors, then load_sharded into Shard(1) and into an uneven Shard(0)."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     from ckptstore import load_sharded, save_sharded
     from ckptstore.checkpoint.sharded import GlobalBox
@@ -576,18 +593,24 @@ def sharded_cell(world: int, tensors: int, tmp: str) -> dict[str, Any]:
                                for k in state},
             "shard0_uneven": lambda: {k: GlobalBox(torch.zeros(u_n, cols, dtype=torch.uint8) if u_n else None,
                                                    (u_start, 0), shape, torch.uint8) for k in state},
+            "replicate": lambda: {k: dtensor(torch.zeros(rows, cols, dtype=torch.uint8), mesh, Replicate(), shape)
+                                  for k in state},
         }
         for name, make in loads.items():
             target = make()
             dist.barrier()
+            PEAKS.pop(rank, None)
             c0, m0 = thread_cpu(me), METER.snapshot(rank)
             load_sharded(target, url)
             c1, m1 = thread_cpu(me), METER.snapshot(rank)
+            # What the exchange holds at once on this rank (read + sent + received in its fullest
+            # round; the code before it has none): the rank's peak beyond what read_targets stages.
+            out[f"{name}_exchange_peak_bytes"] = PEAKS.get(rank, 0)
             for i, (k, v) in enumerate(target.items()):
                 got = v.to_local() if hasattr(v, "to_local") else v.tensor
                 if got is None:
                     continue
-                lo, length = (0, rows) if name == "shard1" else (u_start, u_n)
+                lo, length = (u_start, u_n) if name == "shard0_uneven" else (0, rows)
                 want = torch.cat([fill(r, i, (chunk_range(rows, world, r)[1], cols), torch.uint8)
                                   for r in range(world)])[lo:lo + length]
                 if name == "shard1":
@@ -615,7 +638,7 @@ def sharded_cell(world: int, tensors: int, tmp: str) -> dict[str, Any]:
 
     per_rank = WORLD.run(world, rank_main)
     cell = finish_cell("sharded", world, tensors, per_rank, info)
-    for name in ("shard1", "shard0_uneven"):
+    for name in ("shard1", "shard0_uneven", "replicate"):
         total = sum(r[f"{name}_read_bytes"] for r in per_rank)
         cell[f"{name}_read_bytes_all_ranks"] = total
         cell[f"{name}_read_ratio"] = total / max(1, info["checkpoint_bytes"])
@@ -788,6 +811,9 @@ PER_RANK_FIGURES = {  # (cell kind, figure, summary, must stay flat in world siz
     "sharded.shard1_manifest_read_bytes": ("sharded", "shard1_manifest_read_bytes", "median", True),
     "sharded.shard1_read_ratio": ("sharded", "shard1_read_ratio", None, True),
     "sharded.shard0_uneven_read_ratio": ("sharded", "shard0_uneven_read_ratio", None, True),
+    "sharded.replicate_read_ratio": ("sharded", "replicate_read_ratio", None, True),
+    "sharded.shard1_exchange_peak_bytes": ("sharded", "shard1_exchange_peak_bytes", "max", True),
+    "sharded.replicate_exchange_peak_bytes": ("sharded", "replicate_exchange_peak_bytes", "max", True),
     "sharded.manifest_bytes": ("sharded", "manifest_bytes", None, False),
     "plan.build_manifest_cpu_s": ("plan", "build_manifest_cpu_s", None, True),
     "plan.manifest_parse_cpu_s": ("plan", "manifest_parse_cpu_s", None, True),
@@ -805,7 +831,7 @@ def value_of(cell: dict[str, Any], figure: str, which: str | None) -> float | No
         s = cell.get("per_rank", {}).get(figure)
         # The mid rank alone times the load plan; it is in "rank0" only when the world is 1.
         v = None if s is None else (s["max"] if figure.endswith("plan_cpu_s") or figure.endswith("parse_cpu_s")
-                                    else s[which])
+                                    else max(s["max"], s["rank0"]) if figure.endswith("peak_bytes") else s[which])
     return float(v) if isinstance(v, (int, float)) else None
 
 
@@ -1016,6 +1042,11 @@ MARKDOWN_SHARDED = [
     ("load plan uneven Shard(0), one rank", "sharded", "shard0_uneven_plan_cpu_s", "max", "s"),
     ("read across ranks / checkpoint, Shard(1)", "sharded", "shard1_read_ratio", None, "x"),
     ("read across ranks / checkpoint, uneven Shard(0)", "sharded", "shard0_uneven_read_ratio", None, "x"),
+    ("read across ranks / checkpoint, Replicate", "sharded", "replicate_read_ratio", None, "x"),
+    ("load Shard(1) per rank (CPU)", "sharded", "shard1_cpu_s", "median", "s"),
+    ("load Replicate per rank (CPU)", "sharded", "replicate_cpu_s", "median", "s"),
+    ("exchange held at once, Shard(1), largest rank", "sharded", "shard1_exchange_peak_bytes", "max", "B"),
+    ("exchange held at once, Replicate, largest rank", "sharded", "replicate_exchange_peak_bytes", "max", "B"),
 ]
 MARKDOWN_PLAN = [
     ("build_manifest (every rank, RAM commit)", "plan", "build_manifest_cpu_s", None, "s"),

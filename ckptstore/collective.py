@@ -142,6 +142,17 @@ class Group:
             _traffic.add(self.role, 8 * (self.world - 1) + (self.world - 1) * max(map(_size, out)))
         return out
 
+    def all_to_all(self, recv: Any, send: Any, recv_sizes: list[int], send_sizes: list[int]) -> None:
+        """Bytes from every rank to every rank: ``send`` (uint8) cut by ``send_sizes`` (one span per
+        rank, in rank order), received into ``recv`` cut by ``recv_sizes``."""
+        if self.world == 1:
+            recv.copy_(send)
+            return
+        self._dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+                                     group=self.pg)
+        if _traffic is not None:
+            _traffic.add(self.role, sum(recv_sizes))
+
     def max_int64(self, values: list[int]) -> list[int]:
         """The element-wise maximum over the ranks of ``values`` (int64; negate one for a minimum):
         one all-reduce of a few bytes, whatever the number of ranks (gloo reduces int64 with MAX)."""

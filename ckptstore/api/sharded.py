@@ -53,7 +53,10 @@ def load_sharded(
     """Load a sharded checkpoint into ``state_dict`` in place, whatever layout it has now.
 
     Tensors and DTensors are filled in their existing storage with exactly the elements this rank
-    holds (reading only those byte ranges, at most ``buffer_bytes`` staged at once); other leaves are
+    holds (reading only those byte ranges, at most ``buffer_bytes`` staged at once). When several
+    ranks need bytes of one stored chunk (another sharding, replicated tensors) and the group's
+    backend carries CPU tensors (gloo), one of them reads it and sends the others their slices, so
+    each stored byte is read once across the ranks. Collective: every rank calls it. Other leaves are
     replaced by the saved values; keys the checkpoint lacks raise unless ``strict=False``. Per-rank
     values come back to the same rank index; when the world size changed they raise, unless
     ``per_rank="skip"`` keeps the current ones. A :class:`~ckptstore.TrainState` is restored whole,

@@ -58,7 +58,8 @@ from ..storage.targets import (
     resolve,
     write_bytes,
 )
-from . import transfer
+from . import coop, transfer
+from .coop import ReadTarget
 from .memory import alloc_bytes
 from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
 
@@ -852,16 +853,6 @@ class _SavedRef:
 
 
 @dataclass
-class ReadTarget:
-    """A box of tensor ``key`` to fill into ``local`` (whose shape is the box's sizes)."""
-
-    key: str
-    path: list[Any]
-    local: torch.Tensor
-    box: Box
-
-
-@dataclass
 class _LoadCtx:
     manifest: Manifest
     targets: list[ReadTarget] = field(default_factory=list)
@@ -952,8 +943,12 @@ def load(
     if buffer_bytes < 1:
         raise InvalidArgumentError("buffer_bytes must be positive")
     group = Group(process_group)
-    directory = Directory(url, storage_options)
-    manifest = read_manifest(directory)
+    try:
+        directory = Directory(url, storage_options)
+        manifest = read_manifest(directory)
+    except BaseException:
+        coop.abstain(group)  # the other ranks' reads must not wait for this one
+        raise
     load_manifest(
         state,
         manifest,
@@ -1021,24 +1016,34 @@ def load_manifest(
 ) -> None:
     """Fill ``state`` in place from a sharded manifest whose chunk files ``open_file`` opens
     (a checkpoint directory, or the RAM tier's slots)."""
-    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
+    saved_world = int(manifest.meta.get("world_size", 1))
     ctx = _LoadCtx(manifest, open_file=open_file, display=display)
-    with torch.no_grad():
-        _fill(state, saved, [], ctx, top=True)
+    try:
+        saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
+        with torch.no_grad():
+            _fill(state, saved, [], ctx, top=True)
         if ctx.missing and strict:
             shown = ", ".join(ctx.missing[:10]) + (f" and {len(ctx.missing) - 10} more" if len(ctx.missing) > 10 else "")
             raise CheckpointError(
                 f"{display} lacks {len(ctx.missing)} key(s) the state dict asks for: {shown}; "
                 "pass strict=False to load the rest and leave these untouched"
             )
-        saved_world = int(manifest.meta.get("world_size", 1))
         if ctx.per_rank and saved_world != group.world and per_rank == "error":
             raise CheckpointError(
                 f"{display} was saved by {saved_world} ranks and is loaded by {group.world}: per-rank values "
                 f"({', '.join(k for _, k, _ in ctx.per_rank[:5])}) have no owner at this world size. Pass "
                 "per_rank='skip' to keep the current values (and re-seed or re-position them yourself)"
             )
-        read_targets(display, open_file, manifest, ctx.targets, buffer_bytes)
+    except BaseException:
+        coop.abstain(group)  # the other ranks' reads must not wait for this one
+        raise
+    with torch.no_grad():
+        if coop.usable(group):
+            # Ranks split the reading of chunks several of them need and exchange the slices.
+            coop.read(group, manifest, ctx.targets, buffer_bytes,
+                      lambda targets: read_targets(display, open_file, manifest, targets, buffer_bytes), display)
+        else:
+            read_targets(display, open_file, manifest, ctx.targets, buffer_bytes)
         if saved_world == group.world:
             for wrapper, key, _path in ctx.per_rank:
                 entry_key = f"{key}#rank{group.rank:05d}"

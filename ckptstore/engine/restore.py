@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.coop import abstain
 from ..checkpoint.index import Index, plan_from_index, read_index
 from ..checkpoint.materialize import decode_value
 from ..checkpoint.sharded import chunks_needed, load_manifest
@@ -354,6 +355,8 @@ class Restorer:
                                      display, used)
                     problem, kind, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers,
                                                              inv, excluded, bad_owners)
+                elif not lost:
+                    abstain(fg)  # the ranks that load read together; this one does not, and says so
             finally:
                 transfers.close()
             mine: dict[str, Any] = {"fatal": None if fatal is None else f"rank {self.rank}: {fatal}",
