@@ -161,14 +161,14 @@ def parse_index(data: bytes, *, where: str) -> Index:
             raise CorruptCheckpointError(f"{where}: part entry {rank!r} is malformed", location=where)
         files[int(rank)] = (value[0], validate_checksum_string(value[1], where=f"{where}: part of rank {rank}"))
     checked: set[tuple[tuple[int, int], ...]] = set()  # tensors of one layout share their writers
-    for key, spans in ranges.items():
-        if tuple(spans) in checked:
+    for key, writers in ranges.items():
+        if tuple(writers) in checked:
             continue
-        missing = [r for a, b in spans for r in range(a, b + 1) if r not in files]
+        missing = [r for a, b in writers for r in range(a, b + 1) if r not in files]
         if missing:
             raise CorruptCheckpointError(f"{where}: tensor {key!r} names writers {missing[:5]} whose parts it lacks",
                                          location=where, key=key)
-        checked.add(tuple(spans))
+        checked.add(tuple(writers))
     header = Manifest(kind="sharded", tensors=tensors, tree=doc["tree"], pickled=list(pickled), meta=meta,
                       format_version=doc["format_version"], writer=str(doc.get("writer", "")))
     return Index(header, ranges, files, layout)
