@@ -76,7 +76,10 @@ def run(rank: int, world: int, store_path: str, job: str, args: dict, result_dir
         raise
 
 
-_PRELOAD = ["torch", "torch.distributed", "ckptstore", "dist_workers"]
+# s3fs and the CLI too: the crash workers and other scripts tests/warm_python.py runs from this
+# forkserver use them, and s3fs alone takes seconds to import on a loaded machine. Nothing of them
+# runs before a fork (no event loop, no thread): importing only defines.
+_PRELOAD = ["torch", "torch.distributed", "ckptstore", "ckptstore.cli", "s3fs", "dist_workers"]
 
 
 def context() -> Any:
