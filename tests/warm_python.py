@@ -24,8 +24,10 @@ from typing import Any
 import dist_workers
 
 # Environment variables read when a preloaded module is imported: a forked child would not see a
-# test's value, so run() refuses them rather than silently ignore them.
+# test's value, so start() and run() refuse an environment that sets one rather than ignore it.
 IMPORT_TIME_ENV = ("CKPTSTORE_DIRECT_IO",)
+# Their values when the test run began (test modules are imported before any test starts the forkserver).
+_AT_START = {name: os.environ.get(name) for name in IMPORT_TIME_ENV}
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str | None, out: str | None, err: str | None,
@@ -145,8 +147,9 @@ def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str
     = "stdout"`` joins them), None inherits the test process's."""
     env = dict(os.environ if env is None else env)
     for name in IMPORT_TIME_ENV:
-        if env.get(name) != os.environ.get(name):
-            raise ValueError(f"{name} is read at import time: run this one with subprocess")
+        if env.get(name) != _AT_START[name]:
+            raise ValueError(f"{name} is read when ckptstore is imported, which the forkserver did before this "
+                             "test set it: start this process with subprocess instead")
     ctx = dist_workers.context()
     proc = ctx.Process(target=_child, args=(list(argv), env, None if cwd is None else str(cwd),
                                             None if stdout is None else str(stdout),
