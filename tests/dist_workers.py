@@ -76,7 +76,12 @@ def run(rank: int, world: int, store_path: str, job: str, args: dict, result_dir
         raise
 
 
-_PRELOAD = ["torch", "torch.distributed", "ckptstore", "dist_workers"]
+# DTensor, FSDP2 and DCP too, which nearly every rank of the layout and store tests imports (about
+# 3 s a rank on a loaded 2-core machine, times a hundred ranks a run); s3fs and the CLI for the
+# crash workers and other scripts tests/warm_python.py runs from this forkserver. Nothing of them
+# runs before a fork (no event loop, no thread, no process group): importing only defines.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+            "torch.distributed.checkpoint", "ckptstore", "ckptstore.cli", "s3fs", "dist_workers"]
 
 
 def context() -> Any:

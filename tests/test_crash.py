@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from conftest import s3_keys, s3_pending_uploads, wipe_ram
 
 import ckptstore
@@ -91,8 +91,7 @@ def _trial(job: str, tmp_path: Path, s3: dict, point: str, where: str, hits: int
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     env = dict(os.environ, CKPTSTORE_S3_PART_SIZE=str(5 << 20))
-    proc = subprocess.run([sys.executable, str(WORKER), str(path)], env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = warm_python.run([str(WORKER), str(path)], env=env, timeout=240)
     assert proc.returncode == -9, f"{point} x{hits} at {where!r} was never reached (exit {proc.returncode}):\n" + \
         proc.stderr[-3000:]
     return cfg

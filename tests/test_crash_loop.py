@@ -8,12 +8,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+import warm_python
 from conftest import wipe_ram
 
 import ckptstore
@@ -39,8 +38,8 @@ _RUN = textwrap.dedent("""
 
 
 def _run(job: str, local: str, durable: str, every: int, saves: int, restore: bool) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _RUN, job, local, durable, str(every), str(saves),
-                           "1" if restore else "0"], capture_output=True, text=True, timeout=120)
+    proc = warm_python.run(["-c", _RUN, job, local, durable, str(every), str(saves), "1" if restore else "0"],
+                           timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 
 import dist_workers
 import pytest
 import torch
+import warm_python
 from conftest import wipe_ram
 
 import ckptstore
@@ -219,7 +219,7 @@ _CRASHING_RUN = textwrap.dedent("""
 def test_a_crash_is_recorded_and_accounted(tmp_path, job, capsys):
     local = tmp_path / "local"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, "-c", _CRASHING_RUN, str(local), job], env=env, capture_output=True, timeout=120)
+    proc = warm_python.run(["-c", _CRASHING_RUN, str(local), job], env=env, timeout=120, text=False)
     assert proc.returncode == 9, proc.stderr.decode()[-2000:]
     with ckptstore.CheckpointStore(job, local=local, events=True) as store:
         state = {"w": torch.zeros(1000)}

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
+import warm_python
 from conftest import wipe_ram
 
 SAVES, WARMUP = 50, 6
@@ -80,7 +80,7 @@ def _run(job: str, root: str) -> dict:
 def test_fifty_async_saves_keep_memory_flat(tmp_path, job):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                        os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, job, str(tmp_path)], capture_output=True, env=env, timeout=300)
+    proc = warm_python.run([__file__, job, str(tmp_path)], env=env, timeout=300, text=False)
     wipe_ram(job)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     out = json.loads(proc.stdout.decode().splitlines()[-1])

@@ -12,12 +12,11 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+import warm_python
 from conftest import assert_same, wipe_ram
 
 from ckptstore import CheckpointStore
@@ -166,8 +165,7 @@ def ram_dir(job):
 
 def test_ram_lists_segments_and_rm_refuses_what_could_lose_a_step(tmp_path, job, ram_dir, capsys):
     local = str(tmp_path / "local")
-    res = subprocess.run([sys.executable, "-c", _KILLED_RUN, ram_dir, local, job], capture_output=True, text=True,
-                         timeout=120)
+    res = warm_python.run(["-c", _KILLED_RUN, ram_dir, local, job], timeout=120)
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
 
     assert main(["ram", "--ram-dir", ram_dir, "--json"]) == 0

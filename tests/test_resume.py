@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_python
 from conftest import assert_tensor_identical, wipe_ram
 
 import ckptstore
@@ -48,13 +48,14 @@ TIMEOUT_S = 60.0  # for any one worker process: nothing here may hang CI
 
 
 class Runner:
-    """Starts workers (each in its own session, so a kill takes its DataLoader workers too), and on
+    """Starts workers (each a process of its own forked from the warm forkserver of tests/warm_python.py,
+    in its own session, so a kill takes its DataLoader workers too), and on
     teardown kills whatever still runs and removes the RAM segments of every job it handed out."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.jobs: list[str] = []
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[warm_python.Process] = []
         self._runs = 0
 
     def job(self) -> str:
@@ -68,7 +69,7 @@ class Runner:
         return {"job": job, "local": str(d / "local"), "num_workers": num_workers, "seed": SEED,
                 "total": TOTAL, "every": EVERY, **extra}
 
-    def start(self, cfg: dict[str, Any]) -> tuple[subprocess.Popen, dict[str, Path]]:
+    def start(self, cfg: dict[str, Any]) -> tuple[warm_python.Process, dict[str, Path]]:
         self._runs += 1
         d = self.root / cfg["job"] / f"run{self._runs}"
         d.mkdir(parents=True)
@@ -78,10 +79,9 @@ class Runner:
         paths["log"].touch()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        with open(paths["output"], "wb") as out:
-            proc = subprocess.Popen([sys.executable, str(WORKER), str(paths["config"])], cwd=REPO, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        paths["output"].touch()
+        proc = warm_python.start([str(WORKER), str(paths["config"])], cwd=REPO, env=env, stdout=paths["output"],
+                                 stderr="stdout", new_session=True)
         self.procs.append(proc)
         return proc, paths
 
@@ -114,12 +114,8 @@ class Runner:
         return paths
 
     @staticmethod
-    def kill(proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def kill(proc: warm_python.Process) -> None:
+        proc.kill()  # SIGKILL to its session: its DataLoader workers too
         proc.wait(timeout=TIMEOUT_S)
 
     def close(self) -> None:

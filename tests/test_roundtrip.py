@@ -8,8 +8,6 @@ import math
 import os
 import pickle
 import random
-import subprocess
-import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -18,6 +16,7 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+import warm_python
 from conftest import (
     Point,
     assert_same,
@@ -500,7 +499,7 @@ def test_complex32_round_trip_does_not_warn(tmp_path):
                 assert out[k].dtype == torch.complex32 and out[k].shape == v.shape, k
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    result = warm_python.run(["-c", code], timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -4,8 +4,8 @@ a StorageError naming the size, the directory and the remedies, instead of a SIG
 the trainer (exit 135 before the reservation); the step committed before is intact; and with
 ``ram_fallback="private"`` the same job saves and restores from the local tier bit for bit.
 
-Each phase runs in a process of its own, so a bus error shows as that process's death instead of
-killing pytest. Where mounting is not permitted, the error path still runs against a ram_dir
+Each phase runs in a process of its own (forked from the warm forkserver of tests/warm_python.py),
+so a bus error shows as that process's death instead of killing pytest. Where mounting is not permitted, the error path still runs against a ram_dir
 whose reservations are refused (a file-size limit on the worker makes posix_fallocate fail).
 """
 
@@ -15,12 +15,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import warm_python
 
 import ckptstore
 
@@ -93,7 +93,7 @@ WORKER = textwrap.dedent(r'''
 def _run(tmp_path: Path, *args: str) -> dict:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    r = warm_python.run([str(script), *args], timeout=300)
     assert r.returncode != -signal.SIGBUS, f"the worker died of SIGBUS (the reservation is missing):\n{r.stderr[-3000:]}"
     assert r.returncode == 0, f"phase {args[0]} exited {r.returncode}:\n{r.stderr[-3000:]}"
     line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
