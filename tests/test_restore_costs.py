@@ -11,6 +11,7 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.engine import exchange
+from ckptstore.tiers.ram import Slot
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -85,3 +86,29 @@ def test_a_job_without_dtensors_saves_and_restores_without_importing_them(job, t
         out = {"w": torch.zeros(3, 4)}
         assert store.restore(out) == 1
     assert torch.equal(out["w"], state["w"])
+
+
+def _mapped_rss(path: str) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:
+                inside = head[-1] == path
+            elif inside and head[0] == "Rss:":
+                rss += int(head[1]) * 1024
+    return rss
+
+
+def test_a_slot_has_its_pages_mapped_when_it_is_made(job):
+    """A staging slot's pages are mapped with it, not faulted in one by one by the first save's
+    copy (the trainer is blocked for that copy), nor again by a restarted process."""
+    path = f"/dev/shm/ckptstore-{job}-probe.bin"
+    size = 8 << 20
+    slot = Slot(path, size)
+    try:
+        assert _mapped_rss(path) >= size
+    finally:
+        slot.release()
+        os.unlink(path)

@@ -853,6 +853,9 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
+
+
 def _map_segment(path: str, size: int) -> tuple[mmap.mmap, tuple[int, int]]:
     """Open (or create) the segment at ``path``, reserve ``size`` bytes of it and map it shared;
     returns the mapping and the file's identity (st_dev, st_ino)."""
@@ -876,7 +879,10 @@ def _map_segment(path: str, size: int) -> tuple[mmap.mmap, tuple[int, int]]:
             if created:
                 remove_file(path)  # a half-reserved new segment would hold on to the memory it got
             raise
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # Every page is mapped now, in one pass of the kernel: the first save into a new mapping
+        # otherwise takes a page fault per 4 KiB (256 MiB: 0.4-0.5 s of blocking, against 0.08 s
+        # here), which a restarted process pays again on segments that already hold their pages.
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         return mapping, (st.st_dev, st.st_ino)
     finally:
         os.close(fd)
