@@ -185,8 +185,8 @@ def main() -> None:
             print(f"start {i}: restored {rounds[-1]['restored']}: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in sorted(phases.items())), flush=True)
     finally:
+        _wait_for_agents(ram_root)  # they persist what the last kill left, to the durable tier too
         s3.stop()
-        _wait_for_agents(ram_root)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(ram_root, ignore_errors=True)
     restarts = rounds[1:]
