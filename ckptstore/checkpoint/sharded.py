@@ -21,6 +21,7 @@ import os
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -264,12 +265,22 @@ def _spec(p: tuple) -> str:
     return {"shard": lambda: f"S({p[1]})", "replicate": lambda: "R", "strided": lambda: f"_S({p[1]},{p[2]})"}[p[0]]()
 
 
+def _is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor: that import takes
+    1-5 s (it pulls in sympy), paid by a process's first save and first restore, and a process that
+    never imported it holds no DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
 def local_boxes(t: torch.Tensor, where: str) -> list[tuple[torch.Tensor, Box]]:
     """The pieces of leaf ``t`` this rank holds: a view of its local data per global box it covers
     (one box, except for strided layouts that leave a rank separate runs of some dimension)."""
-    from torch.distributed.tensor import DTensor
+    if _is_dtensor(t):
+        from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
+        assert isinstance(t, DTensor)
         mesh = t.device_mesh
         coordinate = mesh.get_coordinate()
         if coordinate is None:
@@ -305,10 +316,11 @@ def local_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box]:
 
 def _replicas(t: torch.Tensor, cache: dict[Any, tuple]) -> tuple:
     """Who holds the same box of a DTensor as this rank: ("replicas", count, my index, their global ranks)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
+    if not _is_dtensor(t):
         return ("all",)
+    from torch.distributed.tensor import DTensor  # imported already: t is one
+
+    assert isinstance(t, DTensor)
     mesh = t.device_mesh
     replicated = tuple(d for d, p in enumerate(t.placements) if p.is_replicate())
     k = (id(mesh), replicated)

@@ -94,18 +94,25 @@ class NodeInventory:
         self.damaged = False  # a copy of a manifest was unreadable: the node holds something of the step
 
     @classmethod
-    def of(cls, tiers: Sequence[Tier], step: int) -> NodeInventory:
+    def of(cls, tiers: Sequence[Tier], step: int, known: dict[bytes, tuple[str, Manifest]] | None = None
+           ) -> NodeInventory:
         """What the node-local ``tiers`` hold of ``step`` on this node. Within a layout, copies keep
         the order of ``tiers`` (the order a load opens them in). A copy whose manifest is damaged,
-        or that names no manifest of its tier, is left out: nothing says how to read it."""
+        or that names no manifest of its tier, is left out: nothing says how to read it.
+
+        ``known``: manifest bodies parsed by earlier inventories (their layout and manifest), which
+        this one adds to: equal bytes are one manifest, so a body seen before is not parsed again
+        (a load reads the manifest and never changes it)."""
         node = cls()
-        parsed: dict[bytes, tuple[str, Manifest] | None] = {}  # one parse per distinct body
+        parsed: dict[bytes, tuple[str, Manifest] | None] = dict(known or {})  # one parse per distinct body
         for tier in tiers:
             held = tier.holdings(step)
             digests: dict[str, str] = {}
             for body, where in held.manifests:
                 if body not in parsed:
-                    parsed[body] = node._parse(body, where)
+                    got = parsed[body] = node._parse(body, where)
+                    if got is not None and known is not None:
+                        known[body] = got  # a damaged copy is parsed (and reported) anew each time
                 got = parsed[body]
                 if got is None:
                     continue

@@ -1,0 +1,228 @@
+"""What a restart costs, phase by phase: a 2-rank gloo job with the full store (RAM + local + peer
+replicas + durable on a local SeaweedFS server + the node agent) is started, saves a few steps,
+is killed with SIGKILL (both ranks), and is started again, ``--rounds`` times. Each rank of every
+start times, from the moment the launcher spawned it: the imports, the process group, the store's
+construction (split into its parts), the restore (split likewise), and the first two saves'
+blocking time; the round's figure per phase is the slower rank's.
+
+    python benchmarks/bench_restart.py [--layers 4] [--rounds 3] [--out /tmp/restart]
+
+Each rank is a node of its own (its own RAM and local directories, so the peer replicas cross
+nodes); nothing is wiped between rounds but the processes (a crash, not a node loss). Writes
+<out>/restart.json. Before and after a change, in one run: PYTHONPATH=<other tree> on a second run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+WORLD = 2
+
+# (module, class or None, attribute, phase): what each rank times inside the store.
+_SPANS = [
+    ("ckptstore.engine.store", None, "store_groups", "construct.groups"),
+    ("ckptstore.engine.store", None, "RamTier", "construct.ram_tier"),
+    ("ckptstore.engine.store", None, "DirectoryTier", "construct.directory_tiers"),
+    ("ckptstore.engine.store", None, "PeerTier", "construct.peer_tier"),
+    ("ckptstore.engine.store", None, "start_agent", "construct.agent"),
+    ("ckptstore.engine.store", None, "Pipeline", "construct.pipeline"),
+    ("ckptstore.engine.store", None, "GoodputTracker", "construct.tracker"),
+    ("ckptstore.engine.store", "CheckpointStore", "_sweep", "construct.sweep"),
+    ("ckptstore.engine.restore", "Restorer", "newest_held", "construct.newest_held"),
+    ("ckptstore.engine.restore", "Restorer", "newest", "restore.find_and_load"),
+    ("ckptstore.engine.restore", "Restorer", "meta_of", "restore.meta"),
+    ("ckptstore.engine.store", "CheckpointStore", "_drop_dead_branch", "restore.dead_branch"),
+    ("ckptstore.engine.pipeline", "Pipeline", "promote_restored", "restore.promote"),
+]
+
+
+def _instrument(spans: dict[str, float]) -> None:
+    """Wrap each span's callable (a class is called like a function) so that it adds its time."""
+    import importlib
+
+    for module, cls, name, phase in _SPANS:
+        owner: Any = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        real = getattr(owner, name, None)
+        if real is None:
+            continue  # not in this version of the engine
+
+        def timed(*a: Any, _real: Callable[..., Any] = real, _phase: str = phase, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                spans[_phase] = spans.get(_phase, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, timed)
+
+
+def worker(cfg: dict[str, Any], rank: int) -> None:
+    spawned = float(os.environ["BENCH_SPAWNED_AT"])
+    marks: dict[str, float] = {}
+    spans: dict[str, float] = {}
+    t = time.time()
+    marks["python_start"] = t - spawned
+    import torch
+    import torch.distributed as dist
+
+    import ckptstore  # noqa: F401 - timed with the imports
+
+    marks["imports"] = time.time() - t
+    _instrument(spans)
+    from ckptstore import CheckpointStore
+
+    t = time.time()
+    dist.init_process_group("gloo", init_method=f"file://{cfg['rendezvous']}", rank=rank, world_size=WORLD)
+    marks["process_group"] = time.time() - t
+    torch.manual_seed(rank)
+    layers = [torch.nn.Linear(cfg["width"], cfg["width"]) for _ in range(cfg["layers"])]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.randn(2, cfg["width"])).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    node = cfg["nodes"][rank]
+    t = time.time()
+    store = CheckpointStore(cfg["job"], local=node["local"], durable=cfg["durable"], durable_every=4,
+                            storage_options=cfg["storage_options"], ram_dir=node["ram"], node=rank, keep_local=2,
+                            peer_replicas=1, agent=True, timeout_s=300, durable_timeout_s=240)
+    marks["construct"] = time.time() - t
+    t = time.time()
+    found = store.restore(state)
+    marks["restore"] = time.time() - t
+    marks["resumed_after_spawn"] = time.time() - spawned
+    step = found or 0
+    for i in range(2):
+        step += 1
+        t = time.time()
+        store.save(step, state)
+        marks[f"save{i + 1}_blocking"] = time.time() - t
+    store.save(step + 1, state).wait("local")
+    out = {"rank": rank, "restored": found, "marks": marks, "spans": spans}
+    with open(os.path.join(cfg["work"], f"rank{rank}.json"), "w") as fh:
+        json.dump(out, fh)
+    time.sleep(3600)  # until the launcher kills it, as a failure does
+
+
+def _round(cfg: dict[str, Any], script: str) -> list[dict[str, Any]]:
+    for r in range(WORLD):
+        path = os.path.join(cfg["work"], f"rank{r}.json")
+        if os.path.exists(path):
+            os.unlink(path)
+    if os.path.exists(cfg["rendezvous"]):
+        os.unlink(cfg["rendezvous"])
+    env = {**os.environ, "BENCH_SPAWNED_AT": repr(time.time())}
+    procs = [subprocess.Popen([sys.executable, script, "--worker", str(r), "--cfg", cfg["cfg_path"]], env=env)
+             for r in range(WORLD)]
+    deadline = time.time() + 600
+    try:
+        while not all(os.path.exists(os.path.join(cfg["work"], f"rank{r}.json")) for r in range(WORLD)):
+            if any(p.poll() is not None for p in procs) or time.time() > deadline:
+                raise RuntimeError(f"a rank exited or hung: {[p.poll() for p in procs]}")
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    out = []
+    for r in range(WORLD):
+        with open(os.path.join(cfg["work"], f"rank{r}.json")) as fh:
+            out.append(json.load(fh))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4, help="Linear(width, width) layers per rank, with Adam")
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3, help="restarts measured (after the first start)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        with open(args.cfg) as fh:
+            worker(json.load(fh), args.worker)
+        return
+    from ckptstore._local_s3 import start_local_s3
+
+    work = tempfile.mkdtemp(prefix="bench-restart-")
+    ram_root = tempfile.mkdtemp(prefix="bench-restart-", dir="/dev/shm")
+    s3 = start_local_s3(server="seaweedfs")
+    job = f"restart-{uuid.uuid4().hex[:8]}"
+    cfg = {"job": job, "work": work, "rendezvous": os.path.join(work, "rendezvous"), "layers": args.layers,
+           "width": args.width, "durable": s3.url(job), "storage_options": s3.storage_options,
+           "nodes": [{"local": os.path.join(work, f"node{r}", "local"), "ram": os.path.join(ram_root, f"node{r}")}
+                     for r in range(WORLD)]}
+    for node in cfg["nodes"]:
+        os.makedirs(node["ram"], exist_ok=True)
+    cfg["cfg_path"] = os.path.join(work, "cfg.json")
+    with open(cfg["cfg_path"], "w") as fh:
+        json.dump(cfg, fh)
+    rounds: list[dict[str, Any]] = []
+    try:
+        for i in range(args.rounds + 1):
+            ranks = _round(cfg, os.path.abspath(__file__))
+            phases: dict[str, float] = {}
+            for r in ranks:
+                for k, v in {**r["marks"], **r["spans"]}.items():
+                    phases[k] = max(phases.get(k, 0.0), v)
+            rounds.append({"restored": [r["restored"] for r in ranks], "phases": phases,
+                           "loadavg": os.getloadavg()})
+            print(f"start {i}: restored {rounds[-1]['restored']}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in sorted(phases.items())), flush=True)
+    finally:
+        _wait_for_agents(ram_root)  # they persist what the last kill left, to the durable tier too
+        s3.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(ram_root, ignore_errors=True)
+    restarts = rounds[1:]
+    keys = sorted({k for r in restarts for k in r["phases"]})
+    median = {k: statistics.median(r["phases"].get(k, 0.0) for r in restarts) for k in keys}
+    doc = {"benchmark": "restart", "layers": args.layers, "width": args.width, "rounds": rounds,
+           "median_restart_seconds": median, "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+           "pythonpath": os.environ.get("PYTHONPATH", "")}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "restart.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print("median of the restarts: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))
+
+
+def _wait_for_agents(ram_root: str, timeout_s: float = 60.0) -> None:
+    """The node agents (started by the stores, detached) exit by themselves once no store of the
+    job is open and nothing is left to persist: wait for that before their directories go."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and _agents(ram_root):
+        time.sleep(0.5)
+    for pid in _agents(ram_root):  # still there: this run started it, this run ends it
+        os.kill(pid, signal.SIGKILL)
+
+
+def _agents(ram_root: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"agent" in cmd and any(a.startswith(ram_root.encode()) for a in cmd):
+            found.append(int(pid))
+    return found
+
+
+if __name__ == "__main__":
+    main()
