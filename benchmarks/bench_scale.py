@@ -250,6 +250,18 @@ def measure_blocking(total: int, count: int, repeats: int, work: str, ram_dir: s
     }
 
 
+def _write_blocking(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    import json
+
+    doc = {"benchmark": "save_blocking", "repeats": args.repeats, "by_count": rows,
+           "note": "blocking time of CheckpointStore.save on a state of the same structure as the last save; "
+                   "memcpy_floor: copy_ per tensor into preallocated buffers; flat_memcpy: one copy_ of the same bytes",
+           "machine": machine()}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
+        json.dump(doc, fh, indent=2)
+
+
 def blocking_main(args: argparse.Namespace) -> None:
     work = tempfile.mkdtemp(prefix="ckptstore-bench-block-", dir=args.dir)
     rows: list[dict[str, Any]] = []
@@ -262,19 +274,11 @@ def blocking_main(args: argparse.Namespace) -> None:
             for count in args.counts if kind == "plain" else args.kind_counts or args.counts:
                 rows.append(measure_blocking(args.count_total_mib << 20, count, args.repeats, work, args.ram_dir, kind))
                 _print(f"{kind}: {args.count_total_mib} MiB in {count} tensors", rows[-1], BLOCKING + ("state_dict",))
+                _write_blocking(args, rows)  # row by row: a long run stopped midway keeps what it measured
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(work, ignore_errors=True)
-    doc = {"benchmark": "save_blocking", "repeats": args.repeats, "by_count": rows,
-           "note": "blocking time of CheckpointStore.save on a state of the same structure as the last save; "
-                   "memcpy_floor: copy_ per tensor into preallocated buffers; flat_memcpy: one copy_ of the same bytes",
-           "machine": machine()}
-    import json
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
-        json.dump(doc, fh, indent=2)
     plt = pyplot()
     if plt is None:
         return
