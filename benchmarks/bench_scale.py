@@ -21,7 +21,13 @@ the store (+ floor buffers + one RAM slot) are left out, with a note, where only
 training loop): a store with the RAM tier alone and one with a local tier too, against two floors
 of the same bytes in the same run, ``copy_`` per tensor into preallocated buffers (the floor the
 table above uses) and one ``copy_`` of a single flat buffer (what a memcpy of those bytes costs).
-It writes ``save_blocking.{json,png}``.
+It writes ``save_blocking.{json,png}`` (``--name`` for another name).
+
+``--kinds`` adds states of other kinds at the same counts (``--kind-counts``, default ``--counts``),
+in a one-rank gloo job of this process: ``dtensor``, the same tensors as DTensors ``Shard(0)`` on a
+one-rank mesh, and ``train``, a ``TrainState`` of a model whose parameters are those DTensors (its
+``state_dict()``, torch's ``get_model_state_dict``, is part of what ``save`` blocks for, and is
+timed alone as ``state_dict``; its RNG states are per-rank values). The floors copy the local tensors.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import uuid
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import ckptstore
 from ckptstore.engine.store import CheckpointStore
@@ -158,11 +165,31 @@ def measure(total: int, count: int, repeats: int, work: str, ram_dir: str, with_
 BLOCKING = ("memcpy_floor", "flat_memcpy", "store_ram", "store_ram_local")
 
 
-def measure_blocking(total: int, count: int, repeats: int, work: str, ram_dir: str) -> dict[str, Any]:
+def _kind_state(kind: str, total: int, count: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The state to save, and the plain tensors holding its bytes (what the floors copy)."""
+    plain = _state(total, count)
+    if kind == "plain":
+        return plain, plain
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    dts = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in plain.items()}
+    local = {k: v.to_local() for k, v in dts.items()}
+    if kind == "dtensor":
+        return dts, local
+    model = torch.nn.Module()
+    model.p = torch.nn.ParameterList(torch.nn.Parameter(v, requires_grad=False) for v in dts.values())
+    state = ckptstore.TrainState(model=model)
+    return state, {k: p.to_local() for k, p in state.state_dict()["model"].items()}
+
+
+def measure_blocking(total: int, count: int, repeats: int, work: str, ram_dir: str,
+                     kind: str = "plain") -> dict[str, Any]:
     """Blocking time of CheckpointStore.save (RAM only, RAM + local) against the memcpy floors."""
-    state = _state(total, count)
-    nbytes = sum(t.numel() * 4 for t in state.values())
-    floor = {k: torch.empty_like(v) for k, v in state.items()}
+    state, tensors = _kind_state(kind, total, count)
+    nbytes = sum(t.numel() * 4 for t in tensors.values())
+    floor = {k: torch.empty_like(v) for k, v in tensors.items()}
     flat_src, flat_dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     jobs = {name: f"bench-block-{uuid.uuid4().hex[:8]}" for name in ("store_ram", "store_ram_local")}
     # The default two slots, both touched by the warm-up: a budget of many slots would time
@@ -184,7 +211,7 @@ def measure_blocking(total: int, count: int, repeats: int, work: str, ram_dir: s
         return blocking
 
     def floor_copy() -> None:
-        for k, v in state.items():
+        for k, v in tensors.items():
             floor[k].copy_(v)
 
     fns: dict[str, Any] = {
@@ -193,13 +220,16 @@ def measure_blocking(total: int, count: int, repeats: int, work: str, ram_dir: s
         "store_ram": lambda: store_save(stores["store_ram"]),
         "store_ram_local": lambda: store_save(stores["store_ram_local"]),
     }
+    if kind == "train":
+        fns["state_dict"] = state.state_dict
+    order = tuple(fns)
     times: dict[str, list[float]] = {k: [] for k in fns}
     try:
         for _ in range(2):  # warm-up: buffers touched, both slots of each store made and used once
             for fn in fns.values():
                 fn()
         for r in range(repeats):
-            for name in (BLOCKING if r % 2 == 0 else tuple(reversed(BLOCKING))):
+            for name in (order if r % 2 == 0 else tuple(reversed(order))):
                 gc.collect()
                 t = time.perf_counter()
                 out = fns[name]()
@@ -213,11 +243,23 @@ def measure_blocking(total: int, count: int, repeats: int, work: str, ram_dir: s
         shutil.rmtree(os.path.join(work, "local-block"), ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "bytes": nbytes, "tensors": count, "repeats": repeats, "seconds": times, "median_seconds": med,
+        "kind": kind, "bytes": nbytes, "tensors": count, "repeats": repeats, "seconds": times, "median_seconds": med,
         "us_per_tensor": {k: v / count * 1e6 for k, v in med.items()},
         "ratios": {f"{s}_vs_{f}": med[s] / med[f] for s in ("store_ram", "store_ram_local")
                    for f in ("memcpy_floor", "flat_memcpy")},
     }
+
+
+def _write_blocking(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    import json
+
+    doc = {"benchmark": "save_blocking", "repeats": args.repeats, "by_count": rows,
+           "note": "blocking time of CheckpointStore.save on a state of the same structure as the last save; "
+                   "memcpy_floor: copy_ per tensor into preallocated buffers; flat_memcpy: one copy_ of the same bytes",
+           "machine": machine()}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
+        json.dump(doc, fh, indent=2)
 
 
 def blocking_main(args: argparse.Namespace) -> None:
@@ -225,27 +267,27 @@ def blocking_main(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     try:
         print(f"save blocking: medians of {args.repeats} interleaved rounds (seconds [min-max])")
-        for count in args.counts:
-            rows.append(measure_blocking(args.count_total_mib << 20, count, args.repeats, work, args.ram_dir))
-            _print(f"{args.count_total_mib} MiB in {count} tensors", rows[-1], BLOCKING)
+        for kind in args.kinds:
+            if kind != "plain" and not dist.is_initialized():
+                init = os.path.join(work, "pg-init")
+                dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+            for count in args.counts if kind == "plain" else args.kind_counts or args.counts:
+                rows.append(measure_blocking(args.count_total_mib << 20, count, args.repeats, work, args.ram_dir, kind))
+                _print(f"{kind}: {args.count_total_mib} MiB in {count} tensors", rows[-1], BLOCKING + ("state_dict",))
+                _write_blocking(args, rows)  # row by row: a long run stopped midway keeps what it measured
     finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         shutil.rmtree(work, ignore_errors=True)
-    doc = {"benchmark": "save_blocking", "repeats": args.repeats, "by_count": rows,
-           "note": "blocking time of CheckpointStore.save on a state of the same structure as the last save; "
-                   "memcpy_floor: copy_ per tensor into preallocated buffers; flat_memcpy: one copy_ of the same bytes",
-           "machine": machine()}
-    import json
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "save_blocking.json"), "w") as fh:
-        json.dump(doc, fh, indent=2)
     plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r["tensors"] for r in rows]
-    for v in BLOCKING:
-        ax.plot(xs, [r["median_seconds"][v] for r in rows], marker="o", label=v)
+    for kind in args.kinds:
+        mine = [r for r in rows if r["kind"] == kind]
+        xs = [r["tensors"] for r in mine]
+        for v in BLOCKING if kind == "plain" else ("store_ram", "store_ram_local"):
+            ax.plot(xs, [r["median_seconds"][v] for r in mine], marker="o", label=f"{kind} {v}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel(f"number of tensors ({args.count_total_mib} MiB in all)")
@@ -254,7 +296,7 @@ def blocking_main(args: argparse.Namespace) -> None:
     ax.legend(fontsize=7)
     ax.set_title(f"CheckpointStore.save blocking, medians of {args.repeats}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "save_blocking.png"), dpi=110)
+    fig.savefig(os.path.join(args.out, f"{args.name}.png"), dpi=110)
     plt.close(fig)
 
 
@@ -277,6 +319,11 @@ def main() -> None:
     ap.add_argument("--ram-dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
     ap.add_argument("--blocking", action="store_true", help="only CheckpointStore.save's blocking time (see above)")
+    ap.add_argument("--kinds", nargs="+", default=["plain"], choices=["plain", "dtensor", "train"],
+                    help="with --blocking: the kinds of state (see above)")
+    ap.add_argument("--kind-counts", type=int, nargs="+", default=None,
+                    help="with --blocking: the counts of the kinds other than plain (default: --counts)")
+    ap.add_argument("--name", default="save_blocking", help="with --blocking: the name of the JSON and PNG files")
     args = ap.parse_args()
     torch.set_num_threads(2)
     if args.blocking:

@@ -41,12 +41,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
+
 from .._aio import LoopThread
 from .._faults import crashpoint
 from ..checkpoint.materialize import encode_value
 from ..checkpoint.sharded import (
     BLOCK_SIZE,
     Collected,
+    PerRank,
     Structure,
     agree_structure,
     box_alias,
@@ -68,7 +71,7 @@ from ..errors import (
 from ..format.container import align_up
 from ..format.manifest import Manifest
 from ..goodput.tracker import GoodputTracker
-from ..planning.flatten import fingerprint
+from ..planning.flatten import OtherLeaf, fingerprint
 from ..storage import s3
 from ..tiers.base import Snapshot, Tier
 from ..tiers.directory import DirectoryTier
@@ -177,14 +180,17 @@ class _Planned:
     """What a save plans from the structure of its state, kept for the next save of the same
     structure: its fingerprint ``key``, the ranks' agreed ``structure`` it was planned under, the
     slot's entry ``names`` with the index of each one's tensor among the fingerprint's tensors
-    (``order``), and what the step's job carries (digest, slot layout, tree and tensor table,
-    boxes). None of it depends on the tensors' values, so staging new values into it is exact."""
+    (``order``) and, where an entry is a part of that tensor (a DTensor's local box of a strided
+    layout), its ``views`` (shape, strides, storage offset from the tensor's own), and what the
+    step's job carries (digest, slot layout, tree and tensor table, boxes). None of it depends on
+    the tensors' values, so staging new values into it is exact."""
 
     key: list[Any]
     structure: Structure
     digest: str
     names: list[str]
     order: list[int]
+    views: list[tuple[tuple[int, ...], tuple[int, ...], int] | None] | None
     frozen_count: int
     breaks: frozenset[int]
     layout: Layout
@@ -230,7 +236,7 @@ class Pipeline:
         # What a save of an unchanged structure reuses (see _Planned); the tree and the tensors of
         # this save, for collecting it after all when the vote finds another rank's structure changed.
         self._planned: _Planned | None = None
-        self._found: tuple[Any, tuple[list[Any], list[Any]] | None] | None = None
+        self._found: _Found | None = None
         self._hashed: tuple[list[str], int] | None = None  # the agreed digests and their hash (_vote)
 
     # ------------------------------------------------------------------------------ the trainer's part
@@ -260,7 +266,7 @@ class Pipeline:
             # The first save, or the ranks' structures changed: agree on their union, then plan again.
             if self._local is None:  # this rank's own structure held, and it took the reuse path
                 assert self._found is not None
-                self._local = collect(self._found[0], self.rank, encode_value)
+                self._local = self._found.collect(self.rank)
             structure = agree_structure(self.groups.trainer, self._local, digests, self._structures)
             self._structure = (digests, structure)
             try:
@@ -323,12 +329,11 @@ class Pipeline:
                 "saved again; restore first and continue after it, or give a new run its own job name and directories"
             )
         tree = state.state_dict() if isinstance(state, TrainState) else state
-        found = fingerprint(tree) if not self.check.on else None
-        self._found = (tree, found)
-        reused = self._reuse(job, found)
+        self._found = _Found(tree, on=not self.check.on)
+        reused = self._reuse(job, self._found.fingerprint)
         if reused is not None:
             return reused
-        local = collect(tree, self.rank, encode_value)
+        local = self._found.collect(self.rank)
         job.digest = structure_digest(local)
         self._local = local
         if self._structure is None:
@@ -338,46 +343,100 @@ class Pipeline:
     def _plan(self, job: StepJob, local: Collected, structure: Structure) -> tuple[list[tuple[str, Any]], int, frozenset[int]]:
         mine = my_writes(local, self.world, self.rank, same=structure.same, skip=structure.skip)
         is_frozen = self.options.frozen or (lambda key: False)
+        # Per-rank values are encoded afresh at every save (never frozen), and go last: their
+        # lengths may change while the structure holds, and only the slot's tail moves then.
+        own = [m for m in mine if "#rank" in m.key]
+        mine = [m for m in mine if "#rank" not in m.key]
         frozen = [m for m in mine if is_frozen(m.key)]
-        rest = [m for m in mine if not is_frozen(m.key)]
+        rest = [m for m in mine if not is_frozen(m.key)] + own
         names = [box_alias(m.key, n) for m, n in zip(frozen + rest, _box_numbers(frozen + rest))]
         items = [(name, local.items[(m.key, m.offsets, m.sizes)]) for name, m in zip(names, frozen + rest)]
         breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
+        tail = len(items) - len(own) if own and not self.check.on else None
         items += self.check.items(local, mine, job)
         job.shared = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts} if structure.representative else {}
         job.boxes = {name: m.offsets for name, m in zip(names, frozen + rest)}
-        self._size_slots(items, breaks)
-        job.layout = Layout.of(items, breaks)
-        self._planned = self._remember(job, items, len(frozen), breaks, structure)
+        self._size_slots(items, breaks, tail)
+        job.layout = Layout.of(items, breaks, tail)
+        self._planned = self._remember(job, local, items, len(frozen), breaks, structure)
         return items, len(frozen), breaks
 
-    def _remember(self, job: StepJob, items: list[tuple[str, Any]], frozen_count: int, breaks: frozenset[int],
-                  structure: Structure) -> _Planned | None:
+    def _remember(self, job: StepJob, local: Collected, items: list[tuple[str, Any]], frozen_count: int,
+                  breaks: frozenset[int], structure: Structure) -> _Planned | None:
         """What the next save reuses while its fingerprint equals this one's; None when the state
-        has no fingerprint (see planning.flatten.fingerprint) or a staged entry is not one of its tensors."""
-        found = self._found[1] if self._found is not None else None
-        if found is None or self.check.on or job.layout is None:
+        has no fingerprint (see planning.flatten.fingerprint) or a staged entry cannot be found
+        again among its tensors."""
+        found = self._found
+        if found is None or found.fingerprint is None or self.check.on or job.layout is None:
             return None
-        leaves, key = found
+        leaves = found.fingerprint[0]
         where = {id(t): i for i, t in enumerate(leaves)}
-        order = [where.get(id(t), -1) for _, t in items]
-        if -1 in order:
+        # A per-rank value is encoded afresh at every save: collect staged its own copy of the
+        # bytes the fingerprint encoded, the k-th of one being the k-th of the other (one walk order).
+        mine = [t for (k, _, _), t in local.items.items() if "#rank" in k]
+        if len(mine) != len(found.blobs) or not all(torch.equal(a, b) for a, b in zip(mine, found.blobs)):
             return None
-        return _Planned(key=key, structure=structure, digest=job.digest, names=[name for name, _ in items],
-                        order=order, frozen_count=frozen_count, breaks=breaks, layout=job.layout,
-                        shared=job.shared, boxes=job.boxes)
+        for a, b in zip(mine, found.blobs):
+            where[id(a)] = where[id(b)]
+        order: list[int] = []
+        views: list[tuple[tuple[int, ...], tuple[int, ...], int] | None] = []
+        storages: dict[tuple[str, int], list[int]] | None = None
+        for _, t in items:
+            i = where.get(id(t))
+            view = None
+            if i is None:
+                # A DTensor's box: a view of its local tensor, which the fingerprint holds.
+                if storages is None:
+                    storages = {}
+                    for j, leaf in enumerate(leaves):
+                        storages.setdefault(_storage_of(leaf), []).append(j)
+                held = {id(leaves[j]): j for j in storages.get(_storage_of(t), [])}
+                if len(held) != 1:
+                    return None
+                i = next(iter(held.values()))
+                leaf = leaves[i]
+                geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - leaf.storage_offset())
+                if geometry != (tuple(leaf.shape), tuple(leaf.stride()), 0):
+                    view = geometry
+            order.append(i)
+            views.append(view)
+        return _Planned(key=found.fingerprint[1], structure=structure, digest=job.digest,
+                        names=[name for name, _ in items], order=order,
+                        views=views if any(v is not None for v in views) else None, frozen_count=frozen_count,
+                        breaks=breaks, layout=job.layout, shared=job.shared, boxes=job.boxes)
 
     def _reuse(self, job: StepJob, found: tuple[list[Any], list[Any]] | None) -> tuple[list[tuple[str, Any]], int, frozenset[int]] | None:
         """The last save's plan with this save's tensors in it, when nothing structural changed:
         the same fingerprint (keys, containers, leaves' values, tensors' dtypes, shapes, strides and
-        devices) under the same agreed structure of the ranks. None otherwise."""
+        devices, DTensors' placements and meshes, per-rank values' lengths) under the same agreed
+        structure of the ranks. None otherwise."""
         planned = self._planned
         if (found is None or planned is None or self._structure is None
                 or planned.structure is not self._structure[1] or found[1] != planned.key):
             return None
         leaves = found[0]
+        layout = planned.layout
+        if layout.tail is not None:
+            tail = [(name, leaves[i]) for name, i in zip(planned.names[layout.tail:], planned.order[layout.tail:])]
+            if any(t.numel() != e.nbytes for (_, t), e in zip(tail, layout.entries[layout.tail:])):
+                # A per-rank value's encoding changed length (an RNG state's numbers, a loader's
+                # position): the same plan, with the slot's tail and those entries' shapes anew.
+                moved = layout.with_tail(tail)
+                if moved is None:
+                    return None
+                shared = planned.shared
+                if shared:
+                    tensors = dict(shared["tensors"])
+                    tensors.update((name, ("uint8", (t.numel(),))) for name, t in tail if name in tensors)
+                    shared = {**shared, "tensors": tensors}
+                planned = self._planned = dataclasses.replace(planned, layout=moved, shared=shared)
         job.digest, job.shared, job.boxes, job.layout = planned.digest, planned.shared, planned.boxes, planned.layout
-        return [(name, leaves[i]) for name, i in zip(planned.names, planned.order)], planned.frozen_count, planned.breaks
+        if planned.views is None:
+            items = [(name, leaves[i]) for name, i in zip(planned.names, planned.order)]
+        else:
+            items = [(name, leaves[i] if v is None else leaves[i].as_strided(v[0], v[1], leaves[i].storage_offset() + v[2]))
+                     for name, i, v in zip(planned.names, planned.order, planned.views)]
+        return items, planned.frozen_count, planned.breaks
 
     def _vote(self, step: int, error: BaseException | None, busy: bool, plan: Any,
               pending: tuple[int, BaseException] | None, digest: str) -> tuple[bool, Any, list[str]]:
@@ -440,11 +499,11 @@ class Pipeline:
         self.peer_off = any(v["peer_off"] for v in votes)
         return any(v["busy"] for v in votes), votes[0]["plan"], [v["digest"] for v in votes]
 
-    def _size_slots(self, items: list[tuple[str, Any]], breaks: frozenset[int]) -> None:
+    def _size_slots(self, items: list[tuple[str, Any]], breaks: frozenset[int], tail: int | None = None) -> None:
         """Fix the number of staging slots at the first save, from ram_budget_bytes."""
         if self._slots_set:
             return
-        size = Layout.of(items, breaks).total
+        size = Layout.of(items, breaks, tail).total
         budget = self.options.ram_budget_bytes
         if budget is not None:
             slots = budget // size
@@ -878,3 +937,55 @@ def _box_numbers(metas: list[Any]) -> list[int]:
         out.append(seen.get(m.key, 0))
         seen[m.key] = out[-1] + 1
     return out
+
+
+def _storage_of(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+class _Found:
+    """A save's state as its fingerprint sees it: the tree, the fingerprint (None when the state
+    has none, or the replica check is on: it stages what the plan alone does not say), and the
+    per-rank values' bytes, encoded once for both the fingerprint and a collect of the same save."""
+
+    def __init__(self, tree: Any, *, on: bool) -> None:
+        self.tree = tree
+        self.blobs: list[torch.Tensor] = []
+        self._encoded: list[bytes] = []
+        self.fingerprint: tuple[list[Any], list[Any]] | None = None
+        if on:
+            # Without grad, DTensor.to_local() is the local tensor itself, not an autograd view
+            # (tens of microseconds each).
+            with torch.no_grad():
+                self.fingerprint = fingerprint(tree, self._other())
+            if self.fingerprint is None:
+                self._encoded = []
+
+    def _other(self) -> OtherLeaf:
+        from torch.distributed.tensor import DTensor
+
+        def other(obj: Any) -> tuple[torch.Tensor, Any] | None:
+            t = type(obj)
+            if t is DTensor:
+                local = obj.to_local()
+                if type(local) is not torch.Tensor and type(local) is not torch.nn.Parameter:
+                    return None
+                # The global shape, placements and mesh decide the boxes; the local tensor's own
+                # shape and strides decide how they are cut out of it.
+                return local, (t, obj.dtype, obj.shape, tuple(obj.placements), obj.device_mesh,
+                               local.shape, local.stride(), local.device)
+            if t is PerRank:
+                data = encode_value(obj.value)
+                self._encoded.append(data)
+                blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                self.blobs.append(blob)
+                return blob, t  # its length moves only the slot's tail (Pipeline._reuse); its bytes are values
+            return None
+
+        return other
+
+    def collect(self, rank: int) -> Collected:
+        """The full walk of the state, for planning; per-rank values get the bytes the fingerprint saw."""
+        encoded = iter(self._encoded)
+        with torch.no_grad():
+            return collect(self.tree, rank, lambda value: next(encoded, None) or encode_value(value))

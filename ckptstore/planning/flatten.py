@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,28 +341,47 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
 
 _SCALARS = (type(None), bool, str, int)
 _MAX_DEPTH = 64
+_WALKED = frozenset({*_SCALARS, float, dict, collections.OrderedDict, list, tuple, torch.Tensor, torch.nn.Parameter})
 
 
-def fingerprint(obj: Any) -> tuple[list[torch.Tensor], list[Any]] | None:
+# What a fingerprint's caller makes of a leaf it does not know: the tensor to stage for it and what
+# identifies its structure, or None when the state cannot be fingerprinted (see :func:`fingerprint`).
+OtherLeaf = Callable[[Any], "tuple[torch.Tensor, Any] | None"]
+
+
+def fingerprint(obj: Any, other: OtherLeaf | None = None) -> tuple[list[torch.Tensor], list[Any]] | None:
     """The tensors of a state tree in walk order, and a key that is equal for two trees exactly
     when they flatten the same way: the same containers (their types, keys and lengths), the same
     non-tensor leaves (their values: they are in the manifest's tree), and tensors of the same type,
-    dtype, shape, strides and device at the same places. A save whose key equals the last one's
-    can reuse everything planned from the tree and stage the new tensors into the same places.
+    dtype, shape, strides and device at the same places, the same tensor object at the same places
+    (an alias is written once). A save whose key equals the last one's can reuse everything planned
+    from the tree and stage the new tensors into the same places.
+
+    ``other`` describes the leaves this module cannot (a DTensor, a per-rank value): it returns the
+    tensor to stage and a key part that decides its structure, or None.
 
     Costs about a microsecond per tensor: it is walked at every save. None when the tree holds
-    anything it does not describe completely (a DTensor, a tensor subclass, a per-rank value, a
-    container other than dict, OrderedDict, list and tuple, the same tensor object twice): such a
-    state is planned afresh at every save.
+    anything neither it nor ``other`` describes completely (a tensor subclass, a container other
+    than dict, OrderedDict, list and tuple, a cycle): such a state is planned afresh at every save.
     """
     leaves: list[torch.Tensor] = []
     key: list[Any] = []
-    if not _walk(obj, leaves, key, 0) or len({id(t) for t in leaves}) != len(leaves):
+    if not _walk(obj, leaves, key, 0, other):
         return None
+    if len({id(t) for t in leaves}) != len(leaves):
+        # Aliases are part of the structure: two places holding one tensor are one entry, two
+        # tensors of the same shape are two.
+        first: dict[int, int] = {}
+        aliases = []
+        for i, t in enumerate(leaves):
+            j = first.setdefault(id(t), i)
+            if j != i:
+                aliases.append((i, j))
+        key.append(("aliases", tuple(aliases)))
     return leaves, key
 
 
-def _walk(obj: Any, leaves: list[torch.Tensor], key: list[Any], depth: int) -> bool:
+def _walk(obj: Any, leaves: list[torch.Tensor], key: list[Any], depth: int, other: OtherLeaf | None) -> bool:
     t = type(obj)
     if t is torch.Tensor or t is torch.nn.Parameter:
         leaves.append(obj)
@@ -392,12 +412,24 @@ def _walk(obj: Any, leaves: list[torch.Tensor], key: list[Any], depth: int) -> b
                 # Inline: a state dict is mostly tensors, and a call per tensor is a third of the walk.
                 leaves.append(v)
                 key.append((tv, v.dtype, v.shape, v.stride(), v.device))
-            elif not _walk(v, leaves, key, depth + 1):
+            elif other is not None and tv not in _WALKED:
+                found = other(v)  # inline too: a sharded model's state dict is mostly DTensors
+                if found is None:
+                    return False
+                leaves.append(found[0])
+                key.append(found[1])
+            elif not _walk(v, leaves, key, depth + 1, other):
                 return False
         return True
     if t is list or t is tuple:
         key.append((t, len(obj)))
-        return all(_walk(v, leaves, key, depth + 1) for v in obj)
+        return all(_walk(v, leaves, key, depth + 1, other) for v in obj)
+    if other is not None:
+        found = other(obj)
+        if found is not None:
+            leaves.append(found[0])
+            key.append(found[1])
+            return True
     return False
 
 

@@ -31,7 +31,7 @@ import socket
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,13 +78,20 @@ class SlotEntry:
 class Layout:
     entries: tuple[SlotEntry, ...]
     total: int
+    # Entries from ``tail`` on (per-rank values, encoded afresh at every save) may change length
+    # between saves of one structure: :meth:`with_tail` lays out only them again. None: no such tail.
+    tail: int | None = None
+    # The layout this one was derived from by with_tail: every entry before ``tail`` is the same.
+    base: Layout | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, items: list[tuple[str, torch.Tensor]], breaks: frozenset[int] = frozenset()) -> Layout:
+    def of(cls, items: list[tuple[str, torch.Tensor]], breaks: frozenset[int] = frozenset(),
+           tail: int | None = None) -> Layout:
         """Entries of 1 MiB or more start 4 KiB-aligned, smaller ones 64 bytes apart (the padding
         would otherwise be most of a state of small tensors, in RAM and in every file written from
         the slot), and so does the entry at each index in ``breaks``: the store cuts the slot there
-        (frozen entries first, replica-check entries last)."""
+        (frozen entries first, replica-check entries last). With a ``tail``, the slot keeps room for
+        the tail's entries to grow (to twice their bytes, at least 4 KiB more) without a new one."""
         entries, pos = [], 0
         for i, (key, t) in enumerate(items):
             name = dtype_name(t.dtype)
@@ -94,7 +101,32 @@ class Layout:
             pos = align_up(pos) if nbytes >= SMALL_BYTES or i in breaks else align_up(pos, SMALL_ALIGN)
             entries.append(SlotEntry(key, name, tuple(t.shape), pos, nbytes))
             pos += nbytes
-        return cls(tuple(entries), max(align_up(pos), 4096))
+        if tail is None or tail >= len(entries):
+            return cls(tuple(entries), max(align_up(pos), 4096))
+        spare = max(sum(e.nbytes for e in entries[tail:]), 4096)
+        return cls(tuple(entries), max(align_up(pos + spare), 4096), tail)
+
+    def with_tail(self, items: list[tuple[str, torch.Tensor]]) -> Layout | None:
+        """This layout with its tail's entries laid out again for ``items`` (the tail's new values,
+        same keys and dtypes), in the same slot size; None when they no longer fit in it."""
+        assert self.tail is not None and len(items) == len(self.entries) - self.tail
+        head = self.entries[: self.tail]
+        pos = head[-1].offset + head[-1].nbytes if head else 0
+        entries = list(head)
+        for (key, t), old in zip(items, self.entries[self.tail :]):
+            nbytes = t.numel() * t.element_size()
+            pos = align_up(pos) if nbytes >= SMALL_BYTES else align_up(pos, SMALL_ALIGN)
+            entries.append(SlotEntry(key, old.dtype, tuple(t.shape), pos, nbytes))
+            pos += nbytes
+        if align_up(pos) > self.total:
+            return None
+        return Layout(tuple(entries), self.total, self.tail, self.base or self)
+
+    @functools.cached_property
+    def family(self) -> str:
+        """The signature of the layout this one derives from (its own when none): layouts of one
+        family place every entry before the tail alike."""
+        return self.base.signature if self.base is not None else self.signature
 
     @functools.cached_property
     def signature(self) -> str:
@@ -145,7 +177,15 @@ class Slot:
         making one costs microseconds, which thousands of small tensors turn into most of a save."""
         if self._views is not None:
             held, views = self._views
-            if held is layout or held.signature == layout.signature:
+            if held is layout:
+                return views
+            if layout.tail is not None and held.tail == layout.tail and held.family == layout.family:
+                # Only the per-rank tail moved (no signature of the whole layout needed to know it):
+                # the views before it stand.
+                views = views[: layout.tail] + [self.view(e) for e in layout.entries[layout.tail :]]
+                self._views = (layout, views)
+                return views
+            if held.signature == layout.signature:
                 return views
         views = [self.view(e) for e in layout.entries]
         self._views = (layout, views)
@@ -322,10 +362,12 @@ class RamTier(Tier):
         if refresh_every and self._uses[index] % refresh_every == 0:
             may_skip = frozenset()  # this slot's periodic refresh: counted per slot, so every slot gets one
         segment = self._slot(index, layout.total)
-        if self._layout_sig.get(index) != layout.signature:
+        # A layout of the same family moved only its tail, per-rank values that are never skipped:
+        # what the slot holds before it stays where it was.
+        if self._layout_sig.get(index) != layout.family:
             self._sources[index] = {}  # another layout (or a new segment): nothing in the slot is reusable
             self._slot_sums.pop(index, None)
-        self._layout_sig[index] = layout.signature
+        self._layout_sig[index] = layout.family
         held = self._sources.setdefault(index, {})
         views = segment.views(layout)
         copied, reused = 0, []
