@@ -69,7 +69,8 @@ class Copies:
 
     def damage(self, tier: str, what: str, kind: str, step: int) -> str:
         """Damage one file of ``step``'s copy in ``tier``; returns where (for the messages)."""
-        rel = {"data": "data/rank-00000.bin", "manifest": "manifest.json", "part": "parts/rank-00000.json"}[what]
+        rel = {"data": "data/rank-00000.bin", "manifest": "manifest.json", "part": "parts/rank-00000.json",
+               "index": "index.json"}[what]
         if tier == "durable":
             if what == "data":
                 # On an object store a data object is named for its writer: the manifest names it.
@@ -130,21 +131,27 @@ SINGLE = [(t, w, k) for t in TIERS for w in WHAT for k in KINDS if not (t == "ra
 def test_one_damaged_copy_is_detected_and_the_next_copy_used(copies, job, caplog, tier, what, kind):
     """The damaged copy is made the nearest one (the tiers above it are emptied), so the restore
     has to read it: RAM damaged -> local used; local damaged, RAM gone -> durable used; durable
-    damaged, RAM and local gone -> no copy of step 2 is left, the older step 1 is restored."""
+    data damaged, RAM and local gone -> no copy of step 2 is left, the older step 1 is restored."""
     where = copies.damage(tier, what, kind, 2)
     if tier in ("local", "durable"):
         wipe_ram(job)
     if tier == "durable":
         shutil.rmtree(copies.local)
     step, target, log = _restore(copies, caplog)
-    # Part files are the writers' records (sizes, hosts, timings): the manifest carries all a
-    # restore reads, so damage to a part file costs nothing.
-    expected = 1 if tier == "durable" and what != "part" else 2
+    # On a node, part files are the writers' records (sizes, hosts, timings): the manifest carries
+    # all a restore reads, so damage to a part file costs nothing. On the durable tier a restore
+    # reads the index and the part files instead of the manifest: a damaged part falls back to the
+    # manifest, a damaged manifest is not read, and a manifest that is gone means the step was never
+    # committed.
+    durable_lost = tier == "durable" and (what == "data" or (what == "manifest" and kind == "delete"))
+    expected = 1 if durable_lost else 2
     assert step == expected and _same(target, expected)
     if what == "part" or (kind == "delete" and (what == "manifest" or tier == "local")):
         # A step without a manifest was never committed, and a file that is gone is no copy:
         # nothing was read that needs reporting (the next copy simply serves).
         return
+    if tier == "durable" and what == "manifest":
+        return  # the index served: the damaged manifest was never read
     # The damaged copy was read, named, and passed over.
     assert os.path.basename(where) in log or where in log, log
     if tier == "durable":
@@ -175,6 +182,7 @@ def test_a_damaged_manifest_in_every_tier_is_an_error_not_wrong_data(copies, cap
     for step in (1, 2):
         for tier in TIERS:
             copies.damage(tier, "manifest", "flip", step)
+        copies.damage("durable", "index", "flip", step)  # else a restore reads the durable step by its index
     with pytest.raises(ckptstore.CorruptCheckpointError, match=r"no sound copy of any checkpoint"):
         _restore(copies, caplog)
     assert "does not match its own checksum" in caplog.text  # each damaged copy was named

@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import logging
 import struct
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -962,11 +963,14 @@ class _Found:
                 self._encoded = []
 
     def _other(self) -> OtherLeaf:
-        from torch.distributed.tensor import DTensor
+        # A process that never imported torch.distributed.tensor holds no DTensor, and importing it
+        # here would cost the first save seconds (it pulls in sympy).
+        module = sys.modules.get("torch.distributed.tensor")
+        dtensor = getattr(module, "DTensor", None) if module is not None else None
 
         def other(obj: Any) -> tuple[torch.Tensor, Any] | None:
             t = type(obj)
-            if t is DTensor:
+            if dtensor is not None and t is dtensor:
                 local = obj.to_local()
                 if type(local) is not torch.Tensor and type(local) is not torch.nn.Parameter:
                     return None
