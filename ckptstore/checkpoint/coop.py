@@ -112,8 +112,11 @@ def _bounding(boxes: list[Box]) -> Box:
     return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
-def plan(manifest: Manifest, needs: list[Needs], buffer_bytes: int, where: str = "") -> Plan:
-    """The same plan on every rank: units, owners and rounds, from every rank's target boxes."""
+def plan(manifest: Manifest, needs: list[Needs], buffer_bytes: int, where: str = "", *,
+         share_whole: bool = True) -> Plan:
+    """The same plan on every rank: units, owners and rounds, from every rank's target boxes.
+    Without ``share_whole``, a chunk that every rank needing it needs whole is read by each of them
+    (see :func:`read`)."""
     world = len(needs)
     by_key: dict[str, list[tuple[int, int, Box]]] = {}
     for r, mine in enumerate(needs):
@@ -131,6 +134,8 @@ def plan(manifest: Manifest, needs: list[Needs], buffer_bytes: int, where: str =
             cbox = (tuple(c.offsets), tuple(c.sizes))
             over = [(r, i, ov) for r, i, b in holders if (ov := intersect(b, cbox)) is not None]
             if len({r for r, _i, _ov in over}) < 2:
+                continue
+            if not share_whole and all((tuple(ov[0]), tuple(ov[1])) == cbox for _r, _i, ov in over):
                 continue
             shared.add((key, ci))
             bbox = _bounding([ov for _r, _i, ov in over])
@@ -229,16 +234,21 @@ def _failed_units(round_units: list[Unit], owner: int, record: dict[str, Any], m
 
 
 def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_bytes: int,
-         read_direct: Callable[[list[ReadTarget]], None], where: str = "") -> Plan | None:
+         read_direct: Callable[[list[ReadTarget]], None], where: str = "", *, share_whole: bool = True) -> Plan | None:
     """Fill ``targets`` (this rank's boxes) cooperatively; ``read_direct`` is the load's own read
     path (verified reads of the given boxes). Collective: every rank of ``group`` calls this or
-    :func:`abstain`. Returns the plan, or None where each rank read on its own."""
+    :func:`abstain`. Returns the plan, or None where each rank read on its own.
+
+    ``share_whole=False`` (alike on every rank) leaves out chunks that every rank needing them needs
+    whole, a replicated tensor or the same layout as saved: a store's restore from node tiers, where
+    each node holds its own copy (or fetched it already) and reading it is a memory copy, which an
+    exchange over the process group only slows down."""
     mine: Needs = [(t.key, (tuple(t.box[0]), tuple(t.box[1]))) for t in targets]
     gathered = group.all_gather(mine)
     if any(n is None for n in gathered):
         read_direct(targets)  # a rank abstained: nobody exchanges
         return None
-    the_plan = plan(manifest, gathered, buffer_bytes, where)
+    the_plan = plan(manifest, gathered, buffer_bytes, where, share_whole=share_whole)
     if not the_plan.rounds:
         read_direct(targets)  # reads are disjoint already
         return None

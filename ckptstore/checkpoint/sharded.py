@@ -1025,9 +1025,10 @@ def load_manifest(
     per_rank: str,
     buffer_bytes: int,
     decode_per_rank: Callable[[bytes, str], Any],
+    share_whole: bool = True,
 ) -> None:
     """Fill ``state`` in place from a sharded manifest whose chunk files ``open_file`` opens
-    (a checkpoint directory, or the RAM tier's slots)."""
+    (a checkpoint directory, or the RAM tier's slots); ``share_whole`` as in :func:`coop.read`."""
     saved_world = int(manifest.meta.get("world_size", 1))
     ctx = _LoadCtx(manifest, open_file=open_file, display=display)
     try:
@@ -1053,7 +1054,8 @@ def load_manifest(
         if coop.usable(group):
             # Ranks split the reading of chunks several of them need and exchange the slices.
             coop.read(group, manifest, ctx.targets, buffer_bytes,
-                      lambda targets: read_targets(display, open_file, manifest, targets, buffer_bytes), display)
+                      lambda targets: read_targets(display, open_file, manifest, targets, buffer_bytes), display,
+                      share_whole=share_whole)
         else:
             read_targets(display, open_file, manifest, ctx.targets, buffer_bytes)
         if saved_world == group.world:

@@ -369,7 +369,7 @@ class Restorer:
                     opener = _Opener(transfers.sources, inv, excluded, durable.opener(step) if durable else None,
                                      display, used)
                     problem, kind, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers,
-                                                             inv, excluded, bad_owners)
+                                                             inv, excluded, bad_owners, share_whole=from_durable)
                 elif not lost:
                     abstain(fg)  # the ranks that load read together; this one does not, and says so
             finally:
@@ -398,12 +398,13 @@ class Restorer:
 
     def _load(self, state: Any, manifest: Manifest, display: str, opener: _Opener, per_rank: str,
               transfers: Transfers, inv: Inventory, excluded: set[str],
-              bad_owners: set[tuple[str, int]]) -> tuple[str, str, bool, Exception | None]:
+              bad_owners: set[tuple[str, int]], *, share_whole: bool) -> tuple[str, str, bool, Exception | None]:
         """Load this rank's part; returns (a problem with the copies read, its kind, whether another
-        copy is worth a retry, an error of the caller's state)."""
+        copy is worth a retry, an error of the caller's state). Only a load from the durable tier
+        shares the reading of chunks ranks need whole: on the nodes each rank's copy is at hand."""
         try:
             load_manifest(state, manifest, display, opener, group=self.groups.trainer, strict=True, per_rank=per_rank,
-                          buffer_bytes=self.buffer_bytes, decode_per_rank=decode_value)
+                          buffer_bytes=self.buffer_bytes, decode_per_rank=decode_value, share_whole=share_whole)
         except PeerUnavailable as exc:
             bad_owners.update((name, exc.owner) for name in exc.names)
             return str(exc), _OTHER, True, None
