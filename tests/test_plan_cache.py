@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_save_cache import Saver as _SaveCacheSaver
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import ckptstore.engine.pipeline as pipeline_module
 from ckptstore import CheckpointStore, PerRank, TrainState
 
 
@@ -89,29 +89,13 @@ def _assert_bitwise(got: Any, want: Any, where: str = "state") -> None:
         assert got == want, where
 
 
-class Saver:
-    """A real store; each save is restored at once and compared bitwise. Counts the plans."""
+class Saver(_SaveCacheSaver):
+    """A real store; each save is restored at once and compared bitwise (DTensors and per-rank
+    values included). Counts the plans."""
 
-    def __init__(self, store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.store, self.step, self.planned = store, 0, 0
-        real = pipeline_module.collect
-
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            self.planned += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(pipeline_module, "collect", counting)
-
-    def save_and_check(self, state: dict[str, Any]) -> bool:
-        """Save ``state``, restore it, compare; True when the save planned afresh."""
-        before = self.planned
-        self.step += 1
-        self.store.save(self.step, state).wait("local")
-        expected = _copy(state)  # after the save: what is written later must not matter
-        target = _blank(state)
-        assert self.store.restore(target, step=self.step) == self.step
-        _assert_bitwise(target, expected)
-        return self.planned > before
+    copy = staticmethod(lambda state: _copy(state))  # after the save: what is written later must not matter
+    blank = staticmethod(lambda state: _blank(state))
+    same = staticmethod(lambda got, want: _assert_bitwise(got, want))
 
 
 @pytest.fixture

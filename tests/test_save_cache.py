@@ -58,7 +58,12 @@ def _assert_bitwise(got: Any, want: Any, where: str = "state") -> None:
 
 
 class Saver:
-    """A real store; every save is restored at once into a fresh skeleton and compared bitwise."""
+    """A real store; every save is restored at once into a fresh skeleton and compared bitwise.
+    The copy, the skeleton and the comparison are the module's: a subclass may name others."""
+
+    copy = staticmethod(lambda state: _clone(state))
+    blank = staticmethod(lambda state: _zeros_like(state))
+    same = staticmethod(lambda got, want: _assert_bitwise(got, want))
 
     def __init__(self, store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.store, self.step, self.planned = store, 0, 0
@@ -76,10 +81,10 @@ class Saver:
         self.step += 1
         self.store.save(self.step, state).wait("local")
         # The skeleton is built after the save: values written after save returned must not matter.
-        expected = _clone(state)
-        target = _zeros_like(state)
+        expected = self.copy(state)
+        target = self.blank(state)
         assert self.store.restore(target, step=self.step) == self.step
-        _assert_bitwise(target, expected)
+        self.same(target, expected)
         return self.planned > before
 
 
