@@ -56,6 +56,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from agents import agent_pids  # noqa: E402 - shared by the benchmark scripts
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 CONFIGS = ("torch.save", "dcp", "ckptstore-local", "ckptstore-full")
@@ -452,20 +455,6 @@ def schedule(mtbf: float, horizon: float, seed: int, weibull: float | None, mix:
                     "rank": int(rng.integers(WORLD))})
 
 
-def _agents_of(ram_dir: str) -> list[int]:
-    """Node agents serving ``ram_dir`` (started detached by the stores of this run)."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if b"agent" in argv and ram_dir.encode() in argv:
-            pids.append(int(pid))
-    return pids
-
-
 def _kill(pid: int, group: bool = True) -> None:
     # The process itself too: a rank just forked may not have made its own group yet.
     for kill in (os.killpg, os.kill) if group else (os.kill,):
@@ -670,7 +659,7 @@ class Supervisor:
     def wipe_node(self, rank: int, ram_only: bool = False) -> None:
         node = self.nodes[rank]
         if not ram_only:
-            for pid in _agents_of(node["ram"]):
+            for pid in agent_pids(node["ram"]):
                 _kill(pid, group=False)
             _empty(node["local"])
         _empty(node["ram"])
@@ -725,7 +714,7 @@ class Supervisor:
         finally:
             self.kill_all()
             for n in self.nodes:
-                for pid in _agents_of(n["ram"]):
+                for pid in agent_pids(n["ram"]):
                     _kill(pid, group=False)
             log.close()
         return {"attempts": attempt, "kills": kills}

@@ -28,6 +28,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from agents import agent_pids  # noqa: E402 - shared by the benchmark scripts
+
 WORLD = 2
 
 # (module, class or None, attribute, phase): what each rank times inside the store.
@@ -205,23 +208,10 @@ def _wait_for_agents(ram_root: str, timeout_s: float = 60.0) -> None:
     """The node agents (started by the stores, detached) exit by themselves once no store of the
     job is open and nothing is left to persist: wait for that before their directories go."""
     deadline = time.time() + timeout_s
-    while time.time() < deadline and _agents(ram_root):
+    while time.time() < deadline and agent_pids(ram_root):
         time.sleep(0.5)
-    for pid in _agents(ram_root):  # still there: this run started it, this run ends it
+    for pid in agent_pids(ram_root):  # still there: this run started it, this run ends it
         os.kill(pid, signal.SIGKILL)
-
-
-def _agents(ram_root: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmd = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if b"agent" in cmd and any(a.startswith(ram_root.encode()) for a in cmd):
-            found.append(int(pid))
-    return found
 
 
 if __name__ == "__main__":

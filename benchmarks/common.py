@@ -89,3 +89,4 @@ def pyplot() -> Any:
         print("matplotlib not installed: no plot written")
         return None
     return plt
+
