@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -103,12 +104,19 @@ def _process_state(pid: int) -> str | None:
         return None
 
 
-def snapshot_id(manifest: Manifest) -> str:
-    """A name for the snapshot a RAM manifest describes: every rank's copy of a committed step's
-    manifest has the same chunk table (they differ in creation times only), so the agents of all
-    nodes name one snapshot alike, and parts of another save of the same step never match it."""
-    table = {key: manifest.tensors[key].to_json() for key in sorted(manifest.tensors)}
-    body = json.dumps([manifest.meta.get("job"), manifest.meta.get("step"), table], separators=(",", ":"))
+def snapshot_id(doc: dict[str, Any], manifest: Callable[[], Manifest]) -> str:
+    """A name for the save a rank's RAM document commits, the same in every rank's document of that
+    save on every node, and different for another save of the same step (a rerun's). The ranks agree
+    on a save id when they commit in RAM, and each document records it; a document written before
+    that (no ``save_id``) is named by its step's chunk table, which every rank's copy of the step's
+    manifest holds alike (``manifest`` parses it, only then)."""
+    save = doc.get("save_id")
+    if isinstance(save, str) and save:
+        body = json.dumps([doc.get("job"), doc.get("step"), "save", save], separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:32]
+    parsed = manifest()
+    table = {key: parsed.tensors[key].to_json() for key in sorted(parsed.tensors)}
+    body = json.dumps([parsed.meta.get("job"), parsed.meta.get("step"), table], separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()[:32]
 
 
@@ -230,7 +238,7 @@ class NodeAgent:
                         and step > max(durable_steps, default=-1))
         if not need_local and not need_durable:
             return True
-        sid = snapshot_id(manifest)
+        sid = snapshot_id(segments[0][1], lambda: manifest)
         ranks = [doc["rank"] for _path, doc in segments]
         copies: list[Snapshot] = []
 
@@ -239,10 +247,9 @@ class NodeAgent:
             tier still lacks a part (a watching agent waiting for other nodes' parts reads nothing)."""
             if not copies:
                 for path, doc in segments:
-                    doc_manifest = parse_manifest(doc["extra"]["manifest"].encode(), where=path)
-                    if snapshot_id(doc_manifest) != sid:
+                    if snapshot_id(doc, functools.partial(_doc_manifest, path, doc)) != sid:
                         raise CorruptCheckpointError(
-                            f"{path}: its manifest of step {step} is not the one the other ranks' segments hold; "
+                            f"{path}: its save of step {step} is not the one the other ranks' segments hold; "
                             "not persisting a mix of two saves", location=path)
                     copies.append(read_verified(path, doc, manifest, sid))
             return copies
@@ -364,6 +371,10 @@ class NodeAgent:
 
 
 # ---------------------------------------------------------------------------------- the pieces
+
+
+def _doc_manifest(path: str, doc: dict[str, Any]) -> Manifest:
+    return parse_manifest(doc["extra"]["manifest"].encode(), where=path)
 
 
 def _one_per_rank(segments: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:

@@ -38,3 +38,4 @@ class StepJob:
     live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)
     replicated: dict[str, tuple] = field(default_factory=dict)  # key -> (offsets, sizes, kind) of replicated boxes
     sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)
+    save_id: str = ""  # agreed by the ranks at the RAM commit: names this save of the step on every node

@@ -36,6 +36,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import logging
+import secrets
 import struct
 import sys
 import time
@@ -609,7 +610,10 @@ class Pipeline:
             self._stage_timings(job, time.perf_counter() - t_hash)
             part = await self.ram.put(job.snap)
             part["sdc"] = self.check.digest(job)
-            part.update(step=job.step, digest=job.digest)
+            # Each rank proposes a save id and the largest wins: every rank's RAM document of this
+            # save names it alike, so a node agent tells this save from any other of the step
+            # without comparing chunk tables.
+            part.update(step=job.step, digest=job.digest, save_id=secrets.randbits(63))
             if job.shared:  # one rank of each structure carries its tree and tensor table
                 part["shared"] = job.shared
             return part
@@ -619,13 +623,14 @@ class Pipeline:
             raise CheckpointError(
                 f"ranks staged different steps for step {job.step}: every rank must save the same step"
             )
+        job.save_id = f"{max(p.pop('save_id') for p in parts):016x}"
         job.shared = merge_structures([(r, p.pop("shared")) for r, p in enumerate(parts) if "shared" in p],
                                       f"step {job.step}")
         job.sdc = await self.check.compare(job, parts, lambda what, fn: agree_async(fast, what, _threaded(fn)))
         manifest = self._manifest(job, parts)
         job.parts = parts
         crashpoint("ram.before_commit", str(job.step))
-        await concur_async(fast, f"committing step {job.step} in RAM", lambda: self.ram.commit(job.step, manifest))
+        await concur_async(fast, f"committing step {job.step} in RAM", lambda: self.ram.commit(job.step, manifest, save_id=job.save_id))
         crashpoint("ram.committed", str(job.step))
         self._last = job
         _resolve(job.futures["ram"], job.step)

@@ -448,7 +448,8 @@ class RamTier(Tier):
         staged.sums = self._slot_sums[staged.slot] = out
         return out
 
-    async def _publish(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None) -> None:
+    async def _publish(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None,
+                       save_id: str | None = None) -> None:
         """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes."""
         if self.private:
             return  # no other process can read a private slot: there is nothing to publish
@@ -469,6 +470,8 @@ class RamTier(Tier):
         }
         if self.store_info is not None:
             doc["store"] = self.store_info
+        if save_id is not None:
+            doc["save_id"] = save_id
         await write_doc(self._name(staged.slot, "json"), doc)
         if self._newest is None or staged.step >= self._newest[0]:
             self._newest = (staged.step, staged.slot)
@@ -572,11 +575,13 @@ class RamTier(Tier):
         return {"rank": self.rank, "world_size": snap.world, "host": socket.gethostname(), "pid": os.getpid(),
                 "bytes": snap.nbytes, "written_bytes": 0, "chunks": snap.chunks, "timings": snap.meta.get("timings", {})}
 
-    async def commit(self, step: int, manifest: Manifest) -> None:
+    async def commit(self, step: int, manifest: Manifest, *, save_id: str | None = None) -> None:
+        """Publish the staged ``step`` with ``manifest``; ``save_id``, when the ranks agreed one,
+        names this save of the step in every rank's document alike (what a node agent matches)."""
         staged = self._by_step.pop(step, None)
         if staged is None:
             raise CheckpointError(f"step {step} is not staged in this RAM tier (rank {self.rank}), or its slot was reused")
-        await self._publish(staged, staged.sums or {}, {"manifest": manifest.to_json_bytes().decode()})
+        await self._publish(staged, staged.sums or {}, {"manifest": manifest.to_json_bytes().decode()}, save_id)
 
     def _docs(self, rank: int) -> list[dict[str, Any]]:
         """Committed snapshots of ``rank`` of this job in ram_dir (any rank on this node), whose
