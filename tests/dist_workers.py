@@ -605,8 +605,10 @@ def store_control_plane_job(rank: int, world: int, name: str, root: str, out: st
 
     pipeline.collect = counted
     local = os.path.join(root, f"local-{world}-{rank}")  # a directory per rank: each is a node
+    # Every save is replicated to the next node's rank too (each rank its own node), so the peer
+    # lane's control plane is counted with the others.
     store = ckptstore.CheckpointStore(name, local=local, durable=os.path.join(root, f"durable-{world}"),
-                                      durable_every=1, keep_local=10)
+                                      durable_every=1, keep_local=10, peer_replicas=1, node=rank)
     saved, steady = {}, (2, 3)
     traffic = None
     last = 7 if changes else steady[-1]

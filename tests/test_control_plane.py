@@ -47,6 +47,14 @@ def test_a_steady_promotion_sends_the_parts_to_the_coordinator_alone(traffic):
     assert traffic[4][0]["durable"] > traffic[2][0]["durable"] > others_bytes, traffic
 
 
+def test_a_steady_replication_agrees_by_flags_alone(traffic):
+    """A replica is a byte copy of its source's slot, described by the step's RAM manifest: every
+    rank, at either size, receives the same few flags through the peer group, never another
+    rank's part (the replicated bytes travel point to point, outside the counted collectives)."""
+    peer = {g.get("peer") for world in (2, 4) for g in traffic[world]}
+    assert len(peer) == 1 and peer.pop(), traffic
+
+
 @pytest.mark.xfail(strict=True, reason="the fast lane still gathers every rank's part on every rank at every save "
                                       "(docs/architecture.md, 'What is not flat yet'); remove this mark when it agrees "
                                       "by flags alone")

@@ -6,6 +6,7 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..format.manifest import Manifest
 from ..tiers.base import Snapshot
 from ..tiers.ram import Layout, Staged
 
@@ -33,6 +34,7 @@ class StepJob:
     local_part: dict[str, Any] | None = None  # this rank's part in the local tier, once committed there
     durable_data: Any = None  # the local files mapped read-only, what the promotion reads instead of the slot
     parts: list[dict[str, Any]] = field(default_factory=list)  # every rank's RAM part, after the gather
+    manifest: Manifest | None = None  # the step's RAM manifest, which also describes its peer replicas
     shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
     check: set[str] = field(default_factory=set)  # keys staged only to compare replicas (sdc), never written
     live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)

@@ -628,9 +628,10 @@ class Pipeline:
                                       f"step {job.step}")
         job.sdc = await self.check.compare(job, parts, lambda what, fn: agree_async(fast, what, _threaded(fn)))
         manifest = self._manifest(job, parts)
-        job.parts = parts
+        job.parts, job.manifest = parts, manifest
         crashpoint("ram.before_commit", str(job.step))
-        await concur_async(fast, f"committing step {job.step} in RAM", lambda: self.ram.commit(job.step, manifest, save_id=job.save_id))
+        await concur_async(fast, f"committing step {job.step} in RAM",
+                           lambda: self.ram.commit(job.step, manifest, save_id=job.save_id))
         crashpoint("ram.committed", str(job.step))
         self._last = job
         _resolve(job.futures["ram"], job.step)
@@ -691,9 +692,12 @@ class Pipeline:
         """Write the step to ``tier`` (from ``snap``, by default the staged slot's) and commit it on
         every rank; returns this rank's part.
 
-        Each node's copy of a step in a node tier (local, peer) holds the step's whole manifest, so
-        those gather every rank's part on every rank. The durable tier has one copy, whose manifest
-        its coordinator (rank 0) writes: only it receives the parts, and the other ranks learn of
+        Each node's copy of a step in a node tier (local, peer) holds the step's whole manifest. The
+        local tier's lays the step out anew (the frozen region in a file of its own), so it gathers
+        every rank's part on every rank. A peer replica is a byte copy of its source's slot, so the
+        step's RAM manifest, which every rank built at the RAM commit, describes the replicas too:
+        replication agrees through flags alone. The durable tier has one copy, whose manifest its
+        coordinator (rank 0) writes: only it receives the parts, and the other ranks learn of
         success through one all-reduce of a flag (every rank's failure still reaches every rank)."""
         assert job.snap is not None
         source = snap or job.snap
@@ -713,6 +717,11 @@ class Pipeline:
                             await self.durable.commit(job.step, self._manifest(job, parts), parts)
 
                     await concur_async(group, committing, commit)
+                    return part
+                if tier is self.peer and job.manifest is not None:
+                    part = await concur_async(group, writing, lambda: self._put(tier, source, job))
+                    ram_manifest = job.manifest
+                    await concur_async(group, committing, lambda: tier.commit(job.step, ram_manifest))
                     return part
                 parts = await agree_async(group, writing, lambda: self._put(tier, source, job))
                 manifest = self._manifest(job, parts)
