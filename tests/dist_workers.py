@@ -644,3 +644,37 @@ def store_control_plane_job(rank: int, world: int, name: str, root: str, out: st
             assert target[k].dtype == v.dtype and torch.equal(target[k], v), (rank, step, k)
     store.close()
 
+
+
+def store_frozen_local_job(rank: int, world: int, name: str, root: str) -> None:
+    """Frozen tensors lay each rank's local files out apart from its slot (their region in a file
+    of its own), so the local manifest's chunk table is not the RAM manifest's: every step saved
+    that way restores bitwise on every rank from the local tiers alone (the RAM copies gone, each
+    rank's directory a node of its own)."""
+    import json
+
+    local = os.path.join(root, f"local-{world}-{rank}")
+    store = ckptstore.CheckpointStore(name, local=local, frozen=lambda key: key.startswith("base"))
+    saved = {}
+    for step in (1, 2):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        # Plain tensors every rank holds are replicas (one rank writes each): alike on every rank.
+        state = {"base": torch.arange(3000, dtype=torch.float32), f"base{rank}": torch.full((900,), float(rank)),
+                 f"own{rank}": torch.randn(700, generator=g),
+                 "shared": torch.randn(5, 7, generator=torch.Generator().manual_seed(step))}
+        store.save(step, state).wait("local")
+        saved[step] = {k: v.clone() for k, v in state.items()}
+    store.close()  # its RAM segments go with it: a restore reads the local tiers
+    with open(os.path.join(local, "step-000000000002", "manifest.json")) as fh:
+        manifest = json.load(fh)
+    files = {c["file"] for e in manifest["tensors"].values() for c in e["chunks"]}
+    assert any("frozen" in f for f in files), files  # the local layout, not the slot's
+    fresh = ckptstore.CheckpointStore(name, local=local)
+    try:
+        for step in (1, 2):
+            target = {k: torch.zeros_like(v) for k, v in saved[step].items()}
+            assert fresh.restore(target, step=step) == step
+            for k, v in saved[step].items():
+                assert torch.equal(target[k], v), (rank, step, k)
+    finally:
+        fresh.close()

@@ -5,17 +5,22 @@ that save records it. The node agent names a snapshot by it (the parts it writes
 that name, and it refuses to persist a mix of two saves), so it needs no chunk table of the whole
 world to tell one save from another. Documents written before the save id existed are still named
 by their chunk table, and still persisted.
+
+A local copy laid out otherwise than the slot (frozen tensors in a file of their own) restores
+bitwise on every rank: the layout a restore groups copies by is the local tier's own there.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from pathlib import Path
 
+import dist_workers
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, wipe_ram
 
 from ckptstore import CheckpointStore, load_sharded
 from ckptstore.engine.agent import NodeAgent, snapshot_id
@@ -106,3 +111,15 @@ def test_two_saves_of_one_step_with_the_same_chunk_table_are_told_apart(node):
     assert snapshot_id(doc, lambda: manifest) != snapshot_id(rerun, lambda: manifest)
     old = {k: v for k, v in doc.items() if k != "save_id"}
     assert snapshot_id(old, lambda: manifest) == snapshot_id(dict(old), lambda: manifest)
+
+
+@pytest.mark.slow  # two processes, a save and a restore each: 25-40 s on the shared cores
+def test_frozen_tensors_lay_local_files_out_apart_and_every_rank_still_restores_bitwise(tmp_path):
+    """Two gloo ranks, each its own node: a local copy that is not laid out as the slot (what a
+    change to how the local tier is committed must keep right) reads back bitwise from the local
+    tiers alone."""
+    name = f"test-lane-frozen-{uuid.uuid4().hex[:10]}"
+    try:
+        dist_workers.spawn(2, "store_frozen_local_job", tmp_path, name=name, root=str(tmp_path))
+    finally:
+        wipe_ram(name)
