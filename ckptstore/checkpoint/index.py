@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._version import __version__
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.checksum import checksum, validate_checksum_string
@@ -63,26 +65,50 @@ class Index:
 def build_index(manifest: Manifest, parts: Sequence[dict[str, Any]], layout: str) -> bytes | None:
     """The index of ``manifest``, committed from ``parts`` (each as its writer's tier returned it,
     naming its ``part_file`` and ``part_checksum``); None when a part does not name its file (the
-    step is then read through its manifest)."""
-    writers: dict[str, set[int]] = {}
+    step is then read through its manifest).
+
+    Its cost grows with the ranks plus the tensors of each distinct structure, not with ranks x
+    tensors: ranks that wrote the same keys (every rank of one pipeline stage, of one expert
+    group) are grouped by their key list, whose hash is computed in C, and each group's keys are
+    walked once. Writer ranges are then computed once per distinct set of groups."""
     files: dict[int, tuple[str, str]] = {}
+    groups: dict[tuple[int, int], list[Any]] = {}  # (hash, length) of a key list -> [keys, ranks]
     for part in parts:
         rank = part["rank"]
         if not isinstance(part.get("part_file"), str) or not isinstance(part.get("part_checksum"), str):
             return None
         files[rank] = (part["part_file"], part["part_checksum"])
-        for alias in part["chunks"]:
-            writers.setdefault(_unalias(alias), set()).add(rank)
+        keys = tuple(part["chunks"])
+        # Two different key lists of one hash would list a rank as a writer of keys it did not write
+        # (or leave it out of some): a reader then finds those chunks missing from the parts it reads,
+        # and reads the manifest instead (plan_from_index checks coverage), so a collision costs time,
+        # never a wrong load.
+        group = groups.setdefault((hash(keys), len(keys)), [keys, []])
+        group[1].append(rank)
+    owners: dict[str, list[int]] = {}  # key -> the groups that wrote it
+    for gid, (keys, _ranks) in enumerate(groups.values()):
+        for alias in keys:
+            key = _unalias(alias)
+            seen = owners.setdefault(key, [])
+            if not seen or seen[-1] != gid:
+                seen.append(gid)
+    members = [np.asarray(ranks, dtype=np.int64) for _keys, ranks in groups.values()]
+    spans: dict[tuple[int, ...], tuple[list[list[int]], int]] = {}  # groups -> (ranges, writer count)
     inline: dict[str, Any] = {}
     sharded: dict[str, Any] = {}
-    used: set[int] = set()
+    used: set[tuple[int, ...]] = set()
     for key, entry in manifest.tensors.items():
-        ranks = writers.get(key, set())
-        if len(ranks) <= 1:
+        gids = tuple(owners.get(key, ()))
+        span = spans.get(gids)
+        if span is None:
+            ranks = np.unique(np.concatenate([members[g] for g in gids])) if gids else np.empty(0, np.int64)
+            span = spans[gids] = (_ranges(ranks), len(ranks))
+        if span[1] <= 1:
             inline[key] = entry.to_json()
         else:
-            sharded[key] = {"dtype": entry.dtype, "shape": entry.shape, "writers": _ranges(sorted(ranks))}
-            used |= ranks
+            sharded[key] = {"dtype": entry.dtype, "shape": entry.shape, "writers": span[0]}
+            used.add(gids)
+    named: Any = np.unique(np.concatenate([members[g] for gids in used for g in gids])) if used else []
     doc = {
         "format": FORMAT_NAME,
         "format_version": manifest.format_version,
@@ -94,20 +120,20 @@ def build_index(manifest: Manifest, parts: Sequence[dict[str, Any]], layout: str
         "tree": manifest.tree,
         "tensors": inline,
         "sharded": sharded,
-        "parts": {str(r): list(files[r]) for r in sorted(used)},
+        "parts": {str(r): list(files[r]) for r in map(int, named)},
     }
     body = json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     return body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}'
 
 
-def _ranges(ranks: list[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for r in ranks:
-        if out and out[-1][1] == r - 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return out
+def _ranges(ranks: Any) -> list[list[int]]:
+    """Sorted distinct ranks as [first, last] runs of consecutive ranks."""
+    if len(ranks) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ranks) != 1)
+    firsts = np.concatenate(([0], breaks + 1))
+    lasts = np.concatenate((breaks, [len(ranks) - 1]))
+    return [[int(ranks[a]), int(ranks[b])] for a, b in zip(firsts, lasts)]
 
 
 def parse_index(data: bytes, *, where: str) -> Index:
