@@ -263,6 +263,7 @@ def _plan(read: Reader, state: Any, rank: int, world: int, display: str, index: 
 
     if rank in index.parts:
         take(rank)
+    own = set(read_parts)
     for key, box in targets:
         if _covered(tensors[key], box):
             continue
@@ -277,6 +278,7 @@ def _plan(read: Reader, state: Any, rank: int, world: int, display: str, index: 
         if len(tensors[key].chunks) > 1:
             tensors[key].chunks.sort(key=lambda c: c.offsets)
     _check_byte_ranges({k: tensors[k] for k in keys}, f"{display}/{INDEX}")
+    index.header.planned = "own" if read_parts == own else "writers"
     return index.header
 
 

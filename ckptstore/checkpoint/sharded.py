@@ -16,6 +16,7 @@ import collections
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import queue
@@ -43,10 +44,11 @@ from ..errors import (
     UnsupportedObjectError,
 )
 from ..format import codecs
+from ..format.checksum import checksum
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
-from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
+from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, layout_digest, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
-from ..names import MANIFEST, data_file, part_file, writer_variant
+from ..names import INDEX, MANIFEST, data_file, part_file, writer_variant
 from ..planning.flatten import contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, intersect, read_plan, row_span, shard_boxes, spread
 from ..storage.small import write_small_exclusive
@@ -63,6 +65,8 @@ from . import coop, transfer
 from .coop import ReadTarget
 from .memory import alloc_bytes
 from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
+
+log = logging.getLogger("ckptstore")
 
 BLOCK_SIZE = 4 << 20
 # A rank's second, third... box of one tensor travels through the tiers under its own name
@@ -644,6 +648,8 @@ def save(
                         "it, or save to a new directory"
                     )
                 directory.remove(MANIFEST)  # uncommit first: a crash mid-save must not leave old + new mixed
+                if directory.exists(INDEX):
+                    directory.remove(INDEX)  # it describes the old manifest
             directory.makedirs()
         except CheckpointError as exc:
             verdict = str(exc)
@@ -698,6 +704,7 @@ def save(
                     # is created first wins; each writer's data files are its own (_write_rank), so
                     # the winning manifest never names a loser's bytes.
                     directory.create_small(MANIFEST, body)
+                _write_index(directory, manifest, [r["part"] for r in results], overwrite)
             except CheckpointExistsError:
                 commit = {"exists": True}
             except Exception as exc:  # noqa: BLE001 - the other ranks wait for this verdict
@@ -798,9 +805,11 @@ def _write_rank(
         "chunks": dict(chunks),
         "timings": {"plan_s": round(t_plan - t0, 6), "write_s": round(t_write - t_plan, 6)},
     }
-    directory.write_small(part_rel, json.dumps(part, separators=(",", ":")).encode())
+    body = json.dumps(part, separators=(",", ":")).encode()
+    directory.write_small(part_rel, body)
     written.append(part_rel)
-    return part
+    # Not in the file (they are about its bytes): what the committer's index names it by.
+    return {**part, "part_file": part_rel, "part_checksum": checksum(body)}
 
 
 def build_manifest(
@@ -957,7 +966,7 @@ def load(
     group = Group(process_group)
     try:
         directory = Directory(url, storage_options)
-        manifest = read_manifest(directory)
+        manifest = _load_plan(state, directory, group)
     except BaseException:
         coop.abstain(group)  # the other ranks' reads must not wait for this one
         raise
@@ -972,6 +981,45 @@ def load(
         buffer_bytes=buffer_bytes,
         decode_per_rank=decode_per_rank,
     )
+
+
+def _write_index(directory: Directory, manifest: Manifest, parts: list[dict[str, Any]], overwrite: bool) -> None:
+    """After the commit, by the rank that committed: the index a rank plans its load from
+    (checkpoint/index.py). Without one the checkpoint is read through its manifest, so failing to
+    write it fails nothing."""
+    from .index import build_index
+
+    try:
+        body = build_index(manifest, parts, layout_digest(manifest))
+        if body is not None:
+            (directory.write_small if overwrite else directory.create_small)(INDEX, body)
+    except (CheckpointError, OSError) as exc:
+        log.warning("ckptstore: cannot write the index of %s (%s); it is read through its manifest",
+                    directory.display, exc)
+
+
+def _load_plan(state: Any, directory: Directory, group: Group) -> Manifest:
+    """The manifest this rank loads ``state`` with: planned from the checkpoint's index and this
+    rank's own part file when every rank's own part covers what it loads (the layout it saved:
+    no rank reads the whole world's chunk table); ``manifest.json`` otherwise (no index, a damaged
+    one, or a resharded load, whose cooperative read plans from the whole table on every rank).
+    Ranks agree on the choice with one all-reduce of a flag."""
+    from .index import plan_from_index  # the index module plans with this one's walk
+
+    planned: Manifest | None = None
+    try:
+        if not directory.exists(MANIFEST):
+            raise CheckpointNotFoundError(f"{directory.display}: no {MANIFEST}")  # an index never commits
+        planned = plan_from_index(directory.read_small, state, group.rank, group.world, directory.display)
+    except CorruptCheckpointError as exc:
+        log.warning("ckptstore: cannot plan the load of %s from its index (%s); reading its manifest",
+                    directory.display, exc)
+    except (CheckpointError, OSError):
+        pass  # the state does not match, or the storage failed: the manifest's read says how
+    whole = planned is None or planned.planned != "own"
+    if group.world > 1:
+        whole = bool(group.max_int64([int(whole)])[0])
+    return read_manifest(directory) if whole else planned  # type: ignore[return-value]
 
 
 def chunks_needed(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, int, int]]:

@@ -129,6 +129,11 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION
     writer: str = f"ckptstore {__version__}"
+    # Not part of the format: "" for a whole manifest; for one a rank planned from an index
+    # (checkpoint/index.py), "own" when its chunks of sharded tensors are its own part's only, and
+    # "writers" when it read the parts of those tensors' writers. A cooperative read computes one
+    # plan on every rank from the chunk tables, so it needs to know when those tables differ.
+    planned: str = ""
 
     def to_json_bytes(self) -> bytes:
         doc = {
