@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from .._version import __version__
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..collective import Group
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.checksum import CHECKSUM_FORM, checksum, validate_checksum_string
 from ..format.dtypes import dtype_from_name, element_size
 from ..format.manifest import (
@@ -43,14 +45,16 @@ from ..format.manifest import (
     check_byte_ranges,
     check_manifest_size,
     check_version,
+    layout_digest,
     load_json,
     parse_entry,
     verify_own_checksum,
 )
-from ..names import INDEX
+from ..names import INDEX, MANIFEST
 from ..planning.sharding import Box, intersect
-from .sharded import _unalias, load_boxes
+from .sharded import Directory, _unalias, load_boxes, read_manifest
 
+log = logging.getLogger("ckptstore")
 Reader = Callable[[str], bytes]
 _CHECKSUM = CHECKSUM_FORM
 _FIELDS = operator.itemgetter("offsets", "sizes", "file", "offset", "length", "codec", "checksum")
@@ -385,4 +389,38 @@ def _covered(entry: TensorEntry, box: Box) -> bool:
     return got == need
 
 
-__all__ = ["Index", "build_index", "parse_index", "plan_from_index", "read_index"]
+def write_index(directory: Directory, manifest: Manifest, parts: list[dict[str, Any]], overwrite: bool) -> None:
+    """``save_sharded``'s index, written after the commit by the rank that committed. Without one
+    the checkpoint is read through its manifest, so failing to write it fails nothing."""
+    try:
+        body = build_index(manifest, parts, layout_digest(manifest))
+        if body is not None:
+            (directory.write_small if overwrite else directory.create_small)(INDEX, body)
+    except (CheckpointError, OSError) as exc:
+        log.warning("ckptstore: cannot write the index of %s (%s); it is read through its manifest",
+                    directory.display, exc)
+
+
+def load_plan(state: Any, directory: Directory, group: Group) -> Manifest:
+    """The manifest this rank loads ``state`` with: planned from the checkpoint's index and this
+    rank's own part file when every rank's own part covers what it loads (the layout it saved:
+    no rank reads the whole world's chunk table); ``manifest.json`` otherwise (no index, a damaged
+    one, or a resharded load, whose cooperative read plans from the whole table on every rank).
+    Ranks agree on the choice with one all-reduce of a flag."""
+    planned: Manifest | None = None
+    try:
+        if not directory.exists(MANIFEST):
+            raise CheckpointNotFoundError(f"{directory.display}: no {MANIFEST}")  # an index never commits
+        planned = plan_from_index(directory.read_small, state, group.rank, group.world, directory.display)
+    except CorruptCheckpointError as exc:
+        log.warning("ckptstore: cannot plan the load of %s from its index (%s); reading its manifest",
+                    directory.display, exc)
+    except (CheckpointError, OSError):
+        pass  # the state does not match, or the storage failed: the manifest's read says how
+    whole = planned is None or planned.planned != "own"
+    if group.world > 1:
+        whole = bool(group.max_int64([int(whole)])[0])
+    return read_manifest(directory) if whole else planned  # type: ignore[return-value]
+
+
+__all__ = ["Index", "build_index", "load_plan", "parse_index", "plan_from_index", "read_index", "write_index"]

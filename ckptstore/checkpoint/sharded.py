@@ -46,7 +46,7 @@ from ..errors import (
 from ..format import codecs
 from ..format.checksum import checksum
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
-from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, layout_digest, parse_manifest
+from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
 from ..names import INDEX, MANIFEST, data_file, part_file, writer_variant
 from ..planning.flatten import contiguous_bytes, escape_key
@@ -627,7 +627,10 @@ def save(
     storage_options: dict[str, Any] | None,
     overwrite: bool,
     encode_per_rank: Callable[[Any], bytes],
+    write_index: Callable[[Directory, Manifest, list[dict[str, Any]], bool], None] | None = None,
 ) -> None:
+    """``write_index``: called by rank 0 right after it committed the manifest, with the parts it
+    was built from (the index beside it: checkpoint/index.py, which plans with this module)."""
     t0 = time.perf_counter()
     group = Group(process_group)
     directory = Directory(url, storage_options)
@@ -704,7 +707,8 @@ def save(
                     # is created first wins; each writer's data files are its own (_write_rank), so
                     # the winning manifest never names a loser's bytes.
                     directory.create_small(MANIFEST, body)
-                _write_index(directory, manifest, [r["part"] for r in results], overwrite)
+                if write_index is not None:
+                    write_index(directory, manifest, [r["part"] for r in results], overwrite)
             except CheckpointExistsError:
                 commit = {"exists": True}
             except Exception as exc:  # noqa: BLE001 - the other ranks wait for this verdict
@@ -958,7 +962,9 @@ def load(
     per_rank: str,
     buffer_bytes: int,
     decode_per_rank: Callable[[bytes, str], Any],
+    plan: Callable[[Any, Directory, Group], Manifest] | None = None,
 ) -> None:
+    """``plan``: the manifest a rank loads with (collective; by default the whole manifest)."""
     if per_rank not in ("error", "skip"):
         raise InvalidArgumentError(f"per_rank={per_rank!r}: use 'error' or 'skip'")
     if buffer_bytes < 1:
@@ -966,7 +972,7 @@ def load(
     group = Group(process_group)
     try:
         directory = Directory(url, storage_options)
-        manifest = _load_plan(state, directory, group)
+        manifest = read_manifest(directory) if plan is None else plan(state, directory, group)
     except BaseException:
         coop.abstain(group)  # the other ranks' reads must not wait for this one
         raise
@@ -981,45 +987,6 @@ def load(
         buffer_bytes=buffer_bytes,
         decode_per_rank=decode_per_rank,
     )
-
-
-def _write_index(directory: Directory, manifest: Manifest, parts: list[dict[str, Any]], overwrite: bool) -> None:
-    """After the commit, by the rank that committed: the index a rank plans its load from
-    (checkpoint/index.py). Without one the checkpoint is read through its manifest, so failing to
-    write it fails nothing."""
-    from .index import build_index
-
-    try:
-        body = build_index(manifest, parts, layout_digest(manifest))
-        if body is not None:
-            (directory.write_small if overwrite else directory.create_small)(INDEX, body)
-    except (CheckpointError, OSError) as exc:
-        log.warning("ckptstore: cannot write the index of %s (%s); it is read through its manifest",
-                    directory.display, exc)
-
-
-def _load_plan(state: Any, directory: Directory, group: Group) -> Manifest:
-    """The manifest this rank loads ``state`` with: planned from the checkpoint's index and this
-    rank's own part file when every rank's own part covers what it loads (the layout it saved:
-    no rank reads the whole world's chunk table); ``manifest.json`` otherwise (no index, a damaged
-    one, or a resharded load, whose cooperative read plans from the whole table on every rank).
-    Ranks agree on the choice with one all-reduce of a flag."""
-    from .index import plan_from_index  # the index module plans with this one's walk
-
-    planned: Manifest | None = None
-    try:
-        if not directory.exists(MANIFEST):
-            raise CheckpointNotFoundError(f"{directory.display}: no {MANIFEST}")  # an index never commits
-        planned = plan_from_index(directory.read_small, state, group.rank, group.world, directory.display)
-    except CorruptCheckpointError as exc:
-        log.warning("ckptstore: cannot plan the load of %s from its index (%s); reading its manifest",
-                    directory.display, exc)
-    except (CheckpointError, OSError):
-        pass  # the state does not match, or the storage failed: the manifest's read says how
-    whole = planned is None or planned.planned != "own"
-    if group.world > 1:
-        whole = bool(group.max_int64([int(whole)])[0])
-    return read_manifest(directory) if whole else planned  # type: ignore[return-value]
 
 
 def chunks_needed(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, int, int]]:
