@@ -16,7 +16,6 @@ import collections
 import functools
 import hashlib
 import json
-import logging
 import math
 import os
 import queue
@@ -65,8 +64,6 @@ from . import coop, transfer
 from .coop import ReadTarget
 from .memory import alloc_bytes
 from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
-
-log = logging.getLogger("ckptstore")
 
 BLOCK_SIZE = 4 << 20
 # A rank's second, third... box of one tensor travels through the tiers under its own name
