@@ -1229,6 +1229,7 @@ def test_sharded_files_agree(sharded: tuple[pathlib.Path, dict[str, Any]]) -> No
     assert data[end:] == bytes(len(data) - end)
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == [
         "data/rank-00000.bin",
+        "index.json",
         "manifest.json",
         "parts/rank-00000.json",
     ]

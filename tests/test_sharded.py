@@ -53,7 +53,7 @@ def test_round_trip_in_place(tmp_path):
 def test_layout_on_disk_and_manifest_written_last(tmp_path):
     ckptstore.save_sharded(_state(), tmp_path / "c")
     root = tmp_path / "c"
-    assert sorted(os.listdir(root)) == ["data", "manifest.json", "parts"]
+    assert sorted(os.listdir(root)) == ["data", "index.json", "manifest.json", "parts"]
     assert os.listdir(root / "data") == ["rank-00000.bin"]
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["kind"] == "sharded" and manifest["meta"]["world_size"] == 1

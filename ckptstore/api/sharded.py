@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._gc import gc_paused
+from ..checkpoint import index as _index
 from ..checkpoint import sharded as _engine
 from ..checkpoint.materialize import decode_value, encode_value
 from ..checkpoint.sharded import PerRank
@@ -36,6 +37,7 @@ def save_sharded(
         storage_options=storage_options,
         overwrite=overwrite,
         encode_per_rank=encode_value,
+        write_index=_index.write_index,
     )
 
 
@@ -77,6 +79,7 @@ def load_sharded(
         per_rank=per_rank,
         buffer_bytes=buffer_bytes,
         decode_per_rank=decode_value,
+        plan=_index.load_plan,
     )
 
 

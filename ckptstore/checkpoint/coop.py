@@ -244,10 +244,20 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
     each node holds its own copy (or fetched it already) and reading it is a memory copy, which an
     exchange over the process group only slows down."""
     mine: Needs = [(t.key, (tuple(t.box[0]), tuple(t.box[1]))) for t in targets]
-    gathered = group.all_gather(mine)
-    if any(n is None for n in gathered):
+    answers = group.all_gather((manifest.planned, mine))
+    if any(n is None for n in answers):
         read_direct(targets)  # a rank abstained: nobody exchanges
         return None
+    # Every rank computes the plan from its own chunk table: the tables must agree on every chunk
+    # a plan can share. Whole manifests do; so do tables planned from an index where each rank's
+    # sharded chunks are its own part's (no other rank's box reaches into them, so no such chunk is
+    # ever shared). A mix (some rank read other writers' parts: a resharded load from an index)
+    # would give ranks different plans: each then reads its own boxes.
+    kinds = {kind for kind, _needs in answers}
+    if kinds not in ({""}, {"own"}):
+        read_direct(targets)
+        return None
+    gathered = [needs for _kind, needs in answers]
     the_plan = plan(manifest, gathered, buffer_bytes, where, share_whole=share_whole)
     if not the_plan.rounds:
         read_direct(targets)  # reads are disjoint already

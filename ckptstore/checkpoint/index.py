@@ -18,31 +18,46 @@ manifest and its index) is read through its manifest, as before.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import logging
 import math
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._version import __version__
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format.checksum import checksum, validate_checksum_string
+from ..collective import Group
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.checksum import CHECKSUM_FORM, checksum, validate_checksum_string
+from ..format.dtypes import dtype_from_name, element_size
 from ..format.manifest import (
     FORMAT_NAME,
+    MAX_BYTES,
+    SAFE_FILE,
+    Chunk,
     Manifest,
     TensorEntry,
     check_byte_ranges,
     check_manifest_size,
     check_version,
+    layout_digest,
     load_json,
     parse_entry,
     verify_own_checksum,
 )
-from ..names import INDEX
+from ..names import INDEX, MANIFEST
 from ..planning.sharding import Box, intersect
-from .sharded import _unalias, load_boxes
+from .sharded import Directory, _unalias, load_boxes, read_manifest
 
+log = logging.getLogger("ckptstore")
 Reader = Callable[[str], bytes]
+_CHECKSUM = CHECKSUM_FORM
+_FIELDS = operator.itemgetter("offsets", "sizes", "file", "offset", "length", "codec", "checksum")
 
 
 @dataclass
@@ -63,26 +78,50 @@ class Index:
 def build_index(manifest: Manifest, parts: Sequence[dict[str, Any]], layout: str) -> bytes | None:
     """The index of ``manifest``, committed from ``parts`` (each as its writer's tier returned it,
     naming its ``part_file`` and ``part_checksum``); None when a part does not name its file (the
-    step is then read through its manifest)."""
-    writers: dict[str, set[int]] = {}
+    step is then read through its manifest).
+
+    Its cost grows with the ranks plus the tensors of each distinct structure, not with ranks x
+    tensors: ranks that wrote the same keys (every rank of one pipeline stage, of one expert
+    group) are grouped by their key list, whose hash is computed in C, and each group's keys are
+    walked once. Writer ranges are then computed once per distinct set of groups."""
     files: dict[int, tuple[str, str]] = {}
+    groups: dict[tuple[int, int], list[Any]] = {}  # (hash, length) of a key list -> [keys, ranks]
     for part in parts:
         rank = part["rank"]
         if not isinstance(part.get("part_file"), str) or not isinstance(part.get("part_checksum"), str):
             return None
         files[rank] = (part["part_file"], part["part_checksum"])
-        for alias in part["chunks"]:
-            writers.setdefault(_unalias(alias), set()).add(rank)
+        keys = tuple(part["chunks"])
+        # Two different key lists of one hash would list a rank as a writer of keys it did not write
+        # (or leave it out of some): a reader then finds those chunks missing from the parts it reads,
+        # and reads the manifest instead (plan_from_index checks coverage), so a collision costs time,
+        # never a wrong load.
+        group = groups.setdefault((hash(keys), len(keys)), [keys, []])
+        group[1].append(rank)
+    owners: dict[str, list[int]] = {}  # key -> the groups that wrote it
+    for gid, (keys, _ranks) in enumerate(groups.values()):
+        for alias in keys:
+            key = _unalias(alias)
+            seen = owners.setdefault(key, [])
+            if not seen or seen[-1] != gid:
+                seen.append(gid)
+    members = [np.asarray(ranks, dtype=np.int64) for _keys, ranks in groups.values()]
+    spans: dict[tuple[int, ...], tuple[list[list[int]], int]] = {}  # groups -> (ranges, writer count)
     inline: dict[str, Any] = {}
     sharded: dict[str, Any] = {}
-    used: set[int] = set()
+    used: set[tuple[int, ...]] = set()
     for key, entry in manifest.tensors.items():
-        ranks = writers.get(key, set())
-        if len(ranks) <= 1:
+        gids = tuple(owners.get(key, ()))
+        span = spans.get(gids)
+        if span is None:
+            ranks = np.unique(np.concatenate([members[g] for g in gids])) if gids else np.empty(0, np.int64)
+            span = spans[gids] = (_ranges(ranks), len(ranks))
+        if span[1] <= 1:
             inline[key] = entry.to_json()
         else:
-            sharded[key] = {"dtype": entry.dtype, "shape": entry.shape, "writers": _ranges(sorted(ranks))}
-            used |= ranks
+            sharded[key] = {"dtype": entry.dtype, "shape": entry.shape, "writers": span[0]}
+            used.add(gids)
+    named: Any = np.unique(np.concatenate([members[g] for gids in used for g in gids])) if used else []
     doc = {
         "format": FORMAT_NAME,
         "format_version": manifest.format_version,
@@ -94,20 +133,20 @@ def build_index(manifest: Manifest, parts: Sequence[dict[str, Any]], layout: str
         "tree": manifest.tree,
         "tensors": inline,
         "sharded": sharded,
-        "parts": {str(r): list(files[r]) for r in sorted(used)},
+        "parts": {str(r): list(files[r]) for r in map(int, named)},
     }
     body = json.dumps(doc, allow_nan=False, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     return body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}'
 
 
-def _ranges(ranks: list[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for r in ranks:
-        if out and out[-1][1] == r - 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return out
+def _ranges(ranks: Any) -> list[list[int]]:
+    """Sorted distinct ranks as [first, last] runs of consecutive ranks."""
+    if len(ranks) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ranks) != 1)
+    firsts = np.concatenate(([0], breaks + 1))
+    lasts = np.concatenate((breaks, [len(ranks) - 1]))
+    return [[int(ranks[a]), int(ranks[b])] for a, b in zip(firsts, lasts)]
 
 
 def parse_index(data: bytes, *, where: str) -> Index:
@@ -190,6 +229,25 @@ def plan_from_index(read: Reader, state: Any, rank: int, world: int, display: st
     those of the sharded tensors. None when the step has no index. Raises CorruptCheckpointError
     when the index or a part it names is damaged, or the parts do not cover what the rank loads
     (the caller reads the manifest instead); CheckpointError when ``state`` does not match."""
+    with _collector_paused():
+        return _plan(read, state, rank, world, display, index)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic collector paused: a plan allocates hundreds of thousands of small objects
+    (parsed JSON, chunks, boxes) and no cycles, and the collections they trigger walked them again
+    and again (about 40% of a plan's time at 10,000 tensors)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _plan(read: Reader, state: Any, rank: int, world: int, display: str, index: Index | None) -> Manifest | None:
     if index is None:
         index = read_index(read, display)
         if index is None:
@@ -209,6 +267,7 @@ def plan_from_index(read: Reader, state: Any, rank: int, world: int, display: st
 
     if rank in index.parts:
         take(rank)
+    own = set(read_parts)
     for key, box in targets:
         if _covered(tensors[key], box):
             continue
@@ -220,8 +279,10 @@ def plan_from_index(read: Reader, state: Any, rank: int, world: int, display: st
                 f"{list(box[1])} a load reads; the index or a part is damaged (the manifest is read instead)",
                 location=f"{display}/{INDEX}", key=key)
     for key in keys:
-        tensors[key].chunks.sort(key=lambda c: c.offsets)
-    check_byte_ranges({k: tensors[k] for k in keys}, f"{display}/{INDEX}")
+        if len(tensors[key].chunks) > 1:
+            tensors[key].chunks.sort(key=lambda c: c.offsets)
+    _check_byte_ranges({k: tensors[k] for k in keys}, f"{display}/{INDEX}")
+    index.header.planned = "own" if read_parts == own else "writers"
     return index.header
 
 
@@ -233,19 +294,83 @@ def _read_part(read: Reader, index: Index, writer: int, display: str, keys: set[
     if checksum(data) != expected:
         raise CorruptCheckpointError(f"{where}: the part file does not match the index's checksum of it: this copy "
                                      "is damaged (the manifest is read instead)", location=where)
-    doc = load_json(data, where=where, what="part file")
+    # Checked against the index's checksum, these are the bytes the writer's json.dumps produced:
+    # the C parser alone (no per-object duplicate check in Python) reads them.
+    try:
+        doc = json.loads(data, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: part file is not valid JSON: {exc}", location=where) from None
     if not isinstance(doc, dict) or doc.get("rank") != writer or not isinstance(doc.get("chunks"), dict):
         raise CorruptCheckpointError(f"{where}: not the part of rank {writer}", location=where)
     grouped: dict[str, list[Any]] = {}
     for alias, chunks in doc["chunks"].items():
         key = _unalias(alias)
         if key in keys and isinstance(chunks, list):
-            grouped.setdefault(key, []).extend(chunks)
+            if key in grouped:
+                grouped[key].extend(chunks)
+            else:
+                grouped[key] = chunks
     out = {}
+    files: set[str] = set()  # file names already found safe
     for key, chunks in grouped.items():
         entry = index.header.tensors[key]
-        out[key] = parse_entry(key, {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": chunks}, where,
-                               coverage=False)
+        fast = _plain_chunks(entry, chunks, files)
+        out[key] = TensorEntry(entry.dtype, entry.shape, fast) if fast is not None else parse_entry(
+            key, {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": chunks}, where, coverage=False)
+    return out
+
+
+def _check_byte_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
+    """check_byte_ranges (no two chunks claim the same stored bytes) sorted by numpy: the chunks of
+    one file mostly, already in order, thousands of them."""
+    names: dict[str | None, int] = {}
+    rows = [(names.setdefault(c.file, len(names)), c.offset, c.offset + c.length)
+            for entry in tensors.values() for c in entry.chunks if c.length]
+    if len(rows) < 2:
+        return
+    table = np.asarray(rows, dtype=np.int64)
+    order = np.lexsort((table[:, 1], table[:, 0]))
+    table = table[order]
+    if np.any((table[1:, 0] == table[:-1, 0]) & (table[1:, 1] < table[:-1, 2])):
+        check_byte_ranges(tensors, where)  # says which tensors, in the reader's words
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _plain_chunks(entry: TensorEntry, raws: list[Any], files: set[str]) -> list[Chunk] | None:
+    """``raws`` as chunks of ``entry`` when each is a plain one (raw codec, no block checksums) that
+    passes every check :func:`parse_entry` makes; None otherwise, and parse_entry then says what
+    is wrong (or reads the block checksums). The same rules in one tight loop: a rank plans its
+    load from thousands of its own chunks, and this is most of that plan's time."""
+    shape = entry.shape
+    ndim = len(shape)
+    elsize = element_size(dtype_from_name(entry.dtype, where="index"))
+    out = []
+    fields, get, form, rawcodec = _FIELDS, dict.get, _CHECKSUM.fullmatch, "raw"
+    for raw in raws:
+        try:
+            offsets, sizes, file, offset, length, codec, check = fields(raw)
+        except (KeyError, TypeError):
+            return None
+        if (codec != rawcodec or get(raw, "block_size") is not None or get(raw, "block_checksums") is not None
+                or type(offsets) is not list or type(sizes) is not list or len(offsets) != ndim or len(sizes) != ndim
+                or type(offset) is not int or type(length) is not int or not 0 <= offset <= MAX_BYTES - length
+                or length < 0 or type(check) is not str or not form(check)):
+            return None
+        numel = 1
+        for o, n, d in zip(offsets, sizes, shape):
+            if type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d:
+                return None
+            numel *= n
+        if length != numel * elsize:
+            return None
+        if file not in files:
+            if type(file) is not str or not SAFE_FILE.match(file):
+                return None
+            files.add(file)
+        out.append(Chunk(tuple(offsets), tuple(sizes), file, offset, length, rawcodec, check))
     return out
 
 
@@ -256,10 +381,46 @@ def _covered(entry: TensorEntry, box: Box) -> bool:
         return True
     got = 0
     for c in entry.chunks:
+        if c.offsets == box[0] and c.sizes == box[1]:
+            return True  # the layout it saved: its own chunk is the box
         part = intersect(box, (c.offsets, c.sizes))
         if part is not None:
             got += math.prod(part[1])
     return got == need
 
 
-__all__ = ["Index", "build_index", "parse_index", "plan_from_index", "read_index"]
+def write_index(directory: Directory, manifest: Manifest, parts: list[dict[str, Any]], overwrite: bool) -> None:
+    """``save_sharded``'s index, written after the commit by the rank that committed. Without one
+    the checkpoint is read through its manifest, so failing to write it fails nothing."""
+    try:
+        body = build_index(manifest, parts, layout_digest(manifest))
+        if body is not None:
+            (directory.write_small if overwrite else directory.create_small)(INDEX, body)
+    except (CheckpointError, OSError) as exc:
+        log.warning("ckptstore: cannot write the index of %s (%s); it is read through its manifest",
+                    directory.display, exc)
+
+
+def load_plan(state: Any, directory: Directory, group: Group) -> Manifest:
+    """The manifest this rank loads ``state`` with: planned from the checkpoint's index and this
+    rank's own part file when every rank's own part covers what it loads (the layout it saved:
+    no rank reads the whole world's chunk table); ``manifest.json`` otherwise (no index, a damaged
+    one, or a resharded load, whose cooperative read plans from the whole table on every rank).
+    Ranks agree on the choice with one all-reduce of a flag."""
+    planned: Manifest | None = None
+    try:
+        if not directory.exists(MANIFEST):
+            raise CheckpointNotFoundError(f"{directory.display}: no {MANIFEST}")  # an index never commits
+        planned = plan_from_index(directory.read_small, state, group.rank, group.world, directory.display)
+    except CorruptCheckpointError as exc:
+        log.warning("ckptstore: cannot plan the load of %s from its index (%s); reading its manifest",
+                    directory.display, exc)
+    except Exception:  # noqa: BLE001 - every rank must reach the flag's all-reduce below
+        pass  # the state does not match, or the storage failed: the manifest's read says how
+    whole = planned is None or planned.planned != "own"
+    if group.world > 1:
+        whole = bool(group.max_int64([int(whole)])[0])
+    return read_manifest(directory) if whole else planned  # type: ignore[return-value]
+
+
+__all__ = ["Index", "build_index", "load_plan", "parse_index", "plan_from_index", "read_index", "write_index"]

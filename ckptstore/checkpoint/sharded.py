@@ -43,10 +43,11 @@ from ..errors import (
     UnsupportedObjectError,
 )
 from ..format import codecs
+from ..format.checksum import checksum
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
 from ..format.tree import Decoder, Encoder, format_path
-from ..names import MANIFEST, data_file, part_file, writer_variant
+from ..names import INDEX, MANIFEST, data_file, part_file, writer_variant
 from ..planning.flatten import contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, intersect, read_plan, row_span, shard_boxes, spread
 from ..storage.small import write_small_exclusive
@@ -623,7 +624,10 @@ def save(
     storage_options: dict[str, Any] | None,
     overwrite: bool,
     encode_per_rank: Callable[[Any], bytes],
+    write_index: Callable[[Directory, Manifest, list[dict[str, Any]], bool], None] | None = None,
 ) -> None:
+    """``write_index``: called by rank 0 right after it committed the manifest, with the parts it
+    was built from (the index beside it: checkpoint/index.py, which plans with this module)."""
     t0 = time.perf_counter()
     group = Group(process_group)
     directory = Directory(url, storage_options)
@@ -644,6 +648,8 @@ def save(
                         "it, or save to a new directory"
                     )
                 directory.remove(MANIFEST)  # uncommit first: a crash mid-save must not leave old + new mixed
+                if directory.exists(INDEX):
+                    directory.remove(INDEX)  # it describes the old manifest
             directory.makedirs()
         except CheckpointError as exc:
             verdict = str(exc)
@@ -698,6 +704,8 @@ def save(
                     # is created first wins; each writer's data files are its own (_write_rank), so
                     # the winning manifest never names a loser's bytes.
                     directory.create_small(MANIFEST, body)
+                if write_index is not None:
+                    write_index(directory, manifest, [r["part"] for r in results], overwrite)
             except CheckpointExistsError:
                 commit = {"exists": True}
             except Exception as exc:  # noqa: BLE001 - the other ranks wait for this verdict
@@ -798,9 +806,11 @@ def _write_rank(
         "chunks": dict(chunks),
         "timings": {"plan_s": round(t_plan - t0, 6), "write_s": round(t_write - t_plan, 6)},
     }
-    directory.write_small(part_rel, json.dumps(part, separators=(",", ":")).encode())
+    body = json.dumps(part, separators=(",", ":")).encode()
+    directory.write_small(part_rel, body)
     written.append(part_rel)
-    return part
+    # Not in the file (they are about its bytes): what the committer's index names it by.
+    return {**part, "part_file": part_rel, "part_checksum": checksum(body)}
 
 
 def build_manifest(
@@ -949,7 +959,9 @@ def load(
     per_rank: str,
     buffer_bytes: int,
     decode_per_rank: Callable[[bytes, str], Any],
+    plan: Callable[[Any, Directory, Group], Manifest] | None = None,
 ) -> None:
+    """``plan``: the manifest a rank loads with (collective; by default the whole manifest)."""
     if per_rank not in ("error", "skip"):
         raise InvalidArgumentError(f"per_rank={per_rank!r}: use 'error' or 'skip'")
     if buffer_bytes < 1:
@@ -957,7 +969,7 @@ def load(
     group = Group(process_group)
     try:
         directory = Directory(url, storage_options)
-        manifest = read_manifest(directory)
+        manifest = read_manifest(directory) if plan is None else plan(state, directory, group)
     except BaseException:
         coop.abstain(group)  # the other ranks' reads must not wait for this one
         raise

@@ -44,7 +44,7 @@ import torch
 
 from ..checkpoint.sharded import Directory
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, InvalidArgumentError
-from ..format.checksum import verify
+from ..format.checksum import checksum, verify
 from ..format.manifest import Manifest, load_json, parse_manifest
 from ..names import agent_lock, data_file, data_file_rank, step_dir, stores_lock, valid_job
 from ..storage import small
@@ -319,10 +319,11 @@ class NodeAgent:
         missing = [r for r in range(world) if r not in found]
         if missing:
             return missing
-        body = step_manifest(shared_of(manifest), [found[r] for r in range(world)], world,
+        parts = [found[r] for r in range(world)]
+        body = step_manifest(shared_of(manifest), parts, world,
                              job=manifest.meta.get("job", self.job), step=step, cadence=cadence, sdc=sdc)
         try:
-            await tier.commit(step, body)
+            await tier.commit(step, body, parts)  # with its index, as the trainers' coordinator commits
         except CheckpointExistsError:
             # Another agent found every part too, and its manifest won; ours backs off. Our parts
             # stay: the winner's manifest may name them.
@@ -461,6 +462,8 @@ async def tier_parts(tier: DirectoryTier, step: int, sid: str, world: int) -> di
             continue
         rank = part.get("rank")
         if type(rank) is int and 0 <= rank < world and isinstance(part.get("chunks"), dict):
+            # What the committer's index names the part by (the file may be a writer's variant).
+            part.update(part_file=f"parts/{name}", part_checksum=checksum(body))
             found.setdefault(rank, part)
     return found
 

@@ -17,6 +17,7 @@ from ..errors import CorruptCheckpointError
 ALGORITHM = "xxh3_64"
 _PREFIX = ALGORITHM + ":"
 _PATTERN = re.compile(r"xxh3_64:[0-9a-f]{16}")
+CHECKSUM_FORM = _PATTERN  # for readers that check many checksum strings in one loop
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:

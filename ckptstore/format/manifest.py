@@ -37,6 +37,9 @@ ATTRS_MINOR = 2
 _FILE_RE = re.compile(r"^(?!/)(?!.*(?:^|/)\.\.?(?:/|$))[A-Za-z0-9._\-/]{1,255}$")
 _MAX_DIMS = 64
 _MAX_BYTES = 1 << 60
+# The same rules for readers that check chunks in bulk (checkpoint/index.py).
+SAFE_FILE = _FILE_RE
+MAX_BYTES = _MAX_BYTES
 # A zstd block decodes to at most 128 KiB and costs at least 4 stored bytes (3 of header, 1 of RLE
 # payload), so no frame decodes to more than 32768 times its own size: a compressed chunk whose box
 # is larger than that is a lie about its size, refused before a buffer for it is allocated.
@@ -126,6 +129,11 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION
     writer: str = f"ckptstore {__version__}"
+    # Not part of the format: "" for a whole manifest; for one a rank planned from an index
+    # (checkpoint/index.py), "own" when its chunks of sharded tensors are its own part's only, and
+    # "writers" when it read the parts of those tensors' writers. A cooperative read computes one
+    # plan on every rank from the chunk tables, so it needs to know when those tables differ.
+    planned: str = ""
 
     def to_json_bytes(self) -> bytes:
         doc = {
