@@ -26,6 +26,7 @@ import mmap
 import os
 import secrets
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ from ..storage.targets import Source, Target, WriteTuning, open_sink, open_sourc
 from .base import Capabilities, Held, Holdings, Snapshot, Tier
 
 log = logging.getLogger("ckptstore")
+_LISTING_CONCURRENCY = 8  # manifest checks in flight while listing an object store's steps
 
 
 class DirectoryTier(Tier):
@@ -86,7 +88,11 @@ class DirectoryTier(Tier):
         self.codec = None if codec == "raw" else codec
         self.manifest_writer = manifest_writer
         self.tuning = tuning  # bulk-write settings measured by `ckptstore bench`, or None for the defaults
-        self._base = Directory(self.root, self.storage_options)
+        # An object store's client (s3fs: a session, its credentials, a connection pool) is built at
+        # the first request, not here: a restart restores from the node tiers without it, and the
+        # store's start lists and sweeps the durable tier in the background.
+        self._built: Directory | None = None
+        self._building = threading.Lock()
         if node_local and self._base.base.path is None:
             raise InvalidArgumentError(f"the {name} tier must be a local directory, not {root!r}")
         self.capabilities = Capabilities(node_local=node_local, exclusive_commit=True, reuses_unchanged=True,
@@ -95,6 +101,16 @@ class DirectoryTier(Tier):
         self._frozen: dict[str, tuple[int, dict[str, list[dict[str, Any]]]]] = {}
         self._mine: dict[int, list[str]] = {}
         self._token = secrets.token_hex(4)  # names this writer's files where the usual name is taken
+
+    @property
+    def _base(self) -> Directory:
+        built = self._built
+        if built is None:
+            with self._building:
+                if self._built is None:
+                    self._built = Directory(self.root, self.storage_options)
+                built = self._built
+        return built
 
     @property
     def local_root(self) -> str | None:
@@ -294,16 +310,27 @@ class DirectoryTier(Tier):
         return [(step, name) for name in names if (step := parse_step_dir(name)) is not None]
 
     async def steps(self) -> list[int]:
-        found = []
         try:
-            for step, name in await self._step_names():
-                if await small.exists(self._base.target(f"{name}/{MANIFEST}")):
-                    found.append(step)
+            return sorted(step for step, committed in await self._listing() if committed)
         except FileNotFoundError:
             return []
         except transport_errors() as exc:
             raise storage_error(exc, "list", self._base.display) from None
-        return sorted(found)
+
+    async def _listing(self) -> list[tuple[int, bool]]:
+        """Every step directory under the root and whether its manifest is there. On an object store
+        each manifest is a request of its own: they go out together (a few at a time), not one
+        after another, so listing a tier that holds many steps costs about one round trip more
+        than listing one that holds a single step."""
+        names = await self._step_names()
+        limit = asyncio.Semaphore(_LISTING_CONCURRENCY)
+
+        async def committed(name: str) -> bool:
+            async with limit:
+                return await small.exists(self._base.target(f"{name}/{MANIFEST}"))
+
+        found = await asyncio.gather(*(committed(name) for _step, name in names))
+        return [(step, ok) for (step, _name), ok in zip(names, found)]
 
     async def manifest(self, step: int) -> Manifest:
         return await asyncio.to_thread(read_manifest, self._dir(step))
@@ -333,8 +360,8 @@ class DirectoryTier(Tier):
         their steps), temporary files in the newest committed steps, and, on S3, unfinished
         multipart uploads under the root."""
         swept, committed = [], []
-        for step, name in await self._step_names():
-            if await small.exists(self._base.target(f"{name}/{MANIFEST}")):
+        for step, ok in await self._listing():
+            if ok:
                 committed.append(step)
                 continue
             d = self._dir(step)
