@@ -839,9 +839,49 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def steps_in_flight(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """How much the training steps slow down while a save is persisting in the background: the
+    median step time of the steps that overlap a save in flight (from its call to the last tier it
+    committed to, or to the run's next save or its end when a commit was never recorded) against
+    that of the others. Rank 0's steps (ticks) and commits, run by run."""
+    by_pid: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("event") in ("tick", "save", "commit"):
+            by_pid.setdefault(e.get("pid"), []).append(e)
+    busy, idle = [], []
+    for records in by_pid.values():
+        saves = [e for e in records if e["event"] == "save"]
+        ticks = [e for e in records if e["event"] == "tick"]
+        end = max(e["t"] for e in records)
+        spans = []
+        for i, sv in enumerate(saves):
+            commits = [c["t"] for c in records if c["event"] == "commit" and c.get("step") == sv["step"]]
+            until = max(commits) if commits else (saves[i + 1]["t"] if i + 1 < len(saves) else end)
+            spans.append((sv["t"] - float(sv.get("blocking_s", 0.0)), until))
+        for tk in ticks:
+            t0, t1 = tk["t"] - float(tk["step_s"]), tk["t"]
+            (busy if any(a < t1 and t0 < b for a, b in spans) else idle).append(float(tk["step_s"]))
+    med = statistics.median
+    return {"steps_in_flight": len(busy), "steps_idle": len(idle),
+            "median_in_flight_s": med(busy) if busy else None, "median_idle_s": med(idle) if idle else None,
+            "slowdown": (med(busy) / med(idle) - 1.0) if busy and idle else None}
+
+
+def print_steps_in_flight(paths: list[str]) -> int:
+    for path in paths:
+        r = steps_in_flight(_records(path))
+        fmt = lambda v: "-" if v is None else f"{v:.3f} s"  # noqa: E731
+        print(f"{path}: {r['steps_idle']} steps without a save in flight, median {fmt(r['median_idle_s'])}; "
+              f"{r['steps_in_flight']} with one, median {fmt(r['median_in_flight_s'])}"
+              + ("" if r["slowdown"] is None else f" ({100 * r['slowdown']:+.1f}%)"))
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--zygote"]:
         zygote_main()
+    elif sys.argv[1:2] == ["--steps-in-flight"]:
+        sys.exit(print_steps_in_flight(sys.argv[2:]))
     elif len(sys.argv) >= 2 and sys.argv[1] == "--worker":
         worker(sys.argv[2], int(sys.argv[3]))
     else:

@@ -22,7 +22,7 @@ import torch
 from conftest import assert_same, s3_keys, s3_object_bytes
 from s3_fault_proxy import FaultProxy
 
-from ckptstore import CheckpointStore, InvalidArgumentError, load_sharded
+from ckptstore import CheckpointStore, InvalidArgumentError, UnknownProtocolError, load_sharded
 
 
 @pytest.fixture
@@ -171,3 +171,6 @@ def test_bad_background_nice_is_refused_before_anything_is_made(tmp_path, shm, j
         with pytest.raises(InvalidArgumentError, match="background_nice must be an int from 0"):
             CheckpointStore(job, local=tmp_path / "local", ram_dir=str(shm), background_nice=bad)
     assert os.listdir(shm) == [] and not (tmp_path / "local").exists()
+    # The durable tier's client is built at its first request; a URL none can serve fails at once.
+    with pytest.raises(UnknownProtocolError, match="nosuchproto"):
+        CheckpointStore(job, durable="nosuchproto://bucket/job", ram_dir=str(shm))

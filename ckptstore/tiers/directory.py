@@ -38,7 +38,7 @@ from .._faults import crashpoint
 from ..checkpoint.index import build_index
 from ..checkpoint.sharded import Directory, read_manifest
 from ..checkpoint.single_file import write_raw
-from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError
+from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError, UnknownProtocolError
 from ..format import codecs
 from ..format.checksum import checksum
 from ..format.container import align_up
@@ -93,6 +93,8 @@ class DirectoryTier(Tier):
         # store's start lists and sweeps the durable tier in the background.
         self._built: Directory | None = None
         self._building = threading.Lock()
+        if "://" in self.root:
+            _check_protocol(self.root)  # a URL no client can serve still fails here, at once
         if node_local and self._base.base.path is None:
             raise InvalidArgumentError(f"the {name} tier must be a local directory, not {root!r}")
         self.capabilities = Capabilities(node_local=node_local, exclusive_commit=True, reuses_unchanged=True,
@@ -454,6 +456,18 @@ class DirectoryTier(Tier):
         size = frozen_end + (int(rest_map.numel()) if rest_map is not None else 0)
         data = _SlotFiles(frozen_map, rest_map, frozen_end, size)
         return Snapshot(step, rank, int(manifest.meta.get("world_size", 1)), data, chunks, frozen_end)
+
+
+def _check_protocol(url: str) -> None:
+    """Raise UnknownProtocolError for a URL whose protocol fsspec does not know, by its name alone:
+    neither building a client nor importing its implementation (s3fs's imports take a second on a
+    busy core). One that is known but not installed fails at the first request, saying so."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    if protocol not in fsspec.available_protocols():
+        raise UnknownProtocolError(f"cannot open {url!r}: fsspec knows no protocol {protocol!r}. Check the URL's "
+                                   "spelling, or install the fsspec implementation that provides it")
 
 
 def committed_steps(root: str | None) -> set[int]:
