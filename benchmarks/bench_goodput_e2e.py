@@ -263,10 +263,12 @@ class Store:
         full = cfg["config"] == "ckptstore-full"
         node = cfg["nodes"][rank]
         self.flat, self.on_commit = flat, on_commit
+        # The engine's own default unless asked (an engine without the option is run as it is).
+        nice = {} if cfg.get("background_nice") is None else {"background_nice": cfg["background_nice"]}
         self.store = CheckpointStore(
             cfg["job"], local=node["local"], durable=cfg["durable"], durable_every=4 if full else 1,
             storage_options=cfg["storage_options"], ram_dir=node["ram"], node=rank, keep_local=2,
-            peer_replicas=1 if full else 0, agent=full, timeout_s=300, durable_timeout_s=240)
+            peer_replicas=1 if full else 0, agent=full, timeout_s=300, durable_timeout_s=240, **nice)
         self.watch = concurrent.futures.ThreadPoolExecutor(1) if rank == 0 else None
         self.tier: str | None = None
         self.found: list[str] = []
@@ -592,7 +594,7 @@ class Supervisor:
                     "storage_options": (json.loads(args.storage_options) if args.durable else
                                         s3.storage_options if s3 is not None else None),
                     "width": args.width, "layers": args.layers, "batch": args.batch, "seed": args.seed,
-                    "every": every, "verify": args.verify}
+                    "every": every, "verify": args.verify, "background_nice": args.background_nice}
         self.procs: list[subprocess.Popen] = []
         self.pids: list[int] = []
         self.zygote = zygote
@@ -737,13 +739,21 @@ def state_bytes(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def object_store(needed: bool) -> Iterator[Any]:
+def object_store(needed: bool, nice: int = 0) -> Iterator[Any]:
+    """The local S3 server, ``nice`` steps below this process's priority (every thread it has; the
+    ones it starts later inherit it): it stands for a remote object store, whose CPU is not the
+    training node's."""
     if not needed:
         yield None
         return
     from ckptstore._local_s3 import start_local_s3
 
     s3 = start_local_s3(own_process=True)
+    pid = getattr(s3._server, "pid", None)
+    if nice > 0 and pid is not None:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(tid), min(19, os.getpriority(os.PRIO_PROCESS, int(tid)) + nice))
     try:
         yield s3
     finally:
@@ -792,6 +802,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: only the logs stay)")
     p.add_argument("--launch", choices=("fork", "exec"), default="fork",
                    help="fork ranks from a process that imported torch once (default), or start each afresh")
+    p.add_argument("--background-nice", type=int, default=None, metavar="N",
+                   help="the stores' background_nice (default: the engine's own)")
+    p.add_argument("--s3-nice", type=int, default=0, metavar="N",
+                   help="run the local S3 server N steps below the job's priority (it stands for a remote store)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from ckptstore.goodput.simulate import mix_from_spec
@@ -813,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     zygote = Zygote() if args.launch == "fork" else None
     needs_s3 = any(n.startswith("ckptstore") for n in names) and not args.durable
-    with object_store(needs_s3) as s3, contextlib.ExitStack() as stack:
+    with object_store(needs_s3, args.s3_nice) as s3, contextlib.ExitStack() as stack:
         if zygote is not None:
             stack.callback(zygote.close)
         supervisors = []
