@@ -464,12 +464,6 @@ def _kill(pid: int, group: bool = True) -> None:
             kill(pid, signal.SIGKILL)
 
 
-def _empty(path: str) -> None:
-    for name in os.listdir(path):
-        p = os.path.join(path, name)
-        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
-
-
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
@@ -598,6 +592,7 @@ class Supervisor:
         self.procs: list[subprocess.Popen] = []
         self.pids: list[int] = []
         self.zygote = zygote
+        self.lost: list[str] = []  # the lost nodes' directories, removed after the window
 
     def launch(self, attempt: int) -> None:
         cfg = dict(self.cfg, attempt=attempt, rendezvous=os.path.join(self.dir, f"rendezvous-{attempt}"))
@@ -659,12 +654,22 @@ class Supervisor:
             p.wait()
 
     def wipe_node(self, rank: int, ram_only: bool = False) -> None:
+        """The node's RAM and local directories are lost (and its agent): a replacement node starts
+        with empty ones at once. Deleting a gigabyte of files is not part of a real node loss, so
+        the old directories are moved aside (one rename each) and removed after the window."""
         node = self.nodes[rank]
         if not ram_only:
             for pid in agent_pids(node["ram"]):
                 _kill(pid, group=False)
-            _empty(node["local"])
-        _empty(node["ram"])
+                _wait_dead(pid)
+            self._set_aside(node["local"])
+        self._set_aside(node["ram"])
+
+    def _set_aside(self, path: str) -> None:
+        gone = f"{path}.lost-{uuid.uuid4().hex[:8]}"
+        os.rename(path, gone)
+        os.makedirs(path)
+        self.lost.append(gone)
 
     def run(self, failures: list[dict], window: float) -> dict[str, Any]:
         from ckptstore.goodput.events import EventLog
@@ -726,6 +731,8 @@ class Supervisor:
             return fh.read()[-4000:]
 
     def cleanup(self) -> None:
+        for path in self.lost:
+            shutil.rmtree(path, ignore_errors=True)
         for n in self.nodes:
             shutil.rmtree(n["ram"], ignore_errors=True)
         if not self.args.keep:
