@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -186,6 +187,10 @@ class CheckpointStore:
         # Rank 0 lists and sweeps the durable tier in the background while the rest starts (see
         # _start_durable); on the other ranks the durable client is built at its first request.
         listing = self._start_durable() if self.durable is not None and self.rank == 0 else None
+        if self.durable is not None and self.rank != 0:
+            # Built meanwhile, by a thread at the trainer's priority: a restored step's promotion
+            # or the first one due would otherwise wait for it (s3fs's imports and its client).
+            threading.Thread(target=self.durable.warm, name="ckptstore-durable-client", daemon=True).start()
         self.peer = PeerTier(opts.job, self.rank, ram_dir=opts.ram_dir, group=self._groups.peer,
                              send_to=holders[self.rank], hold_for=replicas_held(holders, self.rank),
                              local_root=opts.local, to_local=opts.peer.to_local, keep=opts.keep_local,

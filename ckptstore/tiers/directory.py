@@ -114,6 +114,14 @@ class DirectoryTier(Tier):
                 built = self._built
         return built
 
+    def warm(self) -> None:
+        """Build the client now (from a thread of the caller's choosing); an error is left for the
+        first request to raise, where it is handled."""
+        try:
+            self._base  # noqa: B018 - the property builds it
+        except Exception as exc:  # noqa: BLE001 - raised again, in context, by the first request
+            log.debug("ckptstore: cannot build the %s tier's client yet: %s", self.name, exc)
+
     @property
     def local_root(self) -> str | None:
         """The root as a local path, or None for an fsspec URL."""
