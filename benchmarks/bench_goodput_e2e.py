@@ -263,10 +263,12 @@ class Store:
         full = cfg["config"] == "ckptstore-full"
         node = cfg["nodes"][rank]
         self.flat, self.on_commit = flat, on_commit
+        # The engine's own default unless asked (an engine without the option is run as it is).
+        nice = {} if cfg.get("background_nice") is None else {"background_nice": cfg["background_nice"]}
         self.store = CheckpointStore(
             cfg["job"], local=node["local"], durable=cfg["durable"], durable_every=4 if full else 1,
             storage_options=cfg["storage_options"], ram_dir=node["ram"], node=rank, keep_local=2,
-            peer_replicas=1 if full else 0, agent=full, timeout_s=300, durable_timeout_s=240)
+            peer_replicas=1 if full else 0, agent=full, timeout_s=300, durable_timeout_s=240, **nice)
         self.watch = concurrent.futures.ThreadPoolExecutor(1) if rank == 0 else None
         self.tier: str | None = None
         self.found: list[str] = []
@@ -462,12 +464,6 @@ def _kill(pid: int, group: bool = True) -> None:
             kill(pid, signal.SIGKILL)
 
 
-def _empty(path: str) -> None:
-    for name in os.listdir(path):
-        p = os.path.join(path, name)
-        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
-
-
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
@@ -592,10 +588,11 @@ class Supervisor:
                     "storage_options": (json.loads(args.storage_options) if args.durable else
                                         s3.storage_options if s3 is not None else None),
                     "width": args.width, "layers": args.layers, "batch": args.batch, "seed": args.seed,
-                    "every": every, "verify": args.verify}
+                    "every": every, "verify": args.verify, "background_nice": args.background_nice}
         self.procs: list[subprocess.Popen] = []
         self.pids: list[int] = []
         self.zygote = zygote
+        self.lost: list[str] = []  # the lost nodes' directories, removed after the window
 
     def launch(self, attempt: int) -> None:
         cfg = dict(self.cfg, attempt=attempt, rendezvous=os.path.join(self.dir, f"rendezvous-{attempt}"))
@@ -657,12 +654,22 @@ class Supervisor:
             p.wait()
 
     def wipe_node(self, rank: int, ram_only: bool = False) -> None:
+        """The node's RAM and local directories are lost (and its agent): a replacement node starts
+        with empty ones at once. Deleting a gigabyte of files is not part of a real node loss, so
+        the old directories are moved aside (one rename each) and removed after the window."""
         node = self.nodes[rank]
         if not ram_only:
             for pid in agent_pids(node["ram"]):
                 _kill(pid, group=False)
-            _empty(node["local"])
-        _empty(node["ram"])
+                _wait_dead(pid)
+            self._set_aside(node["local"])
+        self._set_aside(node["ram"])
+
+    def _set_aside(self, path: str) -> None:
+        gone = f"{path}.lost-{uuid.uuid4().hex[:8]}"
+        os.rename(path, gone)
+        os.makedirs(path)
+        self.lost.append(gone)
 
     def run(self, failures: list[dict], window: float) -> dict[str, Any]:
         from ckptstore.goodput.events import EventLog
@@ -724,6 +731,8 @@ class Supervisor:
             return fh.read()[-4000:]
 
     def cleanup(self) -> None:
+        for path in self.lost:
+            shutil.rmtree(path, ignore_errors=True)
         for n in self.nodes:
             shutil.rmtree(n["ram"], ignore_errors=True)
         if not self.args.keep:
@@ -737,13 +746,21 @@ def state_bytes(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def object_store(needed: bool) -> Iterator[Any]:
+def object_store(needed: bool, nice: int = 0) -> Iterator[Any]:
+    """The local S3 server, ``nice`` steps below this process's priority (every thread it has; the
+    ones it starts later inherit it): it stands for a remote object store, whose CPU is not the
+    training node's."""
     if not needed:
         yield None
         return
     from ckptstore._local_s3 import start_local_s3
 
     s3 = start_local_s3(own_process=True)
+    pid = getattr(s3._server, "pid", None)
+    if nice > 0 and pid is not None:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(tid), min(19, os.getpriority(os.PRIO_PROCESS, int(tid)) + nice))
     try:
         yield s3
     finally:
@@ -792,6 +809,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints (default: only the logs stay)")
     p.add_argument("--launch", choices=("fork", "exec"), default="fork",
                    help="fork ranks from a process that imported torch once (default), or start each afresh")
+    p.add_argument("--background-nice", type=int, default=None, metavar="N",
+                   help="the stores' background_nice (default: the engine's own)")
+    p.add_argument("--s3-nice", type=int, default=0, metavar="N",
+                   help="run the local S3 server N steps below the job's priority (it stands for a remote store)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from ckptstore.goodput.simulate import mix_from_spec
@@ -813,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     zygote = Zygote() if args.launch == "fork" else None
     needs_s3 = any(n.startswith("ckptstore") for n in names) and not args.durable
-    with object_store(needs_s3) as s3, contextlib.ExitStack() as stack:
+    with object_store(needs_s3, args.s3_nice) as s3, contextlib.ExitStack() as stack:
         if zygote is not None:
             stack.callback(zygote.close)
         supervisors = []
@@ -839,9 +860,49 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def steps_in_flight(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """How much the training steps slow down while a save is persisting in the background: the
+    median step time of the steps that overlap a save in flight (from its call to the last tier it
+    committed to, or to the run's next save or its end when a commit was never recorded) against
+    that of the others. Rank 0's steps (ticks) and commits, run by run."""
+    by_pid: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("event") in ("tick", "save", "commit"):
+            by_pid.setdefault(e.get("pid"), []).append(e)
+    busy, idle = [], []
+    for records in by_pid.values():
+        saves = [e for e in records if e["event"] == "save"]
+        ticks = [e for e in records if e["event"] == "tick"]
+        end = max(e["t"] for e in records)
+        spans = []
+        for i, sv in enumerate(saves):
+            commits = [c["t"] for c in records if c["event"] == "commit" and c.get("step") == sv["step"]]
+            until = max(commits) if commits else (saves[i + 1]["t"] if i + 1 < len(saves) else end)
+            spans.append((sv["t"] - float(sv.get("blocking_s", 0.0)), until))
+        for tk in ticks:
+            t0, t1 = tk["t"] - float(tk["step_s"]), tk["t"]
+            (busy if any(a < t1 and t0 < b for a, b in spans) else idle).append(float(tk["step_s"]))
+    med = statistics.median
+    return {"steps_in_flight": len(busy), "steps_idle": len(idle),
+            "median_in_flight_s": med(busy) if busy else None, "median_idle_s": med(idle) if idle else None,
+            "slowdown": (med(busy) / med(idle) - 1.0) if busy and idle else None}
+
+
+def print_steps_in_flight(paths: list[str]) -> int:
+    for path in paths:
+        r = steps_in_flight(_records(path))
+        fmt = lambda v: "-" if v is None else f"{v:.3f} s"  # noqa: E731
+        print(f"{path}: {r['steps_idle']} steps without a save in flight, median {fmt(r['median_idle_s'])}; "
+              f"{r['steps_in_flight']} with one, median {fmt(r['median_in_flight_s'])}"
+              + ("" if r["slowdown"] is None else f" ({100 * r['slowdown']:+.1f}%)"))
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--zygote"]:
         zygote_main()
+    elif sys.argv[1:2] == ["--steps-in-flight"]:
+        sys.exit(print_steps_in_flight(sys.argv[2:]))
     elif len(sys.argv) >= 2 and sys.argv[1] == "--worker":
         worker(sys.argv[2], int(sys.argv[3]))
     else:

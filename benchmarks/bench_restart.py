@@ -43,6 +43,8 @@ _SPANS = [
     ("ckptstore.engine.store", None, "Pipeline", "construct.pipeline"),
     ("ckptstore.engine.store", None, "GoodputTracker", "construct.tracker"),
     ("ckptstore.engine.store", "CheckpointStore", "_sweep", "construct.sweep"),
+    ("ckptstore.engine.store", "CheckpointStore", "_start_durable", "construct.durable_start"),
+    ("ckptstore.engine.store", "CheckpointStore", "_swept", "save.sweep_wait"),
     ("ckptstore.engine.restore", "Restorer", "newest_held", "construct.newest_held"),
     ("ckptstore.engine.restore", "Restorer", "newest", "restore.find_and_load"),
     ("ckptstore.engine.restore", "Restorer", "meta_of", "restore.meta"),
@@ -101,7 +103,8 @@ def worker(cfg: dict[str, Any], rank: int) -> None:
     t = time.time()
     store = CheckpointStore(cfg["job"], local=node["local"], durable=cfg["durable"], durable_every=4,
                             storage_options=cfg["storage_options"], ram_dir=node["ram"], node=rank, keep_local=2,
-                            peer_replicas=1, agent=True, timeout_s=300, durable_timeout_s=240)
+                            peer_replicas=1, agent=True, timeout_s=300, durable_timeout_s=240,
+                            **({} if cfg.get("background_nice") is None else {"background_nice": cfg["background_nice"]}))
     marks["construct"] = time.time() - t
     t = time.time()
     found = store.restore(state)
@@ -152,6 +155,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="Linear(width, width) layers per rank, with Adam")
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3, help="restarts measured (after the first start)")
+    ap.add_argument("--background-nice", type=int, default=None, metavar="N",
+                    help="the stores' background_nice (default: the engine's own)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
@@ -167,6 +172,7 @@ def main() -> None:
     s3 = start_local_s3(server="seaweedfs")
     job = f"restart-{uuid.uuid4().hex[:8]}"
     cfg = {"job": job, "work": work, "rendezvous": os.path.join(work, "rendezvous"), "layers": args.layers,
+           "background_nice": args.background_nice,
            "width": args.width, "durable": s3.url(job), "storage_options": s3.storage_options,
            "nodes": [{"local": os.path.join(work, f"node{r}", "local"), "ram": os.path.join(ram_root, f"node{r}")}
                      for r in range(WORLD)]}

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
+import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -25,10 +28,19 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 class LoopThread:
     """An event loop running in a daemon thread of its own: one per CheckpointStore, owning all of
-    its background I/O. ``submit`` hands it a coroutine from any other thread."""
+    its background I/O. ``submit`` hands it a coroutine from any other thread.
 
-    def __init__(self, name: str = "ckptstore-loop") -> None:
+    ``nice`` > 0 runs the loop's worker threads (``asyncio.to_thread``: hashing, file writes,
+    uploads, transfers, each with the GIL released for its heavy part) at that lower scheduling
+    priority on Linux, so that on cores the training step needs, the step goes first. The loop's
+    own thread keeps the caller's priority: it holds the GIL between awaits, and a thread that
+    holds the GIL while the scheduler keeps it off the CPU would stall the trainer instead."""
+
+    def __init__(self, name: str = "ckptstore-loop", *, nice: int = 0) -> None:
         self.loop = asyncio.new_event_loop()
+        if nice > 0:
+            self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+                thread_name_prefix=f"{name}-worker", initializer=lower_priority, initargs=(nice,)))
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
 
@@ -51,3 +63,15 @@ class LoopThread:
         self.thread.join()
         self.loop.close()
         return ended
+
+
+def lower_priority(nice: int) -> None:
+    """Lower the calling thread's scheduling priority by ``nice`` (Linux: per thread, and inherited
+    by the threads it starts). Elsewhere a priority is the whole process's, so nothing changes."""
+    if not sys.platform.startswith("linux") or nice <= 0:
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # a sandbox that forbids it: the work runs, at the trainer's priority
+        logging.getLogger("ckptstore").debug("ckptstore: cannot lower the priority of thread %d: %s", tid, exc)

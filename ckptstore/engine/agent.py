@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -497,11 +498,12 @@ def hold_agent_lock(job: str, ram_dir: str) -> int:
 
 
 def start_agent(job: str, *, ram_dir: str, local: str | None, durable: str | None,
-                storage_options: dict[str, Any] | None) -> tuple[int, bool]:
+                storage_options: dict[str, Any] | None, nice: int = 0) -> tuple[int, bool]:
     """What ``CheckpointStore(agent=True)`` does: hold the stores lock shared (released when this
     process closes the store or dies), and start the node's agent as a detached process unless one
-    runs already. Returns the stores lock's descriptor (to close with the store) and whether this
-    call started the agent."""
+    runs already, ``nice`` steps below this process's scheduling priority (it persists what a dead
+    trainer left while the restarted one needs the cores). Returns the stores lock's descriptor (to
+    close with the store) and whether this call started the agent."""
     try:
         options = json.dumps(storage_options or {})
     except (TypeError, ValueError) as exc:
@@ -522,6 +524,9 @@ def start_agent(job: str, *, ram_dir: str, local: str | None, durable: str | Non
         # workers) must not stop the process that persists what the trainer leaves behind. Started
         # through a shell that exits at once, so the agent is no child of the trainer's (nothing to
         # reap, and it outlives the trainer as it must).
+        niced = shutil.which("nice") if nice > 0 else None
+        if niced is not None:
+            argv = [niced, "-n", str(nice), *argv]
         launcher = subprocess.Popen(["/bin/sh", "-c", 'exec "$@" &', "sh", *argv], pass_fds=(agent_fd,),
                                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     env=env)

@@ -22,6 +22,7 @@ from ..tiers.ram import RAM_FALLBACKS
 
 POLICIES = ("block", "skip")
 SDC_MODES = ("off", "warn", "raise")
+MAX_NICE = 19  # the lowest scheduling priority Linux has
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class StoreOptions:
     timeout_s: float
     tuning: WriteTuning | None
     agent: bool
+    background_nice: int
     peer: PeerOptions
     durable: DurableOptions
     goodput: GoodputOptions
@@ -107,6 +109,7 @@ class StoreOptions:
         durable_timeout_s: float | None,
         tuning: str | os.PathLike[str] | dict[str, Any] | None,
         agent: bool,
+        background_nice: int = 0,
     ) -> StoreOptions:
         """Check every argument of ``CheckpointStore(...)``; raises InvalidArgumentError for the first
         that cannot work. Reads the tuning file, and asks ``process_group`` its size, nothing more."""
@@ -161,6 +164,10 @@ class StoreOptions:
         if agent and local is None and durable is None:
             raise InvalidArgumentError("agent=True persists RAM snapshots a dead trainer left to the local and durable "
                                        "tiers: pass local= or durable= too")
+        if (not isinstance(background_nice, int) or isinstance(background_nice, bool)
+                or not 0 <= background_nice <= MAX_NICE):
+            raise InvalidArgumentError(f"background_nice must be an int from 0 (the trainer's own priority) to "
+                                       f"{MAX_NICE} (the lowest), not {background_nice!r}")
         if agent and ram_fallback == "private":
             raise InvalidArgumentError("agent=True reads the snapshots the RAM tier leaves in ram_dir, which "
                                        "ram_fallback='private' keeps in process memory: use one or the other")
@@ -178,6 +185,7 @@ class StoreOptions:
             timeout_s=float(timeout_s),
             tuning=write_tuning,
             agent=agent,
+            background_nice=background_nice,
             peer=PeerOptions(peer_replicas, peer_every, float(peer_timeout_s), peer_to_local, node),
             durable=DurableOptions(os.fspath(durable) if durable is not None else None, durable_every, keep_durable,
                                    durable_compression, float(durable_timeout_s), storage_options),

@@ -19,6 +19,7 @@ dead branch, which the store drops from the node tiers (store.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -80,8 +81,14 @@ class Restorer:
     the tier every rank reaches, or None."""
 
     def __init__(self, job: str, groups: StoreGroups, node_tiers: Sequence[Tier], durable: Tier | None,
-                 check: ReplicaCheck, peer_timeout_s: float) -> None:
+                 check: ReplicaCheck, peer_timeout_s: float,
+                 durable_listing: concurrent.futures.Future[set[int] | None] | None = None) -> None:
         self.job, self.groups, self.node_tiers, self.durable = job, groups, list(node_tiers), durable
+        # Rank 0 lists the durable tier for every rank (one listing per question, shared through the
+        # gather each question makes anyway: every rank decides on the same listing). The store's
+        # start lists it in the background while it builds the rest; the first question takes that.
+        self._prelisted = durable_listing
+        self._last_listed: set[int] | None = None
         self.check, self.peer_timeout_s = check, peer_timeout_s
         self.rank, self.world = groups.rank, groups.world
         self.buffer_bytes = RESTORE_BUFFER  # the restore's read budget (store.restore(buffer_bytes=))
@@ -94,18 +101,31 @@ class Restorer:
         self._known: tuple[int | None, dict[bytes, tuple[str, Manifest]]] = (None, {})
 
     def _durable_steps(self) -> set[int]:
-        listed = self._listed_durable()
+        """Rank 0's listing of the durable tier's committed steps (an empty set elsewhere, and when
+        it cannot be listed); :meth:`_shared` hands it to every rank."""
+        listed = self._listed_durable() if self.rank == 0 else None
         return set() if listed is None else listed
 
     def _listed_durable(self) -> set[int] | None:
         """The durable tier's committed steps; None when it cannot be listed (an outage)."""
         if self.durable is None:
             return set()
-        try:
-            return set(self.durable.steps_sync())
-        except (CheckpointError, OSError) as exc:
-            log.warning("ckptstore: cannot list the durable tier: %s", exc)
-            return None
+        prelisted, self._prelisted = self._prelisted, None
+        if prelisted is not None:
+            listed = prelisted.result()
+        else:
+            try:
+                listed = set(self.durable.steps_sync())
+            except (CheckpointError, OSError) as exc:
+                log.warning("ckptstore: cannot list the durable tier: %s", exc)
+                listed = None
+        self._last_listed = listed
+        return listed
+
+    @staticmethod
+    def _shared(gathered: list[tuple[Any, list[int] | None]]) -> tuple[list[Any], set[int]]:
+        """Every rank's own answer, and rank 0's listing of the durable tier, from one gather."""
+        return [mine for mine, _listed in gathered], set(gathered[0][1] or ())
 
     def _node_steps(self) -> set[int]:
         return set().union(*(t.node_steps() for t in self.node_tiers))
@@ -116,9 +136,10 @@ class Restorer:
         holds any step, or when every step held is incomplete and none damaged (a warning says so:
         the job starts fresh). Raises CorruptCheckpointError, listing what was tried, when steps
         exist but none has a sound copy for every rank and some were damaged (or unreadable)."""
-        durable = self._durable_steps()
-        seen = self._node_steps() | durable
-        candidates = sorted(set().union(*map(set, self.groups.trainer.all_gather(sorted(seen)))), reverse=True)
+        listed = self._durable_steps()
+        node, durable = self._shared(self.groups.trainer.all_gather(
+            (sorted(self._node_steps()), sorted(listed) if self.rank == 0 else None)))
+        candidates = sorted(set().union(durable, *map(set, node)), reverse=True)
         tried: list[str] = []
         verdicts: dict[int, str] = {}
         for step in candidates:
@@ -154,9 +175,11 @@ class Restorer:
         """Load exactly ``step`` into ``state``, never another one; returns the tiers it came from.
         Raises CheckpointNotFoundError when no tier of any rank holds the step, CorruptCheckpointError
         when no sound copy of it is left."""
-        in_durable = step in self._durable_steps()
-        held = step in self._node_steps()
-        if not any(self.groups.trainer.all_gather(held or in_durable)):
+        listed = self._durable_steps()
+        held, durable = self._shared(self.groups.trainer.all_gather(
+            (step in self._node_steps(), sorted(listed) if self.rank == 0 else None)))
+        in_durable = step in durable
+        if not (any(held) or in_durable):
             raise CheckpointNotFoundError(f"no tier holds step {step} of job {self.job}")
         ok, detail, _verdict = self._attempt(state, step, in_durable, per_rank)
         if not ok:
@@ -165,33 +188,41 @@ class Restorer:
 
     def latest(self) -> int | None:
         """The newest step any tier of any rank holds committed (collective)."""
-        seen = self._node_steps() | self._durable_steps()
-        steps = set().union(*map(set, self.groups.trainer.all_gather(sorted(seen))))
+        listed = self._durable_steps()
+        node, durable = self._shared(self.groups.trainer.all_gather(
+            (sorted(self._node_steps()), sorted(listed) if self.rank == 0 else None)))
+        steps = set().union(durable, *map(set, node))
         return max(steps) if steps else None
 
     def newest_held(self) -> tuple[int, dict[str, Any], bool] | None:
         """The newest step any tier of any rank holds committed, its manifest's ``meta`` and whether
         the durable tier holds it (collective); None when there is none. What a new store counts on
         from: steps only grow past it, and its cadence continues."""
-        durable = self._durable_steps()
-        node = self._node_steps()
-        newest = max(node | durable, default=None)
-        mine = None if newest is None else (newest, self._meta(newest, newest in durable))
-        found = [m for m in self.groups.trainer.all_gather(mine) if m is not None]
+        listed = self._durable_steps()  # rank 0's: the other ranks learn it from the gather
+        newest = max(self._node_steps() | listed, default=None)
+        mine = None if newest is None else (newest, self._meta(newest, newest in listed))
+        answers, durable = self._shared(self.groups.trainer.all_gather(
+            (mine, sorted(listed) if self.rank == 0 else None)))
+        found = [m for m in answers if m is not None]
         if not found:
             return None
         step = max(m[0] for m in found)
         meta: dict[str, Any] = next((m[1] for m in found if m[0] == step and m[1] is not None), {})
-        in_durable = any(self.groups.trainer.all_gather(step in durable))
-        return step, meta, in_durable
+        return step, meta, step in durable
 
     def meta_of(self, step: int) -> tuple[dict[str, Any], bool | None]:
         """The ``meta`` of ``step``'s manifest as this node or the durable tier holds it, and whether
         the durable tier holds the step: None when it could not be listed (collective: every rank
         gets rank 0's answer)."""
-        listed = self._listed_durable()
-        durable = listed is not None and step in listed
-        first = self.groups.trainer.all_gather((self._meta(step, durable), durable, listed is not None))[0]
+        mine = None
+        if self.rank == 0:
+            # A step the restore's own listing showed is still there (only this job's retention
+            # removes durable steps, and it runs after saves); any other is listed afresh.
+            known = self._last_listed
+            listed = known if known is not None and step in known else self._listed_durable()
+            durable = listed is not None and step in listed
+            mine = (self._meta(step, durable), durable, listed is not None)
+        first = self.groups.trainer.all_gather(mine)[0]
         return first[0], (first[1] if first[2] else None)
 
     def _inventory(self, step: int) -> NodeInventory:

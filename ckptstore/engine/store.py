@@ -16,9 +16,11 @@ checkpoint: every tier holds ordinary ``load_sharded`` directories.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +95,10 @@ class CheckpointStore:
     the snapshot reached the local tier, or the durable tier it was due in, the agent writes it
     there from the RAM tier, so a job rescheduled on other nodes still finds it. It exits once no
     store of the job with ``agent=True`` is open on the node and nothing is left to persist.
+    ``background_nice``: how many steps below the trainer's scheduling priority the store's
+    background work runs (Linux; 0 to 19): the threads that hash, write, upload and replicate
+    snapshots, and the node agent. On cores that the training step also needs, the step goes
+    first and the snapshot's persistence takes longer; 0 runs them at the trainer's priority.
 
     Every argument is checked before the store creates anything; a failure after that (a process
     group that cannot form, a directory that cannot be swept) releases what was created.
@@ -129,6 +135,7 @@ class CheckpointStore:
         durable_timeout_s: float | None = None,
         tuning: str | os.PathLike[str] | dict[str, Any] | None = None,
         agent: bool = False,
+        background_nice: int = 10,
     ) -> None:
         self.options = StoreOptions.from_arguments(
             job, local=local, durable=durable, durable_every=durable_every, keep_local=keep_local,
@@ -137,7 +144,7 @@ class CheckpointStore:
             durable_compression=durable_compression, frozen=frozen, refresh_every=refresh_every, timeout_s=timeout_s,
             peer_replicas=peer_replicas, peer_every=peer_every, node=node, peer_timeout_s=peer_timeout_s,
             peer_to_local=peer_to_local, interval=interval, mtbf=mtbf, events=events, sdc=sdc,
-            durable_timeout_s=durable_timeout_s, tuning=tuning, agent=agent,
+            durable_timeout_s=durable_timeout_s, tuning=tuning, agent=agent, background_nice=background_nice,
         )
         self.job = job
         self._closed = False
@@ -146,6 +153,7 @@ class CheckpointStore:
         self.ram: RamTier | None = None
         self.peer: PeerTier | None = None
         self._agent_lock: int | None = None  # the stores lock, held shared while this store is open
+        self._sweeping: concurrent.futures.Future[None] | None = None  # the durable sweep (rank 0)
         try:
             self._start(process_group)
         except BaseException:
@@ -175,6 +183,14 @@ class CheckpointStore:
         self.durable = (DirectoryTier("durable", opts.durable.url, storage_options=opts.durable.storage_options,
                                       codec=opts.durable.compression, manifest_writer=self.rank == 0, tuning=opts.tuning)
                         if opts.durable.url else None)
+        self._loop = LoopThread(nice=opts.background_nice)
+        # Rank 0 lists and sweeps the durable tier in the background while the rest starts (see
+        # _start_durable); on the other ranks the durable client is built at its first request.
+        listing = self._start_durable() if self.durable is not None and self.rank == 0 else None
+        if self.durable is not None and self.rank != 0:
+            # Built meanwhile, by a thread at the trainer's priority: a restored step's promotion
+            # or the first one due would otherwise wait for it (s3fs's imports and its client).
+            threading.Thread(target=self.durable.warm, name="ckptstore-durable-client", daemon=True).start()
         self.peer = PeerTier(opts.job, self.rank, ram_dir=opts.ram_dir, group=self._groups.peer,
                              send_to=holders[self.rank], hold_for=replicas_held(holders, self.rank),
                              local_root=opts.local, to_local=opts.peer.to_local, keep=opts.keep_local,
@@ -182,11 +198,11 @@ class CheckpointStore:
         self._sweep(local_owner)
         trainer.all_gather(None)  # nobody saves into a directory another rank is still sweeping
         if opts.agent:
-            # After the sweep: an agent started earlier must not find a half-swept directory.
+            # After the local sweep: an agent started earlier must not find a half-swept directory.
             self._agent_lock, _ = start_agent(opts.job, ram_dir=opts.ram_dir, local=opts.local,
                                               durable=opts.durable.url,
-                                              storage_options=opts.durable.storage_options)
-        self._loop = LoopThread()
+                                              storage_options=opts.durable.storage_options,
+                                              nice=opts.background_nice)
         self._tracker = GoodputTracker(interval=opts.goodput.interval, mtbf_s=opts.goodput.mtbf_s,
                                        events=opts.goodput.events, rank=self.rank, world=self.world, job=opts.job,
                                        local=opts.local, loop=self._loop)
@@ -195,7 +211,8 @@ class CheckpointStore:
                                   durable=self.durable, local_owner=local_owner, check=check, tracker=self._tracker,
                                   loop=self._loop)
         node_tiers = [t for t in (self.ram, self.local, self.peer) if t is not None]
-        self._restorer = Restorer(opts.job, self._groups, node_tiers, self.durable, check, opts.peer.timeout_s)
+        self._restorer = Restorer(opts.job, self._groups, node_tiers, self.durable, check, opts.peer.timeout_s,
+                                  durable_listing=listing)
         # A new store takes up where the job's tiers left off: steps only grow past the newest one
         # any tier holds (a committed step is never saved again), and the promotion and replication
         # cadence counts on from it, so a job that keeps crashing still reaches the durable tier.
@@ -208,12 +225,52 @@ class CheckpointStore:
     def _sweep(self, local_owner: bool) -> None:
         if self.local is not None and local_owner:
             self.local.sweep_sync()
-        if self.durable is not None and self.rank == 0:
+
+    def _start_durable(self) -> concurrent.futures.Future[set[int] | None]:
+        """List the durable tier's committed steps, then sweep what crashed saves left there, in the
+        background (rank 0, which sweeps the shared URL): a start no longer waits for an object
+        store's client, listing and deletions. Returns the listing (None when it cannot be made),
+        which the start's choice of the newest step held waits for.
+
+        What the sweep removes lies in step directories listed before this store wrote anything,
+        and a step of this run may reuse one of their numbers (after a rollback), so nothing of this
+        store reaches the durable tier before the sweep ended: rank 0 waits for it before its first
+        save's vote, a restored step's promotion and the close, each of which every rank joins
+        before it writes there (:meth:`_swept`)."""
+        durable = self.durable
+        assert durable is not None and self._loop is not None
+        if self.options.background_nice > 0 and "://" in durable.root:
+            # fsspec's I/O thread (the client's event loop) starts with the priority of whichever
+            # thread first needs it: the trainer's, not a lowered worker's. It parses the client's
+            # requests and answers holding the GIL, which a low-priority thread must not.
+            import fsspec.asyn
+
+            fsspec.asyn.get_loop()
+        listed: concurrent.futures.Future[set[int] | None] = concurrent.futures.Future()
+
+        async def run() -> None:
             try:
-                self.durable.sweep_sync()
+                try:
+                    listed.set_result(set(await durable.steps()))
+                except (CheckpointError, OSError) as exc:
+                    log.warning("ckptstore: cannot list the durable tier: %s", exc)
+                    listed.set_result(None)
+                await durable.sweep()
             except Exception as exc:  # noqa: BLE001 - housekeeping: an unreachable store must not stop a start
                 log.warning("ckptstore: cannot sweep the durable tier %s (what a crashed save left stays until the "
-                            "next start): %s", self.durable.root, exc)
+                            "next start): %s", durable.root, exc)
+            finally:
+                if not listed.done():
+                    listed.set_result(None)
+
+        self._sweeping = self._loop.submit(run())
+        return listed
+
+    def _swept(self) -> None:
+        """Wait for the durable sweep this store started (rank 0; at once elsewhere and later on)."""
+        sweeping, self._sweeping = self._sweeping, None
+        if sweeping is not None:
+            concurrent.futures.wait([sweeping])
 
     # ------------------------------------------------------------------------------ saving
 
@@ -227,6 +284,7 @@ class CheckpointStore:
         here (once), with its original class.
         """
         self._check_open()
+        self._swept()
         return self._pipeline.save(step, state)
 
     def should_save(self, step: int) -> bool:
@@ -320,6 +378,7 @@ class CheckpointStore:
         # Only when the durable tier was listed and lacks the step: during an outage nothing is known,
         # and the next regular promotion goes on from the restored step's cadence.
         if self.durable is not None and in_durable is False:
+            self._swept()
             self._pipeline.promote_restored(found, meta)
         return found
 
@@ -386,6 +445,7 @@ class CheckpointStore:
         if self._closed:
             return
         try:
+            self._swept()
             self._pipeline.close()
             if not keep_ram:
                 self._release_ram()

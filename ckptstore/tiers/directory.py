@@ -26,6 +26,7 @@ import mmap
 import os
 import secrets
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from .._faults import crashpoint
 from ..checkpoint.index import build_index
 from ..checkpoint.sharded import Directory, read_manifest
 from ..checkpoint.single_file import write_raw
-from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError
+from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentError, UnknownProtocolError
 from ..format import codecs
 from ..format.checksum import checksum
 from ..format.container import align_up
@@ -60,6 +61,7 @@ from ..storage.targets import Source, Target, WriteTuning, open_sink, open_sourc
 from .base import Capabilities, Held, Holdings, Snapshot, Tier
 
 log = logging.getLogger("ckptstore")
+_LISTING_CONCURRENCY = 8  # manifest checks in flight while listing an object store's steps
 
 
 class DirectoryTier(Tier):
@@ -86,7 +88,13 @@ class DirectoryTier(Tier):
         self.codec = None if codec == "raw" else codec
         self.manifest_writer = manifest_writer
         self.tuning = tuning  # bulk-write settings measured by `ckptstore bench`, or None for the defaults
-        self._base = Directory(self.root, self.storage_options)
+        # An object store's client (s3fs: a session, its credentials, a connection pool) is built at
+        # the first request, not here: a restart restores from the node tiers without it, and the
+        # store's start lists and sweeps the durable tier in the background.
+        self._built: Directory | None = None
+        self._building = threading.Lock()
+        if "://" in self.root:
+            _check_protocol(self.root)  # a URL no client can serve still fails here, at once
         if node_local and self._base.base.path is None:
             raise InvalidArgumentError(f"the {name} tier must be a local directory, not {root!r}")
         self.capabilities = Capabilities(node_local=node_local, exclusive_commit=True, reuses_unchanged=True,
@@ -95,6 +103,24 @@ class DirectoryTier(Tier):
         self._frozen: dict[str, tuple[int, dict[str, list[dict[str, Any]]]]] = {}
         self._mine: dict[int, list[str]] = {}
         self._token = secrets.token_hex(4)  # names this writer's files where the usual name is taken
+
+    @property
+    def _base(self) -> Directory:
+        built = self._built
+        if built is None:
+            with self._building:
+                if self._built is None:
+                    self._built = Directory(self.root, self.storage_options)
+                built = self._built
+        return built
+
+    def warm(self) -> None:
+        """Build the client now (from a thread of the caller's choosing); an error is left for the
+        first request to raise, where it is handled."""
+        try:
+            self._base  # noqa: B018 - the property builds it
+        except Exception as exc:  # noqa: BLE001 - raised again, in context, by the first request
+            log.debug("ckptstore: cannot build the %s tier's client yet: %s", self.name, exc)
 
     @property
     def local_root(self) -> str | None:
@@ -294,16 +320,27 @@ class DirectoryTier(Tier):
         return [(step, name) for name in names if (step := parse_step_dir(name)) is not None]
 
     async def steps(self) -> list[int]:
-        found = []
         try:
-            for step, name in await self._step_names():
-                if await small.exists(self._base.target(f"{name}/{MANIFEST}")):
-                    found.append(step)
+            return sorted(step for step, committed in await self._listing() if committed)
         except FileNotFoundError:
             return []
         except transport_errors() as exc:
             raise storage_error(exc, "list", self._base.display) from None
-        return sorted(found)
+
+    async def _listing(self) -> list[tuple[int, bool]]:
+        """Every step directory under the root and whether its manifest is there. On an object store
+        each manifest is a request of its own: they go out together (a few at a time), not one
+        after another, so listing a tier that holds many steps costs about one round trip more
+        than listing one that holds a single step."""
+        names = await self._step_names()
+        limit = asyncio.Semaphore(_LISTING_CONCURRENCY)
+
+        async def committed(name: str) -> bool:
+            async with limit:
+                return await small.exists(self._base.target(f"{name}/{MANIFEST}"))
+
+        found = await asyncio.gather(*(committed(name) for _step, name in names))
+        return [(step, ok) for (step, _name), ok in zip(names, found)]
 
     async def manifest(self, step: int) -> Manifest:
         return await asyncio.to_thread(read_manifest, self._dir(step))
@@ -333,8 +370,8 @@ class DirectoryTier(Tier):
         their steps), temporary files in the newest committed steps, and, on S3, unfinished
         multipart uploads under the root."""
         swept, committed = [], []
-        for step, name in await self._step_names():
-            if await small.exists(self._base.target(f"{name}/{MANIFEST}")):
+        for step, ok in await self._listing():
+            if ok:
                 committed.append(step)
                 continue
             d = self._dir(step)
@@ -427,6 +464,18 @@ class DirectoryTier(Tier):
         size = frozen_end + (int(rest_map.numel()) if rest_map is not None else 0)
         data = _SlotFiles(frozen_map, rest_map, frozen_end, size)
         return Snapshot(step, rank, int(manifest.meta.get("world_size", 1)), data, chunks, frozen_end)
+
+
+def _check_protocol(url: str) -> None:
+    """Raise UnknownProtocolError for a URL whose protocol fsspec does not know, by its name alone:
+    neither building a client nor importing its implementation (s3fs's imports take a second on a
+    busy core). One that is known but not installed fails at the first request, saying so."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    if protocol not in fsspec.available_protocols():
+        raise UnknownProtocolError(f"cannot open {url!r}: fsspec knows no protocol {protocol!r}. Check the URL's "
+                                   "spelling, or install the fsspec implementation that provides it")
 
 
 def committed_steps(root: str | None) -> set[int]:
