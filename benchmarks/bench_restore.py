@@ -117,13 +117,13 @@ def restarted_worker(job: str, local: str, ram_dir: str, layers: int) -> None:
     try:
         for _line in sys.stdin:
             gc.collect()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             assert store.restore(dst) == 1
-            took = time.perf_counter() - t
+            took, cpu = time.perf_counter() - t, time.process_time() - c
             for k, v in flat.items():
                 assert torch.equal(dst[k], v), k
                 dst[k].zero_()
-            print(took, flush=True)
+            print(took, cpu, flush=True)
     finally:
         store.close(keep_ram=True)
 
@@ -147,6 +147,9 @@ def main() -> None:
     local = os.path.join(work, "local")
     job = f"bench-restore-{uuid.uuid4().hex[:8]}"
     results: dict[str, list[float]] = {}
+    # CPU seconds of the process per row (threads included): a load-independent measure of the
+    # work, where the wall-clock time on shared cores is not.
+    cpu: dict[str, list[float]] = {}
     stores: list[CheckpointStore] = []
     worker: subprocess.Popen | None = None
     pool = ThreadPoolExecutor(os.cpu_count() or 2)
@@ -160,9 +163,10 @@ def main() -> None:
         if before is not None:
             before()
         gc.collect()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         results.setdefault(name, []).append(time.perf_counter() - t)
+        cpu.setdefault(name, []).append(time.process_time() - c)
 
     try:
         store = CheckpointStore(job, local=local, keep_local=1, ram_dir=args.ram_dir)
@@ -189,11 +193,12 @@ def main() -> None:
         def ram() -> None:
             assert store.restore(dst) == 1
 
-        def ram_fresh() -> float:
+        def ram_fresh() -> tuple[float, float]:
             assert worker is not None and worker.stdin is not None and worker.stdout is not None
             worker.stdin.write("restore\n")
             worker.stdin.flush()
-            return float(worker.stdout.readline())
+            took, spent = worker.stdout.readline().split()
+            return float(took), float(spent)
 
         for fn in (floor, floor_threads, ram):  # warm-up: destinations and caches touched once
             fn()
@@ -204,7 +209,9 @@ def main() -> None:
                      ("restore_ram_restarted", ram_fresh)]
             for name, fn in order if r % 2 == 0 else list(reversed(order)):
                 if name == "restore_ram_restarted":  # timed in the worker, checked there
-                    results.setdefault(name, []).append(ram_fresh())
+                    took, spent = ram_fresh()
+                    results.setdefault(name, []).append(took)
+                    cpu.setdefault(name, []).append(spent)
                     continue
                 timed(name, fn)
                 if name == "restore_ram":
@@ -246,8 +253,11 @@ def main() -> None:
         # Throughput of the restore over that of the raw read (at least 0.9 is the target).
         "restore_local_cold_speed_vs_raw_read": med["raw_read_cold"] / med["restore_local_cold"],
     }
+    cpu_med = {k: sorted(v)[len(v) // 2] for k, v in cpu.items()}
+    for k, v in cpu_med.items():
+        print(f"  cpu {k:36s} {v:8.3f} s")
     doc = report("restore", nbytes, args.repeats, results, ratios, args.out, data_file_bytes=disk_bytes,
-                 cache_drop="fadvise_dontneed", tensors=len(flat))
+                 cache_drop="fadvise_dontneed", tensors=len(flat), cpu_seconds=cpu, median_cpu_seconds=cpu_med)
     plot(doc, os.path.join(args.out, "restore.png"))
 
 
