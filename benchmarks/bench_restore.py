@@ -237,9 +237,13 @@ def main() -> None:
                 if name == "restore_local_cold":
                     check()
     finally:
-        if worker is not None and worker.poll() is None:
-            worker.kill()
-            worker.wait()
+        if worker is not None:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+            for pipe in (worker.stdin, worker.stdout):
+                if pipe is not None:
+                    pipe.close()
         pool.shutdown()
         for s in stores:
             s.close(keep_ram=True)
