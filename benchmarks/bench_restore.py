@@ -1,6 +1,6 @@
 """Restore on the CPU against its floors, same state, same run: `CheckpointStore.restore` from the
-RAM tier (the slot mapped in this process, and as a restarted process finds it) against the memcpy
-floor of the same bytes, and from the local tier with its files dropped from the page cache against
+RAM tier (the slot mapped in this process, and from a second process that has none of it mapped, as
+a restarted process finds it) against the memcpy floor of the same bytes, and from the local tier with its files dropped from the page cache against
 one raw read of the same files into fresh memory. Every restore is checked bitwise.
 
     python benchmarks/bench_restore.py [--layers 24] [--repeats 5] [--out docs/benchmarks]
@@ -17,13 +17,16 @@ import argparse
 import gc
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy
 import torch
 
 from ckptstore import CheckpointStore
@@ -103,7 +106,33 @@ def remove_segments(job: str, ram_dir: str) -> None:
             os.unlink(os.path.join(ram_dir, name))
 
 
+def restarted_worker(job: str, local: str, ram_dir: str, layers: int) -> None:
+    """A second process, as a restarted one finds the RAM tier: the committed slot is in ram_dir
+    and nothing of it is mapped here. Each line on stdin: one restore, timed, checked bitwise; the
+    seconds go to stdout. (A second store in the benchmark's own process would find the slot
+    mapped by the first and copy from that mapping.)"""
+    flat = flat_tensors(make_state(layers))
+    dst = {k: torch.empty_like(v) for k, v in flat.items()}
+    store = CheckpointStore(job, local=local, keep_local=1, ram_dir=ram_dir)
+    try:
+        for _line in sys.stdin:
+            gc.collect()
+            t, c = time.perf_counter(), time.process_time()
+            assert store.restore(dst) == 1
+            took, cpu = time.perf_counter() - t, time.process_time() - c
+            for k, v in flat.items():
+                assert torch.equal(dst[k], v), k
+                dst[k].zero_()
+            print(took, cpu, flush=True)
+    finally:
+        store.close(keep_ram=True)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--restarted-worker"]:
+        job, local, ram_dir, layers = sys.argv[2:6]
+        restarted_worker(job, local, ram_dir, int(layers))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)
@@ -118,7 +147,12 @@ def main() -> None:
     local = os.path.join(work, "local")
     job = f"bench-restore-{uuid.uuid4().hex[:8]}"
     results: dict[str, list[float]] = {}
+    # CPU seconds of the process per row (threads included): a load-independent measure of the
+    # work, where the wall-clock time on shared cores is not.
+    cpu: dict[str, list[float]] = {}
     stores: list[CheckpointStore] = []
+    worker: subprocess.Popen | None = None
+    pool = ThreadPoolExecutor(os.cpu_count() or 2)
 
     def check() -> None:
         for k, v in flat.items():
@@ -129,38 +163,61 @@ def main() -> None:
         if before is not None:
             before()
         gc.collect()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         results.setdefault(name, []).append(time.perf_counter() - t)
+        cpu.setdefault(name, []).append(time.process_time() - c)
 
     try:
         store = CheckpointStore(job, local=local, keep_local=1, ram_dir=args.ram_dir)
         stores.append(store)
         store.save(1, flat).wait("local")
         data_files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(local) for f in fs if f.endswith(".bin"))
-        # A restarted process finds the committed slot in ram_dir but has none of it mapped.
-        fresh = CheckpointStore(job, local=local, keep_local=1, ram_dir=args.ram_dir)
-        stores.append(fresh)
+        worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--restarted-worker", job, local,
+                                   args.ram_dir, str(args.layers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
 
         def floor() -> None:
             for k, v in flat.items():
                 dst[k].copy_(v)
 
+        pairs = [(dst[k].view(-1).view(torch.uint8).numpy(), v.view(-1).view(torch.uint8).numpy())
+                 for k, v in flat.items()]
+
+        def floor_threads() -> None:
+            # The same copies, one single-threaded memcpy per tensor on a thread per core: the
+            # restore's copies are of this kind (torch's copy_ splits each over its intra-op threads).
+            for _ in pool.map(lambda p: numpy.copyto(*p), pairs):
+                pass
+
         def ram() -> None:
             assert store.restore(dst) == 1
 
-        def ram_fresh() -> None:
-            assert fresh.restore(dst) == 1
+        def ram_fresh() -> tuple[float, float]:
+            assert worker is not None and worker.stdin is not None and worker.stdout is not None
+            worker.stdin.write("restore\n")
+            worker.stdin.flush()
+            took, spent = worker.stdout.readline().split()
+            return float(took), float(spent)
 
-        for fn in (floor, ram, ram_fresh):  # warm-up: destinations and caches touched once
+        for fn in (floor, floor_threads, ram):  # warm-up: destinations and caches touched once
             fn()
         check()
+        ram_fresh()
         for r in range(args.repeats):
-            order = [("memcpy_floor", floor), ("restore_ram", ram), ("restore_ram_restarted", ram_fresh)]
+            order = [("memcpy_floor", floor), ("memcpy_floor_threads", floor_threads), ("restore_ram", ram),
+                     ("restore_ram_restarted", ram_fresh)]
             for name, fn in order if r % 2 == 0 else list(reversed(order)):
+                if name == "restore_ram_restarted":  # timed in the worker, checked there
+                    took, spent = ram_fresh()
+                    results.setdefault(name, []).append(took)
+                    cpu.setdefault(name, []).append(spent)
+                    continue
                 timed(name, fn)
-                if name != "memcpy_floor":
+                if name == "restore_ram":
                     check()
+        worker.stdin.close()  # type: ignore[union-attr]
+        worker.wait(timeout=120)
         # From disk: a store with no RAM copy left (the segments removed), files out of the cache.
         for s in stores:
             s.close(keep_ram=True)
@@ -180,6 +237,14 @@ def main() -> None:
                 if name == "restore_local_cold":
                     check()
     finally:
+        if worker is not None:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+            for pipe in (worker.stdin, worker.stdout):
+                if pipe is not None:
+                    pipe.close()
+        pool.shutdown()
         for s in stores:
             s.close(keep_ram=True)
         remove_segments(job, args.ram_dir)
@@ -187,12 +252,16 @@ def main() -> None:
     med = {k: sorted(v)[len(v) // 2] for k, v in results.items()}
     ratios = {
         "restore_ram_vs_memcpy_floor": med["restore_ram"] / med["memcpy_floor"],
+        "restore_ram_vs_memcpy_floor_threads": med["restore_ram"] / med["memcpy_floor_threads"],
         "restore_ram_restarted_vs_memcpy_floor": med["restore_ram_restarted"] / med["memcpy_floor"],
         # Throughput of the restore over that of the raw read (at least 0.9 is the target).
         "restore_local_cold_speed_vs_raw_read": med["raw_read_cold"] / med["restore_local_cold"],
     }
+    cpu_med = {k: sorted(v)[len(v) // 2] for k, v in cpu.items()}
+    for k, v in cpu_med.items():
+        print(f"  cpu {k:36s} {v:8.3f} s")
     doc = report("restore", nbytes, args.repeats, results, ratios, args.out, data_file_bytes=disk_bytes,
-                 cache_drop="fadvise_dontneed", tensors=len(flat))
+                 cache_drop="fadvise_dontneed", tensors=len(flat), cpu_seconds=cpu, median_cpu_seconds=cpu_med)
     plot(doc, os.path.join(args.out, "restore.png"))
 
 

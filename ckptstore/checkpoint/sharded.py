@@ -66,6 +66,8 @@ from .memory import alloc_bytes
 from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
 
 BLOCK_SIZE = 4 << 20
+# A read job of a chunk with block checksums is at most about this many bytes (see _rows_per_job).
+JOB_BYTES = 16 << 20
 # A rank's second, third... box of one tensor travels through the tiers under its own name
 # (`<key>#box<n>`: a tier keys a rank's entries by name); build_manifest folds them back into <key>.
 BOX_ALIAS = "#box"
@@ -1204,7 +1206,7 @@ def _jobs_for(target: ReadTarget, entry: TensorEntry, buffer_bytes: int, where: 
             jobs.append(_ReadJob(target, c, c.offset, c.length, first, first * row_bytes, count, r.overlap, []))
             continue
         first, count = row_span(r.chunk_box, r.overlap)
-        step = max(1, buffer_bytes // max(1, row_bytes))
+        step = _rows_per_job(row_bytes, (c.block_size or 0) if c.block_checksums is not None else 0, buffer_bytes)
         for sub in range(first, first + count, step):
             n = min(step, first + count - sub)
             overlap = ((r.overlap[0][0] + (sub - first),) + r.overlap[0][1:], (n,) + r.overlap[1][1:])
@@ -1218,6 +1220,22 @@ def _jobs_for(target: ReadTarget, entry: TensorEntry, buffer_bytes: int, where: 
                 start, end, blocks = 0, c.length, []
             jobs.append(_ReadJob(target, c, c.offset + start, end - start, sub, lo - start, n, overlap, blocks))
     return jobs
+
+
+def _rows_per_job(row_bytes: int, block_size: int, buffer_bytes: int) -> int:
+    """Rows of a raw chunk per read job. With block checksums a job verifies only its own blocks,
+    so a large tensor is cut into jobs of about ``JOB_BYTES`` (whole blocks where the rows allow),
+    and every reader thread copies and verifies a share of it instead of one thread all of it.
+    Without them every job verifies the whole chunk: one job per ``buffer_bytes``, as many as the
+    staging budget requires."""
+    row_bytes = max(1, row_bytes)
+    if not block_size:
+        return max(1, buffer_bytes // row_bytes)
+    limit = min(buffer_bytes, JOB_BYTES)
+    unit = math.lcm(row_bytes, block_size)  # rows that end on a block boundary: no block read twice
+    if unit <= limit:
+        return (limit // unit) * (unit // row_bytes)
+    return max(1, limit // row_bytes)
 
 
 def read_targets(

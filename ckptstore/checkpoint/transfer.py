@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 
 from .._buffers import byte_view
@@ -176,12 +177,21 @@ def fill_verified(source: Source, offset: int, out: torch.Tensor, checks: list[C
         for start, length, expected in checks:
             verify(view[start : start + length], expected, location=location, key=key)
         return
+    if memory is not None:
+        end = offset + max((start + length for start, length, _ in checks), default=0)
+        if end > memory.numel():
+            raise CorruptCheckpointError(f"{location} is truncated (bytes up to {end} of {memory.numel()} wanted) for "
+                                         f"tensor {key!r}", location=location, key=key)
+        src, dst = numpy.frombuffer(byte_view(memory), numpy.uint8), numpy.frombuffer(view, numpy.uint8)
     for start, length, expected in checks:
         h = hasher()
         for pos in range(start, start + length, SUB_BYTES):
             n = min(SUB_BYTES, start + length - pos)
             if memory is not None:
-                out[pos : pos + n].copy_(memory[offset + pos : offset + pos + n])
+                # One thread's memcpy (numpy's, without the GIL), not torch's copy_: that splits a
+                # piece over the intra-op threads, leaving half of it in another core's cache for
+                # the hash below, and every reader thread starts a team of its own on the same cores.
+                numpy.copyto(dst[pos : pos + n], src[offset + pos : offset + pos + n])
             else:
                 try:
                     source.readinto(offset + pos, view[pos : pos + n])
