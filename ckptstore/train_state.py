@@ -13,6 +13,7 @@ into the tensors those helpers initialise.
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -252,6 +253,9 @@ class StateDicts:
         self._aliases: dict[str, tuple[Any, torch.Tensor, Any, Any, torch.Tensor]] = {}
         self._names: dict[int, str] | None = None  # id(parameter) -> name, for the optimizer's part
         self._held: list[torch.Tensor] = []  # the parameters of _names: their ids stay theirs
+        # The model's parameters in replay order, of the last replay and of the one _names was made at.
+        self._params: list[torch.Tensor] = []
+        self._named_params: list[torch.Tensor] | None = None
         self._types: dict[type, bool] = {}
 
     def model(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -262,6 +266,10 @@ class StateDicts:
             return get_model_state_dict(model)
         keys = list(mine)
         if keys == self._keys:
+            if self._named_params is not None and not _same_objects(self._params, self._named_params):
+                # A parameter replaced under its name: torch's own functions name the optimizer's
+                # parameters afresh (and refuse one the model no longer holds).
+                self._names = self._named_params = None
             return mine
         ref = get_model_state_dict(model)
         if keys != self._torch_only and same_state_dict(mine, ref):
@@ -286,7 +294,7 @@ class StateDicts:
             names = {id(p): name for name, p in params.items()}
             mine = _optimizer_state(optimizer, names)
             if mine is not None and same_state_dict(mine, ref):
-                self._names, self._held = names, list(params.values())
+                self._names, self._held, self._named_params = names, list(params.values()), self._params
         return ref
 
     def _replay(self, model: torch.nn.Module) -> dict[str, Any] | None:
@@ -300,6 +308,7 @@ class StateDicts:
         dest._metadata = meta
         old = self._aliases
         new: dict[str, Any] = {}
+        seen: list[torch.Tensor] = []
         types = self._types
         stack = [(model, "")]
         # Module.state_dict's order: a module's parameters, its persistent buffers, then each child
@@ -317,6 +326,7 @@ class StateDicts:
             for hook in module._state_dict_pre_hooks.values():
                 hook(module, prefix, False)
             tensors: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in module._parameters.items() if t is not None]
+            seen.extend(t for _, t in tensors)
             skip = module._non_persistent_buffers_set
             tensors += [(n, t) for n, t in module._buffers.items() if t is not None and n not in skip]
             for name, t in tensors:
@@ -327,7 +337,7 @@ class StateDicts:
                     dest[key] = t.detach()
             children = [(c, f"{prefix}{name}.") for name, c in module._modules.items() if c is not None]
             stack.extend(reversed(children))
-        self._aliases = new
+        self._aliases, self._params = new, seen
         return dest
 
 
@@ -349,6 +359,10 @@ def _alias(key: str, t: Any, old: dict[str, Any], new: dict[str, Any]) -> Any:
     if parts is not None:
         new[key] = (t, local, spec, alias, parts[0])
     return alias
+
+
+def _same_objects(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _replayable(kind: Any) -> bool:

@@ -325,3 +325,20 @@ def test_a_train_state_save_restores_bitwise_after_structural_changes(mesh, job,
             for k in want:
                 assert torch.equal(got[k], want[k]), (step, k)
 
+
+
+def test_a_parameter_replaced_behind_the_optimizers_back_fails_as_torch_does():
+    """The model's parameter replaced while the optimizer still holds the old one: torch's
+    function refuses it, and so does the state dict, rather than save the old one's state under
+    the new one's name."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = TrainState(model=model, optimizer=opt)
+    _step(model, opt)
+    for _ in range(2):
+        _assert_same(state.state_dict()["optimizer"], dcp_state_dict.get_optimizer_state_dict(model, opt))
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
+    with pytest.raises(KeyError):
+        dcp_state_dict.get_optimizer_state_dict(model, opt)
+    with pytest.raises(KeyError):
+        state.state_dict()
