@@ -350,8 +350,10 @@ def _alias(key: str, t: Any, old: dict[str, Any], new: dict[str, Any]) -> Any:
     held = old.get(key)
     if held is not None and held[0] is t and held[1] is local and held[2] is spec:
         view = held[4]
-        if (view.data_ptr() == local.data_ptr() and view.dtype == local.dtype and view.shape == local.shape
-                and view.stride() == local.stride() and view.device == local.device):
+        # What a .data, set_, resize_ or as_strided_ on the local tensor changes (a device
+        # change moves the data too); dtypes are singletons.
+        if (view.data_ptr() == local.data_ptr() and view.dtype is local.dtype and view.stride() == local.stride()
+                and view.shape == local.shape):
             new[key] = held
             return held[3]
     alias = t.detach()
