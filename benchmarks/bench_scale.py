@@ -26,8 +26,9 @@ It writes ``save_blocking.{json,png}`` (``--name`` for another name).
 ``--kinds`` adds states of other kinds at the same counts (``--kind-counts``, default ``--counts``),
 in a one-rank gloo job of this process: ``dtensor``, the same tensors as DTensors ``Shard(0)`` on a
 one-rank mesh, and ``train``, a ``TrainState`` of a model whose parameters are those DTensors (its
-``state_dict()``, torch's ``get_model_state_dict``, is part of what ``save`` blocks for, and is
-timed alone as ``state_dict``; its RNG states are per-rank values). The floors copy the local tensors.
+``state_dict()``, the model's state dict as torch's ``get_model_state_dict`` gives it, is part of what
+``save`` blocks for, and is timed alone as ``state_dict``; its RNG states are per-rank values). The
+floors copy the local tensors.
 """
 
 from __future__ import annotations

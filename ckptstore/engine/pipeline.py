@@ -73,7 +73,7 @@ from ..errors import (
 from ..format.container import align_up
 from ..format.manifest import Manifest
 from ..goodput.tracker import GoodputTracker
-from ..planning.flatten import OtherLeaf, fingerprint
+from ..planning.flatten import OtherLeaf, dtensor_leaf, fingerprint
 from ..storage import s3
 from ..tiers.base import Snapshot, Tier
 from ..tiers.directory import DirectoryTier
@@ -985,13 +985,7 @@ class _Found:
         def other(obj: Any) -> tuple[torch.Tensor, Any] | None:
             t = type(obj)
             if dtensor is not None and t is dtensor:
-                local = obj.to_local()
-                if type(local) is not torch.Tensor and type(local) is not torch.nn.Parameter:
-                    return None
-                # The global shape, placements and mesh decide the boxes; the local tensor's own
-                # shape and strides decide how they are cut out of it.
-                return local, (t, obj.dtype, obj.shape, tuple(obj.placements), obj.device_mesh,
-                               local.shape, local.stride(), local.device)
+                return dtensor_leaf(obj)
             if t is PerRank:
                 data = encode_value(obj.value)
                 self._encoded.append(data)

@@ -433,6 +433,40 @@ def _walk(obj: Any, leaves: list[torch.Tensor], key: list[Any], depth: int, othe
     return False
 
 
+def dtensor_leaf(obj: Any) -> tuple[torch.Tensor, Any] | None:
+    """A DTensor's fingerprint (see :func:`fingerprint`'s ``other``): its local tensor, what a
+    save stages (read with grad off, where ``to_local()`` is the tensor itself), and a key part
+    that decides its structure: the global shape, dtype, placements, shard order and mesh (the
+    boxes follow from them) and the local tensor's own shape, strides and device (how the boxes are
+    cut out of it). None when the local tensor is not a plain tensor (an async collective's).
+
+    The spec comes from :func:`dtensor_internals` where it can: DTensor's public properties cost
+    about a microsecond each, and a fingerprint reads them for every tensor at every save. A
+    DTensor keeping its spec object keeps its layout (an in-place op that changes the layout gives
+    the DTensor a new spec); two spec objects are equal exactly when their mesh, placements, shard
+    order, global shape, strides and dtype are."""
+    found = dtensor_internals(obj)
+    if found is None:
+        local = obj.to_local()
+        spec: Any = (obj.device_mesh, tuple(obj.placements), obj.shape, obj.dtype)
+    else:
+        local, spec = found
+    t = type(local)
+    if t is not torch.Tensor and t is not torch.nn.Parameter:
+        return None
+    return local, (type(obj), spec, local.shape, local.stride(), local.device)
+
+
+def dtensor_internals(obj: Any) -> tuple[torch.Tensor, Any] | None:
+    """The one place that reads DTensor's private attributes: its local tensor (``_local_tensor``)
+    and its spec (``_spec``, a ``DTensorSpec``). None when torch no longer has them: the caller
+    then reads the public properties (tests/test_save_blocking.py fails when torch changes them)."""
+    try:
+        return obj._local_tensor, obj._spec
+    except AttributeError:
+        return None
+
+
 def plan(obj: Any, *, compression: str | None = None, allow_pickle: bool = False) -> Plan:
     codecs.resolve_compression(compression, torch.float32)  # refuse an unknown name even with no tensors
     planner = _Planner(compression, allow_pickle)
