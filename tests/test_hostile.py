@@ -93,6 +93,9 @@ def _replace_single_manifest(tmp: str, body: bytes) -> str:
 def _sharded(tmp: str) -> str:
     root = os.path.join(tmp, "ck")
     ckptstore.save_sharded({**_state(), "rng": ckptstore.PerRank({"seed": 5})}, root)
+    # Without its index, as checkpoints written before the index are: a load then reads the manifest,
+    # whose refusals are what these cases test (the index's own are tested below).
+    os.unlink(os.path.join(root, "index.json"))
     return root
 
 
@@ -914,7 +917,8 @@ def test_credentials_never_stored_logged_or_raised(moto_s3_server, request, tmp_
     s3["client"].put_object(Bucket=s3["bucket"], Key=f"{s3['prefix']}/bad.ckpt",
                             Body=container.MAGIC + b"\x01\x00" + bytes(5000))
     refused(lambda: ckptstore.load(f"{base}/bad.ckpt", storage_options=opts))
-    s3["client"].put_object(Bucket=s3["bucket"], Key=f"{s3['prefix']}/sharded/manifest.json", Body=b'{"a":1,"a":2}')
+    for name in ("manifest.json", "index.json"):  # a damaged index alone would send the load to the manifest
+        s3["client"].put_object(Bucket=s3["bucket"], Key=f"{s3['prefix']}/sharded/{name}", Body=b'{"a":1,"a":2}')
     refused(lambda: ckptstore.load_sharded({}, f"{base}/sharded", storage_options=opts))
     wrong = dict(opts, client_kwargs={**opts["client_kwargs"], "endpoint_url": "http://127.0.0.1:9"},
                  config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1})
@@ -954,3 +958,47 @@ def test_missing_data_file_is_corruption_for_fresh_slots_too(tmp_path):
     for load in (_load_sharded_fresh(root), _load_sharded_into(root)):
         with pytest.raises(CorruptCheckpointError, match=r"rank-00000.bin is missing, but the manifest keeps tensor"):
             load()
+
+
+# ------------------------------------------------------------------------------------ the index
+
+_INDEX_EDITS: dict[str, Callable[[dict], Any]] = {
+    "chunk-file-dotdot": lambda d: d["tensors"]["a"]["chunks"][0].update(file="../outside.bin"),
+    "chunk-file-absolute": lambda d: d["tensors"]["a"]["chunks"][0].update(file="/etc/passwd"),
+    "negative-offset": lambda d: d["tensors"]["a"]["chunks"][0].update(offset=-8),
+    "offset-past-end": lambda d: d["tensors"]["a"]["chunks"][0].update(offset=1 << 40),
+    "shape-huge": lambda d: (d["tensors"]["a"].update(shape=[1 << 40]), d["tensors"]["a"]["chunks"][0].update(sizes=[1 << 40])),
+    "overlapping-bytes": lambda d: d["tensors"]["b"]["chunks"][0].update(offset=0),
+    "part-file-dotdot": lambda d: d["parts"].update({"0": ["../part.json", "xxh3_64:0000000000000000"]}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_INDEX_EDITS))
+@pytest.mark.parametrize("fresh", [False, True], ids=["into", "fresh"])
+def test_a_forged_index_is_refused_or_passed_over_for_the_manifest(name, fresh, tmp_path, caplog):
+    """An index whose own checksum was recomputed over hostile values (so it parses): the load either
+    refuses with a CorruptCheckpointError or, where the index's checks catch it, warns and reads the
+    sound manifest, bitwise. Never another error, never bytes from outside the checkpoint."""
+    from ckptstore.format.checksum import checksum
+
+    state = _state()
+    root = str(tmp_path / "ck")
+    ckptstore.save_sharded(state, root)
+    path = os.path.join(root, "index.json")
+    with open(path, "rb") as fh:
+        doc = json.loads(fh.read())
+    doc.pop("checksum")
+    _INDEX_EDITS[name](doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    with open(path, "wb") as fh:
+        fh.write(body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}')
+    target: dict[str, Any] = ({"a": None, "b": None} if fresh else
+                              {"a": torch.zeros_like(state["a"]), "b": torch.zeros_like(state["b"])})
+    try:
+        ckptstore.load_sharded(target, root, strict=False)
+    except ckptstore.CheckpointError as exc:
+        assert isinstance(exc, CorruptCheckpointError), repr(exc)
+        assert root in str(exc)
+        return
+    assert "from its index" in caplog.text and "reading its manifest" in caplog.text
+    assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
