@@ -412,3 +412,31 @@ def test_a_store_started_agent_persists_after_the_trainer_dies(tmp_path, shm, jo
     with CheckpointStore(job, durable=n["durable"], ram_dir=str(elsewhere)) as store:
         assert store.restore(target) == 2
     assert_same(target, state(2))
+
+
+def test_a_step_dropped_from_ram_while_being_persisted_is_not_committed(tmp_path, shm, job, zygote):
+    """A restarted store that restored an older step drops a newer one it cannot restore from RAM
+    and local, then saves that number again. An agent already persisting it when it was dropped
+    must not commit it in local afterwards: that copy would stand in the new save's way."""
+    n = _one_node(tmp_path, shm)
+    run_trainers(zygote, tmp_path, {**n["cfg"], "job": job, "durable_every": 2, "last": 3, "point": "ram.committed"})
+    assert committed_steps(str(n["local"])) == {1, 2}
+    agent = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"]))
+    assert agent.local is not None
+    put = agent.local.put
+
+    async def put_then_dropped(snap: Any) -> Any:
+        part = await put(snap)
+        for doc_path in n["ram"].glob("*.json"):  # the store's drop of step 3 lands meanwhile
+            if json.loads(doc_path.read_text())["step"] == 3:
+                doc_path.with_suffix(".bin").unlink()
+                doc_path.unlink()
+        return part
+
+    agent.local.put = put_then_dropped  # type: ignore[method-assign]
+    out = agent.run_once()
+    assert (out.local, out.durable, out.failed) == ([], [], [])
+    assert committed_steps(str(n["local"])) == {1, 2}
+    # Nothing of the agent's copy is left behind (empty directories wait for the next start's sweep,
+    # and a new save of step 3 writes beside them).
+    assert [p for p in (n["local"] / step_dir(3)).rglob("*") if p.is_file()] == []

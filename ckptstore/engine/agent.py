@@ -255,10 +255,22 @@ class NodeAgent:
                     copies.append(read_verified(path, doc, manifest, sid))
             return copies
 
+        def held() -> bool:
+            """Whether the node's segments of the step are still the committed ones read above: a
+            restarted store that restored an older step drops a newer one it cannot restore (a dead
+            branch) from RAM and local, and saves that step number again; the agent's copy of it,
+            committed after that drop, would stand in the way of the new save."""
+            now = {(path, doc.get("committed_unix")) for path, doc in committed_segments(self.job, self.ram_dir)
+                   if doc.get("step") == step}
+            return all((path, doc.get("committed_unix")) in now for path, doc in segments)
+
         where = ", ".join(map(str, ranks))
         if need_local:
             assert self.local is not None
-            await self._commit_local(step, manifest, ranks, snaps, sid, cadence, sdc)
+            if not await self._commit_local(step, manifest, ranks, snaps, sid, cadence, sdc, held):
+                log.info("ckptstore agent: step %d left the RAM tier while it was being persisted (a restarted "
+                         "store dropped it); not committing it in %s", step, self.local.display(step))
+                return True
             log.warning("ckptstore agent: step %d (ranks %s) committed in the local tier %s", step, where,
                         self.local.display(step))
             out.local.append(step)
@@ -278,7 +290,10 @@ class NodeAgent:
         return True
 
     async def _commit_local(self, step: int, manifest: Manifest, ranks: list[int], snaps: Callable[[], list[Snapshot]],
-                            sid: str, cadence: dict[str, Any], sdc: dict[str, Any] | None) -> None:
+                            sid: str, cadence: dict[str, Any], sdc: dict[str, Any] | None,
+                            held: Callable[[], bool]) -> bool:
+        """Commit the step in this node's local directory; False (and nothing of it left there) when
+        its segments left the RAM tier before the commit."""
         tier = self.local
         assert tier is not None
         world = manifest.meta["world_size"]
@@ -287,6 +302,9 @@ class NodeAgent:
             for snap in snaps() if any(r not in found for r in ranks) else []:
                 if snap.rank not in found:
                     found[snap.rank] = await tier.put(snap)
+            if not held():
+                await tier.discard(step)
+                return False
             # The ranks of other nodes: named as the local tier lays a snapshot out (its slot written
             # whole to data/rank-<r>.bin), which is the RAM manifest's own table.
             parts = [found[r] if r in found else ram_part(manifest, r) for r in range(world)]
@@ -300,6 +318,7 @@ class NodeAgent:
         except BaseException:
             await tier.discard(step)  # this node's directory: only this agent writes the step there
             raise
+        return True
 
     async def _commit_durable(self, tier: DirectoryTier, step: int, manifest: Manifest, ranks: list[int],
                               snaps: Callable[[], list[Snapshot]], sid: str, cadence: dict[str, Any],
