@@ -141,12 +141,12 @@ def _agents(under: Path) -> list[int]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads thread priorities from Linux's /proc")
 def test_background_work_runs_below_the_trainer(tmp_path, shm, job):
-    """By default the store's worker threads and its node agent run 10 steps below the trainer's
-    priority, and the trainer's own thread is left alone; background_nice=0 keeps them level."""
+    """With background_nice=10 the store's worker threads and its node agent run 10 steps below the
+    trainer's priority, and the trainer's own thread is left alone; the default (0) keeps them level."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     want = min(19, base + 10)
     try:
-        with CheckpointStore(job, local=tmp_path / "local", ram_dir=str(shm), agent=True) as store:
+        with CheckpointStore(job, local=tmp_path / "local", ram_dir=str(shm), agent=True, background_nice=10) as store:
             store.save(1, _state(1)).wait("local")
             assert store._loop is not None
             worker = store._loop.submit(asyncio.to_thread(threading.get_native_id)).result(30)
@@ -157,7 +157,7 @@ def test_background_work_runs_below_the_trainer(tmp_path, shm, job):
                 time.sleep(0.05)
             (agent,) = _agents(shm)
             assert _nice(agent, agent) == want
-        with CheckpointStore(f"{job}-level", local=tmp_path / "level", ram_dir=str(shm), background_nice=0) as store:
+        with CheckpointStore(f"{job}-level", local=tmp_path / "level", ram_dir=str(shm)) as store:
             assert store._loop is not None
             worker = store._loop.submit(asyncio.to_thread(threading.get_native_id)).result(30)
             assert _nice(worker) == base

@@ -98,7 +98,9 @@ class CheckpointStore:
     ``background_nice``: how many steps below the trainer's scheduling priority the store's
     background work runs (Linux; 0 to 19): the threads that hash, write, upload and replicate
     snapshots, and the node agent. On cores that the training step also needs, the step goes
-    first and the snapshot's persistence takes longer; 0 runs them at the trainer's priority.
+    first and the snapshot's persistence takes longer; 0 (the default) runs them at the trainer's
+    priority, which a training step that keeps every core busy needs (persistence lowered there
+    falls behind, and a failure then loses more work).
 
     Every argument is checked before the store creates anything; a failure after that (a process
     group that cannot form, a directory that cannot be swept) releases what was created.
@@ -135,7 +137,7 @@ class CheckpointStore:
         durable_timeout_s: float | None = None,
         tuning: str | os.PathLike[str] | dict[str, Any] | None = None,
         agent: bool = False,
-        background_nice: int = 10,
+        background_nice: int = 0,
     ) -> None:
         self.options = StoreOptions.from_arguments(
             job, local=local, durable=durable, durable_every=durable_every, keep_local=keep_local,
