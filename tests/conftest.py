@@ -237,3 +237,18 @@ def s3_object_bytes(s3: dict[str, Any], key: str) -> bytes:
 def s3_pending_uploads(s3: dict[str, Any], prefix: str) -> list[str]:
     listed = s3["client"].list_multipart_uploads(Bucket=s3["bucket"], Prefix=prefix)
     return [u["Key"] for u in listed.get("Uploads", [])]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A one-rank gloo process group for the module's tests, and a 1-D CPU device mesh over it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    init = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -14,23 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_save_cache import Saver as _SaveCacheSaver
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ckptstore import CheckpointStore, PerRank, TrainState
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized()
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _dt(t: torch.Tensor, mesh: DeviceMesh, placements: list[Any] | None = None) -> DTensor:

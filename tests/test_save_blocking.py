@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
 from test_plan_cache import Saver, _dt, _named_mesh, _state
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -27,17 +26,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import ckptstore.planning.flatten as flatten
 from ckptstore import CheckpointStore, TrainState
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized()
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
