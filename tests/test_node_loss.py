@@ -77,3 +77,31 @@ def test_a_rollback_past_a_half_lost_step_saves_that_step_again(tmp_path, job, r
     _spawn(2, "node_loss_workers:restart_job", tmp_path, expect=1, dead=2, **args)
     if later:
         _spawn(2, "node_loss_workers:check_job", tmp_path, step=2, **args)
+
+
+def _drop_own_copies(ram_root: str, local_root: str, node: int, step: int) -> None:
+    """What retention does to a node's own copies of an older step (its RAM slot reused, its local
+    copy past ``keep_local``) while a peer replica of another rank's part of that step stays."""
+    import json
+
+    ram = os.path.join(ram_root, f"node{node}")
+    for name in os.listdir(ram):
+        if name.endswith(".json") and "-peer" not in name:
+            with open(os.path.join(ram, name)) as f:
+                if json.load(f).get("step") == step:
+                    for suffix in (".json", ".bin"):
+                        os.remove(os.path.join(ram, name[:-len(".json")] + suffix))
+    shutil.rmtree(os.path.join(local_root, f"node{node}", f"step-{step:012d}"))
+
+
+def test_a_step_a_lost_node_held_the_only_replica_of_is_incomplete(tmp_path, job, ram_root):
+    """Node 1 holds step 2 only as node 0's replica (its own copies of step 2 already gone to
+    retention, its part's replica on node 0), when node 0 is lost: node 1's part of step 2 is
+    nowhere. The restart restores step 1, drops step 2 as incomplete (not "cannot be restored"),
+    no longer counts it as saved, and saves step 2 again."""
+    local_root = str(tmp_path / "local")
+    args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1)
+    _crash(tmp_path, steps=[1, 2, 3], **args)
+    _drop_own_copies(ram_root, local_root, 1, 2)
+    _lose_node(ram_root, local_root, 0)
+    _spawn(2, "node_loss_workers:restart_job", tmp_path, expect=1, dead=2, **args)

@@ -92,6 +92,9 @@ class NodeInventory:
         self.layouts: dict[str, Inventory] = {}
         self.unsupported: UnsupportedFormatVersionError | None = None  # a copy only a newer reader reads
         self.damaged = False  # a copy of a manifest was unreadable: the node holds something of the step
+        # Whether a tier other than the peer replicas holds something of the step: a copy this node's
+        # own ranks wrote (a replica holds another node's part, never this node's own).
+        self.own = False
 
     @classmethod
     def of(cls, tiers: Sequence[Tier], step: int, known: dict[bytes, tuple[str, Manifest]] | None = None
@@ -107,6 +110,8 @@ class NodeInventory:
         parsed: dict[bytes, tuple[str, Manifest] | None] = dict(known or {})  # one parse per distinct body
         for tier in tiers:
             held = tier.holdings(step)
+            if tier.name != "peer" and (held.manifests or held.files):
+                node.own = True
             digests: dict[str, str] = {}
             for body, where in held.manifests:
                 if body not in parsed:
