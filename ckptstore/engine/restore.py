@@ -304,7 +304,7 @@ class Restorer:
         # nodes' replicas): their own copies went with a lost node or to retention, so a part
         # only they wrote that no other node holds never got out of reach; it is missing, not
         # damaged. A file lacking from a copy the writer's node still holds is damage.
-        gone = frozenset(r for r, (_listed, _holds, own) in enumerate(gathered) if not own)
+        ownless = frozenset(r for r, (_listed, _holds, own) in enumerate(gathered) if not own)
         preference: dict[str, int] = {}
         for listed, _holds, _own in gathered:
             for p, d in listed:
@@ -323,7 +323,7 @@ class Restorer:
             order = [None]  # nothing readable anywhere: one attempt says why (or that a newer reader is needed)
         for digest in order:
             ok, detail = self._attempt_layout(state, step, node, digest, in_durable, excluded, per_rank, bare, kinds,
-                                              gone)
+                                              ownless)
             if ok:
                 return True, detail, ""
             details.append(detail)
@@ -332,17 +332,17 @@ class Restorer:
         verdict = _DAMAGED if _DAMAGED in kinds else _MISSING if kinds == {_MISSING} else _OTHER
         return False, "; then ".join(details), verdict
 
-    def _lost(self, unowned: list[str], gone: frozenset[int]) -> bool:
+    def _lost(self, unowned: list[str], ownless: frozenset[int]) -> bool:
         """Whether every file no node offers was written by a rank whose node holds no copy of its
         own of the step: then nothing is damaged, the part is gone. A writer this job no longer has (it runs
         on fewer ranks) does not count: its node may hold the part and come back, and calling the
         step incomplete would drop the surviving nodes' copies of it."""
         writers = [data_file_rank(name) for name in unowned]
-        return bool(unowned) and all(w is not None and w < self.world and w in gone for w in writers)
+        return bool(unowned) and all(w is not None and w < self.world and w in ownless for w in writers)
 
     def _attempt_layout(self, state: Any, step: int, node: NodeInventory, digest: str | None, in_durable: bool,
                         excluded: set[str], per_rank: str, bare: frozenset[int] = frozenset(),
-                        kinds: set[str] | None = None, gone: frozenset[int] = frozenset()) -> tuple[bool, str]:
+                        kinds: set[str] | None = None, ownless: frozenset[int] = frozenset()) -> tuple[bool, str]:
         """Collective attempts (retried with bad copies excluded) to load ``step`` on every rank from
         the copies in one layout: the nodes' copies in it, fetched across nodes where a node lacks
         a file, and the durable copy when it is laid out alike (or is the layout, ``_DURABLE``)."""
@@ -393,13 +393,14 @@ class Restorer:
             # Decided alike on every rank (from what the exchange gathered): when a part is gone with
             # a lost node, no rank loads, so no rank's state is left half-filled with this step.
             # Once a copy was found damaged the attempt runs as it always did, and says so.
-            lost = durable is None and _DAMAGED not in kinds and self._lost(transfers.unowned, gone)
+            lost = durable is None and _DAMAGED not in kinds and self._lost(transfers.unowned, ownless)
             try:
                 if lost and not problem and fatal is None:
                     gone = sorted(set(wanted) & set(transfers.unowned))
                     if gone:
                         problem, kind = (f"incomplete: {', '.join(gone)} {'is' if len(gone) == 1 else 'are'} held by "
-                                         "no node (the node of the rank that wrote it holds no copy of its own of the step) and "
+                                         "no node (the node of the rank that wrote it holds no copy of its own of the "
+                                         "step) and "
                                          "the durable tier lacks the step"), _MISSING
                 elif not problem and fatal is None:
                     assert manifest is not None
