@@ -17,11 +17,12 @@ import ckptstore
 from ckptstore import _faults
 
 
-def _store(name: str, rank: int, ram_root: str, local_root: str, replicas: int) -> ckptstore.CheckpointStore:
+def _store(name: str, rank: int, ram_root: str, local_root: str, replicas: int, **kw) -> ckptstore.CheckpointStore:
     ram_dir = os.path.join(ram_root, f"node{rank}")
     os.makedirs(ram_dir, exist_ok=True)
+    kw.setdefault("keep_local", 3)
     return ckptstore.CheckpointStore(name, local=os.path.join(local_root, f"node{rank}"), ram_dir=ram_dir, node=rank,
-                                     peer_replicas=replicas, keep_local=3)
+                                     peer_replicas=replicas, **kw)
 
 
 def _state(rank: int, step: int, run: int = 0) -> dict:
@@ -39,10 +40,10 @@ def _same(got: dict, want: dict) -> bool:
 
 
 def crash_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
-              steps: list[int]) -> None:
+              steps: list[int], **kw) -> None:
     """Save ``steps`` (each older one on every node tier), then the last one: committed in RAM, the
     process dies by SIGKILL as its local write begins (never reaching a peer either)."""
-    store = _store(name, rank, ram_root, local_root, replicas)
+    store = _store(name, rank, ram_root, local_root, replicas, **kw)
     for step in steps[:-1]:
         handle = store.save(step, _state(rank, step))
         handle.wait("local")
@@ -55,11 +56,11 @@ def crash_job(rank: int, world: int, name: str, ram_root: str, local_root: str, 
 
 
 def restart_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
-                expect: int | None, dead: int) -> None:
+                expect: int | None, dead: int, **kw) -> None:
     """Restore after the loss of node 0: ``expect`` (None: a fresh start), never the incomplete
     ``dead`` step; then save ``dead`` again and restore it bitwise."""
     records = _ckptstore_log()
-    store = _store(name, rank, ram_root, local_root, replicas)
+    store = _store(name, rank, ram_root, local_root, replicas, **kw)
     state = _empty(rank)
     got = store.restore(state)
     assert got == expect, (got, records)

@@ -105,3 +105,18 @@ def test_a_step_a_lost_node_held_the_only_replica_of_is_incomplete(tmp_path, job
     _drop_own_copies(ram_root, local_root, 1, 2)
     _lose_node(ram_root, local_root, 0)
     _spawn(2, "node_loss_workers:restart_job", tmp_path, expect=1, dead=2, **args)
+
+
+def test_the_newest_replicated_step_outlives_keep_local_so_a_node_loss_finds_it_whole(tmp_path, job, ram_root):
+    """Every second save is replicated (step 2); step 3 is not, and with keep_local=1 the local tier
+    would keep step 3 alone; step 4 dies in RAM. Node 0 is then lost, and with it node 1's part of
+    steps 3 and 4 and its replica of step 2. Node 1 kept its own copy of step 2, the newest step
+    replicated, beyond keep_local: the restart restores step 2 bitwise from node 1's local copy and
+    node 0's replica, instead of starting fresh."""
+    local_root = str(tmp_path / "local")
+    args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1, keep_local=1, peer_every=2)
+    _crash(tmp_path, steps=[1, 2, 3, 4], **args)
+    assert sorted(os.listdir(os.path.join(local_root, "node1"))) == ["step-000000000002", "step-000000000003",
+                                                                      "step-000000000004"]
+    _lose_node(ram_root, local_root, 0)
+    _spawn(2, "node_loss_workers:restart_job", tmp_path, expect=2, dead=4, **args)

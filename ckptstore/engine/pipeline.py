@@ -225,6 +225,11 @@ class Pipeline:
         # The newest step due in the durable tier that is not there yet: local retention keeps it
         # until a promotion of it or of a later step succeeds (retention tied to promotion).
         self._owed: int | None = None
+        # The newest step replicated to peers, and those on their way there: the local tier keeps
+        # its copy of them beyond keep_local, so that a node loss, which takes the lost node's
+        # replicas of the others' parts, still finds every part of that step on the nodes left.
+        self._replicated: int | None = None
+        self._replicating: set[int] = set()
         # Saves since the newest promoted and the newest replicated one. They travel in every step's
         # manifest (meta.cadence), so a restarted process counts on from its newest step instead of
         # from zero: a job that crashes every few saves still promotes every durable_every-th.
@@ -564,6 +569,7 @@ class Pipeline:
             # Places in the other lanes are taken before the next step may leave the fast lane,
             # so every lane runs its steps in step order.
             if job.replicate:
+                self._replicating.add(job.step)
                 lanes.append((self.peer_lane.reserve(), self._replicate, "peer"))
             if job.promote:
                 # A promotion reads the step's local files when there are some, not the slot: a slow or
@@ -641,7 +647,8 @@ class Pipeline:
             if job.promote:
                 self._owed = job.step
             assert self.local_retention is not None
-            await self.local_retention.apply(frozenset() if self._owed is None else frozenset({self._owed}))
+            keep = {s for s in (self._owed, self._replicated) if s is not None} | self._replicating
+            await self.local_retention.apply(frozenset(keep))
         if job.sdc and self.check.mode == "raise":
             self._promoted.add(job.step)  # close() must not promote it to durable either
         self.check.verdict(job, self.tracker.event)
@@ -650,7 +657,11 @@ class Pipeline:
         """Send this rank's staged bytes to its holders and take in the replicas it holds, over the
         peer group; the replicas are committed with the step's manifest, as in RAM."""
         assert job.snap is not None
-        part = await self._to_tier(self.peer, job, self.groups.peer)
+        try:
+            part = await self._to_tier(self.peer, job, self.groups.peer)
+            self._replicated = max(job.step, self._replicated or job.step)
+        finally:
+            self._replicating.discard(job.step)
         job.snap.meta.setdefault("timings", {})["replicate_s"] = part["timings"].get("replicate_s", 0.0)
 
     def _replication_failed(self, job: StepJob, exc: BaseException) -> None:

@@ -72,7 +72,10 @@ class CheckpointStore:
 
     ``peer_replicas``: copies of each rank's snapshot kept in the RAM of ranks on other nodes
     (every ``peer_every``-th snapshot; also on their disks with ``peer_to_local``), so a restart
-    after a node loss restores without the durable tier. ``node`` names this rank's node when the
+    after a node loss restores without the durable tier. The local tier then also keeps the newest
+    step replicated (and those being replicated) beyond ``keep_local``: a node loss takes the lost
+    node's replicas of the other nodes' parts, so the surviving nodes' own copies of that step are
+    what makes it whole. ``node`` names this rank's node when the
     launcher's environment does not. A peer that does not answer within ``peer_timeout_s`` fails
     only that replication, and replication stops for the run. ``timeout_s`` bounds every other
     collective of the store.
