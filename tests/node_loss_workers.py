@@ -41,8 +41,8 @@ def _same(got: dict, want: dict) -> bool:
 
 def crash_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
               steps: list[int], **kw) -> None:
-    """Save ``steps`` (each older one on every node tier), then the last one: committed in RAM, the
-    process dies by SIGKILL as its local write begins (never reaching a peer either)."""
+    """Save ``steps`` (each older one on every node tier), then the last one: the process dies by
+    SIGKILL right after its RAM commit, before its local write and its replication begin."""
     store = _store(name, rank, ram_root, local_root, replicas, **kw)
     for step in steps[:-1]:
         handle = store.save(step, _state(rank, step))
@@ -50,7 +50,7 @@ def crash_job(rank: int, world: int, name: str, ram_root: str, local_root: str, 
         if replicas:
             handle.wait("peer")
     store._drain()
-    _faults.arm("tier.data_written", f"step-{steps[-1]:012d}")
+    _faults.arm("ram.committed", str(steps[-1]))
     store.save(steps[-1], _state(rank, steps[-1])).wait("local")
     raise AssertionError("the crash point was never reached")
 
@@ -91,3 +91,25 @@ def check_job(rank: int, world: int, name: str, ram_root: str, local_root: str, 
     assert store.restore(state) == step
     assert _same(state, _state(rank, step, run=1)), state
     store.close()
+
+
+def local_fails_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int) -> None:
+    """Step 2's local write fails on every rank (a file stands where its directory goes); its
+    replication, which starts at the RAM commit beside the local write, still commits."""
+    store = _store(name, rank, ram_root, local_root, replicas)
+    store.save(1, _state(rank, 1)).wait("local")
+    with open(os.path.join(local_root, f"node{rank}", "step-000000000002"), "w"):
+        pass
+    handle = store.save(2, _state(rank, 2))
+    handle.wait("peer")
+    assert 2 in store.peer.node_steps(), store.peer.node_steps()
+    try:
+        handle.wait("local")
+    except ckptstore.CheckpointError as exc:
+        assert "step-000000000002" in str(exc), exc
+    else:
+        raise AssertionError("the local write of step 2 did not fail")
+    try:
+        store.close()
+    except ckptstore.CheckpointError:
+        pass  # step 2's local failure, raised once more by close

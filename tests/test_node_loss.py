@@ -3,8 +3,9 @@ not damaged), restores the newest complete one or starts fresh, and drops the de
 job can save those step numbers again.
 
 Real processes (two ranks on two simulated nodes, each with its RAM directory under /dev/shm and
-its own local directory), a real SIGKILL (a crash point armed as the newest step's local write
-begins, after its RAM commit), and a whole-node wipe (node 0's RAM directory and local directory).
+its own local directory), a real SIGKILL (a crash point armed right after the newest step's RAM
+commit, before its local write and replication begin), and a whole-node wipe (node 0's RAM
+directory and local directory).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def ram_root(job):
 
 def _lose_node(ram_root: str, local_root: str, node: int) -> None:
     shutil.rmtree(os.path.join(ram_root, f"node{node}"))
-    shutil.rmtree(os.path.join(local_root, f"node{node}"))
+    local = os.path.join(local_root, f"node{node}")
+    if os.path.exists(local):  # a job killed before its first local write has none
+        shutil.rmtree(local)
 
 
 def test_a_node_lost_before_its_part_got_out_leaves_a_job_that_starts_fresh(tmp_path, job, ram_root):
@@ -116,7 +119,14 @@ def test_the_newest_replicated_step_outlives_keep_local_so_a_node_loss_finds_it_
     local_root = str(tmp_path / "local")
     args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1, keep_local=1, peer_every=2)
     _crash(tmp_path, steps=[1, 2, 3, 4], **args)
-    assert sorted(os.listdir(os.path.join(local_root, "node1"))) == ["step-000000000002", "step-000000000003",
-                                                                      "step-000000000004"]
+    assert sorted(os.listdir(os.path.join(local_root, "node1"))) == ["step-000000000002", "step-000000000003"]
     _lose_node(ram_root, local_root, 0)
     _spawn(2, "node_loss_workers:restart_job", tmp_path, expect=2, dead=4, **args)
+
+
+def test_replication_starts_at_the_ram_commit_not_after_the_local_write(tmp_path, job, ram_root):
+    """A step's replica does not wait for its local write: with the local write failing, the step
+    is still replicated and committed on the peers."""
+    local_root = str(tmp_path / "local")
+    _spawn(2, "node_loss_workers:local_fails_job", tmp_path, name=job, ram_root=ram_root, local_root=local_root,
+           replicas=1)

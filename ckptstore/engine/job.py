@@ -41,3 +41,4 @@ class StepJob:
     replicated: dict[str, tuple] = field(default_factory=dict)  # key -> (offsets, sizes, kind) of replicated boxes
     sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)
     save_id: str = ""  # agreed by the ranks at the RAM commit: names this save of the step on every node
+    replication: Any = None  # the step's replication to peers (an asyncio task), once started

@@ -20,7 +20,8 @@ On the background loop, one step after another (the *fast* lane):
 Then, each in a lane of its own (a lane keeps one order of collectives on every rank, and neither
 holds up the next step's RAM and local commits):
 
-7. *peer*: replicate to ranks on other nodes (every ``peer_every``-th save);
+7. *peer*: replicate to ranks on other nodes (every ``peer_every``-th save), from the RAM commit on,
+   beside the local write;
 8. *durable*: promote to the durable URL (every ``durable_every``-th save, and the last one on
    close), reading the step's local files rather than its slot, then apply retention.
 
@@ -563,30 +564,38 @@ class Pipeline:
                 if prev is not None:
                     await asyncio.wrap_future(prev)
                 await self._fast_stages(job)
+                # Places in the other lanes are taken before the next step may leave the fast lane,
+                # so every lane runs its steps in step order (the peer lane's, at the RAM commit).
+                if job.promote:
+                    # A promotion reads the step's local files when there are some, not the slot: a slow
+                    # or stuck object store then never holds a RAM slot, so it never blocks the next saves.
+                    job.durable_data = self._local_view(job)
+                    lanes.append((self.durable_lane.reserve(), self._promote, "durable"))
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
                 self._failed(job, exc)
-                return
-            # Places in the other lanes are taken before the next step may leave the fast lane,
-            # so every lane runs its steps in step order.
-            if job.replicate:
-                self._replicating.add(job.step)
-                lanes.append((self.peer_lane.reserve(), self._replicate, "peer"))
-            if job.promote:
-                # A promotion reads the step's local files when there are some, not the slot: a slow or
-                # stuck object store then never holds a RAM slot, so it never blocks the next saves.
-                job.durable_data = self._local_view(job)
-                lanes.append((self.durable_lane.reserve(), self._promote, "durable"))
         finally:
             _resolve(mine, None)
-            if not lanes:
-                _resolve(job.slot_free, None)
         try:
-            tasks = [(asyncio.ensure_future(self._in_lane(p, work, job, name)), name) for p, work, name in lanes]
-            await asyncio.gather(*(t for t, name in tasks if name == "peer" or job.durable_data is None))
+            tasks = [asyncio.ensure_future(self._in_lane(p, work, job, name)) for p, work, name in lanes]
+            # The slot is free once nothing reads it: the replication, and a promotion without local files.
+            readers = [t for t in tasks if job.durable_data is None]
+            if job.replication is not None:
+                readers.append(job.replication)
+            await asyncio.gather(*readers)
             _resolve(job.slot_free, None)
-            await asyncio.gather(*(t for t, _ in tasks))
+            await asyncio.gather(*tasks)
         finally:
             _resolve(job.slot_free, None)
+
+    def _start_replication(self, job: StepJob) -> None:
+        """Start the step's replication to peers as soon as it is committed in RAM, beside its local
+        write rather than after it: a node loss finds the newest step whole on the other nodes a
+        local write sooner, and the step's slot is free once the longer of the two is done, not
+        once both are, one after the other."""
+        if job.replicate:
+            self._replicating.add(job.step)
+            job.replication = asyncio.ensure_future(self._in_lane(self.peer_lane.reserve(), self._replicate, job,
+                                                                  "peer"))
 
     async def _in_lane(self, place: Any, work: Callable[[StepJob], Awaitable[None]], job: StepJob, lane: str) -> None:
         async def guarded() -> None:
@@ -641,6 +650,7 @@ class Pipeline:
         crashpoint("ram.committed", str(job.step))
         self._last = job
         _resolve(job.futures["ram"], job.step)
+        self._start_replication(job)
         if self.local is not None:
             job.local_part = await self._to_tier(self.local, job, fast)
             _resolve(job.futures["local"], job.step)
@@ -792,8 +802,9 @@ class Pipeline:
     def _failed(self, job: StepJob, exc: BaseException) -> None:
         log.error("ckptstore: background save of step %d failed: %s", job.step, exc)
         self.errors.add(job.step, exc)
-        for f in job.futures.values():
-            if f is not None and not f.done():
+        for tier, f in job.futures.items():
+            # A replication under way (it began at the RAM commit) answers for itself.
+            if f is not None and not f.done() and not (tier == "peer" and job.replication is not None):
                 f.set_exception(exc)
 
     # ------------------------------------------------------------------------------ draining, closing
