@@ -174,3 +174,31 @@ def test_bad_background_nice_is_refused_before_anything_is_made(tmp_path, shm, j
     # The durable tier's client is built at its first request; a URL none can serve fails at once.
     with pytest.raises(UnknownProtocolError, match="nosuchproto"):
         CheckpointStore(job, durable="nosuchproto://bucket/job", ram_dir=str(shm))
+
+
+def test_a_restart_lists_the_durable_tier_once_and_a_save_makes_the_next_question_list_again(tmp_path, shm, s3,
+                                                                                             job):
+    """A restart asks for the newest step held (at the start), then restores: one listing of the
+    durable tier answers both. A save between the start and the next question makes that question
+    list afresh."""
+    url = _url(s3, job)
+    with CheckpointStore(job, durable=url, storage_options=s3["storage_options"], durable_every=1,
+                         ram_dir=str(shm)) as store:
+        store.save(3, _state(3)).wait("durable")
+    with FaultProxy(s3["endpoint_url"]) as proxy:
+        with CheckpointStore(job, durable=url, storage_options=_through(s3, proxy), durable_every=1,
+                             ram_dir=str(shm)) as store:
+            out = _blank()
+            assert store.restore(out) == 3
+            assert_same(out, _state(3))
+
+            def listings() -> int:  # of the job's step directories (the sweep makes one too)
+                return sum(op == "ListObjects" and "delimiter=%2F" in path for op, path, _what in proxy.log)
+
+            assert listings() == 2, proxy.log  # the start's, shared with the restore, and the sweep's
+        with CheckpointStore(job, durable=url, storage_options=_through(s3, proxy), durable_every=1,
+                             ram_dir=str(shm)) as store:
+            store.save(4, _state(4)).wait("durable")
+            before = listings()
+            assert store.latest_step() == 4
+            assert listings() == before + 1, proxy.log

@@ -90,6 +90,11 @@ class Restorer:
         # start lists it in the background while it builds the rest; the first question takes that.
         self._prelisted = durable_listing
         self._last_listed: set[int] | None = None
+        # The start's listing, taken again by the first question after it unless a save came
+        # between (forget_listing): a restart asks for the newest step held, then restores, and
+        # nothing of this job can have reached the durable tier in between but a node agent's
+        # commit of a step the nodes hold anyway (a candidate through them).
+        self._reusable: set[int] | None = None
         self.check, self.peer_timeout_s = check, peer_timeout_s
         self.rank, self.world = groups.rank, groups.world
         self.buffer_bytes = RESTORE_BUFFER  # the restore's read budget (store.restore(buffer_bytes=))
@@ -112,8 +117,11 @@ class Restorer:
         if self.durable is None:
             return set()
         prelisted, self._prelisted = self._prelisted, None
+        reusable, self._reusable = self._reusable, None
         if prelisted is not None:
-            listed = prelisted.result()
+            listed = self._reusable = prelisted.result()
+        elif reusable is not None:
+            listed = reusable
         else:
             try:
                 listed = set(self.durable.steps_sync())
@@ -122,6 +130,10 @@ class Restorer:
                 listed = None
         self._last_listed = listed
         return listed
+
+    def forget_listing(self) -> None:
+        """A save is under way: the next question lists the durable tier afresh."""
+        self._reusable = None
 
     @staticmethod
     def _shared(gathered: list[tuple[Any, list[int] | None]]) -> tuple[list[Any], set[int]]:

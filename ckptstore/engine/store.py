@@ -290,6 +290,7 @@ class CheckpointStore:
         """
         self._check_open()
         self._swept()
+        self._restorer.forget_listing()
         return self._pipeline.save(step, state)
 
     def should_save(self, step: int) -> bool:
