@@ -1,7 +1,8 @@
 """Format 2.0: a store's durable manifest names each rank's part file (its size and checksum)
 instead of listing every chunk, so its size and its committer's cost grow with ranks plus tensors.
 A step written so by two gloo ranks loads bitwise through load_sharded and the store's restore, in
-its layout and resharded, on a local directory and on a real S3 server; an old (1.x) step still
+its layout and resharded (each on one of the two storages, the other way round on the other), on a
+local directory and on a real S3 server; an old (1.x) step still
 loads; the CLI reads the new one; a damaged or missing part is refused, naming the part file."""
 
 from __future__ import annotations
@@ -52,29 +53,29 @@ def _check(target: dict[str, Any], what: str) -> None:
 
 
 def parted_job(rank: int, world: int, name: str, root: str, s3_url: str, storage_options: dict[str, Any]) -> None:
-    """Each rank saves a Shard(0) state to the durable tier (a local directory, then S3), loads the
-    committed step with load_sharded in its layout and with Shard(1), and, its RAM copy gone,
-    restores it through the store in both layouts."""
+    """Each rank saves a Shard(0) state to the durable tier (a local directory, then S3) and loads
+    the committed step with load_sharded, and, its RAM copy gone, through the store's restore: one
+    of the two in the layout it saved, the other resharded (Shard(1)), the other way round on the
+    other storage."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    for label, durable, opts in (("file", os.path.join(root, "durable"), None), ("s3", s3_url, storage_options)):
+    for label, durable, opts, dims in (("file", os.path.join(root, "durable"), None, (0, 1)),
+                                       ("s3", s3_url, storage_options, (1, 0))):
         ram = os.path.join(root, f"ram-{label}-{rank}")
         os.makedirs(ram, exist_ok=True)
         job = f"{name}-{label}"
         with CheckpointStore(job, durable=durable, durable_every=1, ram_dir=ram, storage_options=opts) as store:
             store.save(1, _state(mesh, 0, zeros=False)).wait("durable")
-        for dim in (0, 1):
-            target = _state(mesh, dim, zeros=True)
-            ckptstore.load_sharded(target, f"{durable}/{STEP}", storage_options=opts)
-            _check(target, f"{label} load_sharded Shard({dim})")
-        for dim in (0, 1):
-            for f in os.listdir(ram):
-                os.unlink(os.path.join(ram, f))
-            target = _state(mesh, dim, zeros=True)
-            with CheckpointStore(job, durable=durable, ram_dir=ram, storage_options=opts) as store:
-                assert store.restore(target) == 1
-            _check(target, f"{label} restore Shard({dim})")
+        target = _state(mesh, dims[0], zeros=True)
+        ckptstore.load_sharded(target, f"{durable}/{STEP}", storage_options=opts)
+        _check(target, f"{label} load_sharded Shard({dims[0]})")
+        for f in os.listdir(ram):
+            os.unlink(os.path.join(ram, f))
+        target = _state(mesh, dims[1], zeros=True)
+        with CheckpointStore(job, durable=durable, ram_dir=ram, storage_options=opts) as store:
+            assert store.restore(target) == 1
+        _check(target, f"{label} restore Shard({dims[1]})")
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def _assert_parted(body: bytes, world: int = 2) -> dict[str, Any]:
 
 def test_two_ranks_commit_a_parted_manifest_that_loads_bitwise_everywhere(parted, s3_server):
     """The durable manifest (format 2.0) lists no chunk and names both ranks' parts; both copies
-    (local directory, SeaweedFS) loaded bitwise in both layouts on both ranks (parted_job)."""
+    (local directory, SeaweedFS) loaded bitwise on both ranks (parted_job)."""
     step_dir, s3_key = parted
     doc = _assert_parted((step_dir / MANIFEST).read_bytes())
     assert not (step_dir / INDEX).exists()  # the manifest is its own index
