@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import operator
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -230,8 +231,14 @@ def read_index(read: Reader, display: str) -> Index | None:
         body = read(MANIFEST)
     except (CheckpointNotFoundError, FileNotFoundError):
         return None
+    if _V1_START.match(body):
+        return None  # a 1.x manifest without its index: the caller reads it whole (parsing it here would double that)
     parsed = parse_sharded(body, where=f"{display}/{MANIFEST}")
     return index_of(parsed) if isinstance(parsed, Parted) else None
+
+
+# How the reference writers begin a 1.x manifest; one that begins otherwise is parsed to be sure.
+_V1_START = re.compile(rb'\{"format":"ckptstore","format_version":"1\.\d{1,6}"')
 
 
 def index_of(parted: Parted) -> Index:
