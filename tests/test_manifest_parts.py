@@ -178,3 +178,32 @@ def test_a_damaged_or_missing_part_file_is_refused_naming_it(parted, tmp_path, c
         _load_whole(step)
     assert main(["verify", str(step)]) != 0
     assert "rank-00001.json" in capsys.readouterr().err
+
+
+def _reseal(step: Path, edit: Any) -> None:
+    from ckptstore.format.checksum import checksum
+
+    doc = json.loads((step / MANIFEST).read_bytes())
+    doc.pop("checksum")
+    edit(doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    (step / MANIFEST).write_bytes(body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}')
+
+
+def _other_writer(doc: dict[str, Any]) -> None:
+    doc["tensors"]["plain"]["writer"] = 1 - doc["tensors"]["plain"]["writer"]
+
+
+@pytest.mark.parametrize("edit", [
+    _other_writer,
+    lambda d: d["parts"].pop(),  # fewer parts than world_size
+    lambda d: (d["parts"].pop(), d["meta"].update(world_size=1)),  # a world of one: rank 1's chunks unread
+    lambda d: d["parts"].reverse(),  # each rank's slot names the other's part
+], ids=["wrong-writer", "fewer-parts", "world-shrunk", "parts-swapped"])
+def test_a_forged_two_rank_manifest_is_refused(parted, tmp_path, edit):
+    """Hostile edits that need two ranks' parts: a tensor's writer moved to the rank that did not
+    write it, a part left out (with or without the world size shrunk), the parts' order swapped."""
+    step = _copy(parted[0], tmp_path)
+    _reseal(step, edit)
+    with pytest.raises(CorruptCheckpointError, match=str(step)):
+        _load_whole(step)
