@@ -111,6 +111,12 @@ def test_two_ranks_commit_a_parted_manifest_that_loads_bitwise_everywhere(parted
     doc = _assert_parted((step_dir / MANIFEST).read_bytes())
     assert not (step_dir / INDEX).exists()  # the manifest is its own index
     assert doc["tensors"]["plain"]["writer"] in (0, 1) and "writer" not in doc["tensors"]["w"]
+    # The layout digest the coordinator composed from the ranks' digests names the chunk table as
+    # a reader of the whole table names it (copies of a step are grouped by it on restore).
+    from ckptstore.checkpoint.sharded import Directory, read_manifest
+    from ckptstore.format.manifest import layout_digest
+
+    assert doc["layout"] == layout_digest(read_manifest(Directory(str(step_dir), None)))
     _assert_parted(s3_object_bytes(s3_server, s3_key))
 
 
