@@ -786,6 +786,131 @@ def index_cell(ranks: int, tensors: int) -> dict[str, Any]:
     return out
 
 
+def commit_cell(ranks: int, tensors: int, tmp: str) -> dict[str, Any]:
+    """The durable coordinator's commit at ``ranks`` ranks, each holding a Shard(0) slice of
+    ``tensors`` tensors of shape (2 x ranks, 64), on synthesized parts, no collectives: what it
+    receives (each rank's message pickled by its sender, as a gather does, and unpickled here: the
+    gather's cost at the coordinator), the manifest's build, encoding and parse-back (never commit
+    what a reader would refuse), and its write (a file on ``tmp``, fsynced). With format 2.0 a rank
+    sends a summary of its part (``part_summary``, timed on one rank: every rank pays it, in
+    parallel), the coordinator builds the manifest that names the part files, and one rank's plan
+    from that manifest and its own part is timed too. Before it (the code of main 11adc5d, which
+    has no ``part_summary``), a rank sends its whole part and the coordinator builds the manifest of
+    every chunk and the index beside it."""
+    import pickle
+
+    from ckptstore.checkpoint import sharded as _sh
+    from ckptstore.checkpoint.index import build_index, plan_from_index
+    from ckptstore.checkpoint.sharded import GlobalBox
+    from ckptstore.format.checksum import checksum
+    from ckptstore.format.manifest import layout_digest, parse_manifest
+    from ckptstore.names import INDEX, MANIFEST
+
+    parted = hasattr(_sh, "part_summary")
+    rows, cols = 2 * ranks, 64
+    keys = [f"layers.{i}.w" for i in range(tensors)]
+    rank = ranks // 2
+
+    def part_of(r: int) -> dict[str, Any]:
+        start, n = chunk_range(rows, ranks, r)
+        chunks = {k: [{"offsets": [start, 0], "sizes": [n, cols], "file": f"data/rank-{r:05d}.bin",
+                       "offset": i * n * cols, "length": n * cols, "codec": "raw",
+                       "checksum": f"xxh3_64:{r:08x}{i:08x}", "block_size": None, "block_checksums": None}]
+                  for i, k in enumerate(keys)}
+        return {"rank": r, "world_size": ranks, "host": "node", "pid": 1000 + r, "bytes": n * cols * tensors,
+                "chunks": chunks, "timings": {"write_s": 0.1, "stage_s": 0.01, "hash_s": 0.01}}
+
+    own_part = part_of(rank)
+    own_body = json.dumps(own_part, separators=(",", ":")).encode()
+    shared = {"tree": {k: {"$tensor": k} for k in keys}, "tensors": {k: ("uint8", (rows, cols)) for k in keys},
+              "layouts": None}
+    out: dict[str, Any] = {"kind": "commit", "world": ranks, "tensors": tensors, "format": "2.0" if parted else "1.x"}
+    messages: list[bytes] = []
+    if parted:
+        from ckptstore.engine.pipeline import parted_step_manifest
+        from ckptstore.format.manifest import parse_sharded
+
+        t = time.thread_time()
+        mine = _sh.part_summary({**own_part, "part_file": f"parts/rank-{rank:05d}.json",
+                                 "part_size": len(own_body), "part_checksum": checksum(own_body)})
+        out["rank_summary_cpu_s"] = time.thread_time() - t
+        for r in range(ranks):
+            # Ranks of one Shard(0) structure differ in their numbers, not in their summary's shape;
+            # rank 0 holds the origin of every tensor.
+            start, n = chunk_range(rows, ranks, r)
+            summary = {**mine, "rank": r, "pid": 1000 + r, "bytes": n * cols * tensors,
+                       "part_file": f"parts/rank-{r:05d}.json", "layout": f"xxh3_64:{r:016x}",
+                       "origin": [(k, [n, cols]) for k in keys] if r == 0 else []}
+            if r == rank:
+                summary = mine
+            messages.append(pickle.dumps(summary))
+    else:
+        for r in range(ranks):
+            part = own_part if r == rank else part_of(r)
+            messages.append(pickle.dumps({**part, "part_file": f"parts/rank-{r:05d}.json",
+                                          "part_checksum": "xxh3_64:0000000000000000"}))
+    out["received_bytes"] = sum(len(m) for m in messages)
+    gc.collect()
+    t = time.thread_time()
+    received = [pickle.loads(m) for m in messages]
+    out["gather_cpu_s"] = time.thread_time() - t
+    del messages
+    t = time.thread_time()
+    if parted:
+        body = parted_step_manifest(shared, received, ranks, job="bench", step=1, cadence={"durable": 0, "peer": 0})
+        out["build_encode_cpu_s"] = time.thread_time() - t
+        t = time.thread_time()
+        parse_sharded(body, where="synthesized")
+        out["parse_back_cpu_s"] = time.thread_time() - t
+        index_body = None
+    else:
+        from ckptstore.engine.pipeline import step_manifest
+
+        manifest = step_manifest(shared, received, ranks, job="bench", step=1, cadence={"durable": 0, "peer": 0})
+        body = manifest.to_json_bytes()
+        out["build_encode_cpu_s"] = time.thread_time() - t
+        t = time.thread_time()
+        parse_manifest(body, where="synthesized")
+        out["parse_back_cpu_s"] = time.thread_time() - t
+        t = time.thread_time()
+        index_body = build_index(manifest, received, layout_digest(manifest))
+        out["index_cpu_s"] = time.thread_time() - t
+        del manifest
+    del received
+    out["manifest_bytes"] = len(body)
+    t0, t = time.perf_counter(), time.thread_time()
+    for name, data in ((MANIFEST, body), (INDEX, index_body)):
+        if data is not None:
+            with open(os.path.join(tmp, name), "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+    out["write_cpu_s"] = time.thread_time() - t
+    out["write_s"] = time.perf_counter() - t0
+    out["coordinator_cpu_s"] = sum(out.get(k, 0.0) for k in ("gather_cpu_s", "build_encode_cpu_s", "parse_back_cpu_s",
+                                                             "index_cpu_s", "write_cpu_s"))
+    if parted:
+        files = {MANIFEST: body, f"parts/rank-{rank:05d}.json": own_body}
+        read: dict[str, int] = {}
+
+        def reader(rel: str) -> bytes:
+            if rel not in files:
+                raise FileNotFoundError(rel)  # index.json: a format 2.0 step has none
+            read[rel] = read.get(rel, 0) + len(files[rel])
+            return files[rel]
+
+        start, n = chunk_range(rows, ranks, rank)
+        target = {k: GlobalBox(torch.empty(n, cols, dtype=torch.uint8), (start, 0), (rows, cols), torch.uint8)
+                  for k in keys}
+        gc.collect()
+        t = time.thread_time()
+        planned = plan_from_index(reader, target, rank, ranks, "synthesized")
+        out["rank_plan_cpu_s"] = time.thread_time() - t
+        assert planned is not None and all(len(planned.tensors[k].chunks) == 1 for k in keys)
+        out["rank_plan_read_bytes"] = sum(read.values())
+    return out
+
+
 WORLD = ThreadedWorld()
 
 
@@ -821,6 +946,9 @@ PER_RANK_FIGURES = {  # (cell kind, figure, summary, must stay flat in world siz
     "plan.shard1_plan_cpu_s": ("plan", "shard1_plan_cpu_s", None, True),
     "plan.shard0_uneven_plan_cpu_s": ("plan", "shard0_uneven_plan_cpu_s", None, True),
     "plan.agree_merge_cpu_s": ("plan", "agree_merge_cpu_s", None, False),
+    "commit.coordinator_cpu_s": ("commit", "coordinator_cpu_s", None, False),
+    "commit.manifest_bytes": ("commit", "manifest_bytes", None, False),
+    "commit.rank_plan_cpu_s": ("commit", "rank_plan_cpu_s", None, True),
 }
 
 
@@ -920,7 +1048,7 @@ def predicted(kind: str, world: int, tensors: int, done: list[dict[str, Any]]) -
         return None
     a = fit([(c["world"], c["seconds"]) for c in mine if c["tensors"] == tensors])
     b = fit([(c["tensors"], c["seconds"]) for c in mine if c["world"] == world])
-    a = (1.0 if kind in ("plan", "index") else 2.0) if a is None else max(a, 0.5)
+    a = (1.0 if kind in ("plan", "index", "commit") else 2.0) if a is None else max(a, 0.5)
     b = 1.0 if b is None else max(b, 0.5)
     ref = max(mine, key=lambda c: c["seconds"])
     return ref["seconds"] * (world / ref["world"]) ** a * (tensors / ref["tensors"]) ** b
@@ -940,6 +1068,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
             jobs += [("plan", w, t, share) for t in args.plan_tensors for w in args.plan_ranks]
         elif kind == "index":
             jobs += [("index", w, t, share) for t in args.index_tensors for w in args.plan_ranks]
+        elif kind == "commit":
+            jobs += [("commit", w, t, share) for t in args.commit_tensors for w in args.plan_ranks]
         else:
             grid = {(w, args.tensors[0]) for w in args.worlds} | {(args.worlds[0], t) for t in args.tensors}
             jobs += [(kind, w, t, share) for w, t in sorted(grid, key=lambda p: (p[0] * p[1], p[0]))]
@@ -965,6 +1095,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                 cell = sharded_cell(world, tensors, tmp)
             elif kind == "index":
                 cell = index_cell(world, tensors)
+            elif kind == "commit":
+                cell = commit_cell(world, tensors, tmp)
             else:
                 cell = plan_cell(world, tensors)
         except Exception as exc:  # noqa: BLE001 - recorded, the rest of the grid goes on
@@ -1171,7 +1303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index-tensors", type=int, nargs="+", default=[1000, 10000],
                     help="tensors per rank of the index cells (--kinds index), at each of --plan-ranks")
     ap.add_argument("--kinds", nargs="+", default=["plan", "store", "sharded"],
-                    choices=["plan", "index", "store", "sharded"])
+                    choices=["plan", "index", "commit", "store", "sharded"])
+    ap.add_argument("--commit-tensors", type=int, nargs="+", default=[100, 1000, 10000],
+                    help="tensors per rank of the commit kind (the durable coordinator's commit), at --plan-ranks")
     ap.add_argument("--budget-s", type=float, default=840.0, help="no cell starts that would end the run after this")
     ap.add_argument("--cell-budget-s", type=float, default=300.0, help="no cell predicted to take longer starts")
     ap.add_argument("--long", action="store_true",

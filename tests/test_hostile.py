@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import stat
 import struct
 import subprocess
@@ -1002,3 +1003,73 @@ def test_a_forged_index_is_refused_or_passed_over_for_the_manifest(name, fresh, 
         return
     assert "from its index" in caplog.text and "reading its manifest" in caplog.text
     assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
+
+
+# ------------------------------------------------------------------------- the format 2.0 manifest
+
+def _missing_part(root: str, doc: dict) -> None:
+    os.unlink(os.path.join(root, doc["parts"][0][0]))
+
+
+_PARTED_EDITS: dict[str, Callable[[str, dict], Any]] = {
+    "part-file-dotdot": lambda r, d: d["parts"][0].__setitem__(0, "parts/../../outside.json"),
+    "part-file-absolute": lambda r, d: d["parts"][0].__setitem__(0, "/etc/passwd"),
+    "part-size-mismatch": lambda r, d: d["parts"][0].__setitem__(1, d["parts"][0][1] + 1),
+    "part-checksum-mismatch": lambda r, d: d["parts"][0].__setitem__(2, "xxh3_64:0000000000000000"),
+    "part-missing": _missing_part,
+    "fewer-parts-than-world": lambda r, d: d["meta"].update(world_size=2),
+    "part-named-twice": lambda r, d: (d["parts"].append(d["parts"][0]), d["meta"].update(world_size=2)),
+    "tensor-dropped": lambda r, d: d["tensors"].pop("b"),
+    "writer-out-of-range": lambda r, d: d["tensors"]["a"].update(writer=5),
+    "shape-shrunk": lambda r, d: d["tensors"]["a"].update(shape=[999]),
+    "dtype-changed": lambda r, d: d["tensors"]["a"].update(dtype="float64"),
+}
+
+
+@pytest.fixture(scope="module")
+def parted_step(tmp_path_factory):
+    """A store's durable step, whose manifest is format 2.0 (it names its part files)."""
+    import uuid
+
+    from conftest import wipe_ram
+
+    tmp = tmp_path_factory.mktemp("parted")
+    job = f"hostile-{uuid.uuid4().hex[:10]}"
+    ram = tmp / "shm"
+    ram.mkdir()
+    try:
+        with ckptstore.CheckpointStore(job, durable=str(tmp / "durable"), durable_every=1, ram_dir=str(ram)) as store:
+            store.save(1, _state()).wait("durable")
+    finally:
+        wipe_ram(job)
+    return tmp / "durable" / "step-000000000001"
+
+
+@pytest.mark.parametrize("name", sorted(_PARTED_EDITS))
+def test_a_forged_parted_manifest_is_refused(name, parted_step, tmp_path):
+    """A format 2.0 manifest whose own checksum was recomputed over hostile values (so it parses),
+    or whose part file is gone: every load refuses it with a CorruptCheckpointError naming the
+    checkpoint, never another error, never a tensor filled from outside it or from the wrong part."""
+    from ckptstore.format.checksum import checksum
+
+    root = str(tmp_path / "ck")
+    shutil.copytree(parted_step, root)
+    path = os.path.join(root, "manifest.json")
+    with open(path, "rb") as fh:
+        doc = json.loads(fh.read())
+    assert doc["format_version"] == "2.0"
+    doc.pop("checksum")
+    _PARTED_EDITS[name](root, doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    with open(path, "wb") as fh:
+        fh.write(body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}')
+    state = _state()
+    for fresh in (False, True):
+        target: dict[str, Any] = ({"a": None, "b": None, "step": 0} if fresh else
+                                  {"a": torch.zeros_like(state["a"]), "b": torch.zeros_like(state["b"]), "step": 0})
+        with pytest.raises(CorruptCheckpointError) as err:
+            ckptstore.load_sharded(target, root, strict=False)
+        assert root in str(err.value), err.value
+        if not fresh:
+            assert not target["a"].any() and not target["b"].any()  # nothing was filled
+    assert cli_main(["verify", root]) != 0

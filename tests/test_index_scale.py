@@ -7,6 +7,7 @@ damaged index falls back to it with a warning."""
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 
@@ -54,15 +55,16 @@ with CheckpointStore(job, durable=durable, durable_every=1, ram_dir=ram) as stor
 
 def test_a_step_the_agent_promoted_restores_through_its_index(tmp_path, job, monkeypatch, caplog):
     """A trainer SIGKILLed after its RAM commit leaves step 1 to the node agent, which commits it in
-    the durable tier with its index: a restore elsewhere reads the index and the part, not the
-    manifest, and gets the saved bytes."""
+    the durable tier as the store's coordinator does (format 2.0: the manifest names the part files
+    and is the index): a restore elsewhere reads the manifest and the part, and gets the saved bytes."""
     ram, durable = tmp_path / "ram", tmp_path / "durable"
     ram.mkdir()
     out = warm_python.run(["-c", _TRAINER, job, str(durable), str(ram)])
     assert out.returncode == -signal.SIGKILL, out.stderr
     done = NodeAgent(job, local=None, durable=str(durable), ram_dir=str(ram)).run_once()
     assert done.durable == [1], done
-    assert (durable / step_dir(1) / INDEX).exists()
+    assert json.loads((durable / step_dir(1) / MANIFEST).read_bytes())["format_version"] == "2.0"
+    assert not (durable / step_dir(1) / INDEX).exists()
     reads = _Reads(monkeypatch)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -72,7 +74,7 @@ def test_a_step_the_agent_promoted_restores_through_its_index(tmp_path, job, mon
         assert store.restore(target) == 1
     for k, v in _state(1).items():
         assert torch.equal(target[k], v), k
-    assert INDEX in reads.names and MANIFEST not in reads.names, reads.names
+    assert set(reads.names) == {INDEX, MANIFEST, "parts/rank-00000.json"}, reads.names  # index.json: looked for
     assert "index" not in caplog.text
 
 

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import operator
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from ..format.manifest import (
     SAFE_FILE,
     Chunk,
     Manifest,
+    Parted,
     TensorEntry,
     check_byte_ranges,
     check_manifest_size,
@@ -48,6 +50,7 @@ from ..format.manifest import (
     layout_digest,
     load_json,
     parse_entry,
+    parse_sharded,
     verify_own_checksum,
 )
 from ..names import INDEX, MANIFEST
@@ -70,6 +73,8 @@ class Index:
     sharded: dict[str, list[tuple[int, int]]]
     parts: dict[int, tuple[str, str]]
     layout: str
+    # Each part file's size, where the document names it (a format 2.0 manifest does).
+    sizes: dict[int, int] | None = None
 
     def writers(self, key: str) -> list[int]:
         return [r for a, b in self.sharded[key] for r in range(a, b + 1)]
@@ -214,12 +219,38 @@ def parse_index(data: bytes, *, where: str) -> Index:
 
 
 def read_index(read: Reader, display: str) -> Index | None:
-    """The index of the step ``read`` reads files of; None when it has none."""
+    """The index of the step ``read`` reads files of: its ``index.json``, or its format 2.0
+    manifest, which is one (it names every rank's part file); None when it has neither."""
     try:
         data = read(INDEX)
     except (CheckpointNotFoundError, FileNotFoundError):
+        pass
+    else:
+        return parse_index(data, where=f"{display}/{INDEX}")
+    try:
+        body = read(MANIFEST)
+    except (CheckpointNotFoundError, FileNotFoundError):
         return None
-    return parse_index(data, where=f"{display}/{INDEX}")
+    if _V1_START.match(body):
+        return None  # a 1.x manifest without its index: the caller reads it whole (parsing it here would double that)
+    parsed = parse_sharded(body, where=f"{display}/{MANIFEST}")
+    return index_of(parsed) if isinstance(parsed, Parted) else None
+
+
+# How the reference writers begin a 1.x manifest; one that begins otherwise is parsed to be sure.
+_V1_START = re.compile(rb'\{"format":"ckptstore","format_version":"1\.\d{1,6}"')
+
+
+def index_of(parted: Parted) -> Index:
+    """A format 2.0 manifest as an index: a tensor one rank wrote whole is that rank's; the chunks
+    of any other may be in any rank's part (a rank reads its own first, and every part only
+    when its own does not cover what it loads: a resharded load)."""
+    everyone = [(0, parted.world - 1)]
+    sharded = {key: ([(w, w)] if (w := parted.writers.get(key)) is not None else everyone)
+               for key in parted.header.tensors}
+    parts = {r: (rel, check) for r, (rel, _size, check) in enumerate(parted.parts)}
+    sizes = {r: size for r, (_rel, size, _check) in enumerate(parted.parts)}
+    return Index(parted.header, sharded, parts, parted.layout, sizes)
 
 
 def plan_from_index(read: Reader, state: Any, rank: int, world: int, display: str,
@@ -290,10 +321,16 @@ def _read_part(read: Reader, index: Index, writer: int, display: str, keys: set[
     """The chunks of ``keys`` in ``writer``'s part, checked against the index's checksum of it."""
     rel, expected = index.parts[writer]
     where = f"{display}/{rel}"
-    data = read(rel)
-    if checksum(data) != expected:
-        raise CorruptCheckpointError(f"{where}: the part file does not match the index's checksum of it: this copy "
-                                     "is damaged (the manifest is read instead)", location=where)
+    try:
+        data = read(rel)
+    except (CheckpointNotFoundError, FileNotFoundError):
+        raise CorruptCheckpointError(f"{where}: the part file of rank {writer} is missing: the checkpoint is damaged",
+                                     location=where) from None
+    size = None if index.sizes is None else index.sizes.get(writer)
+    if (size is not None and len(data) != size) or checksum(data) != expected:
+        named_by = "the index's" if index.sizes is None else "the manifest's size and"
+        raise CorruptCheckpointError(f"{where}: the part file does not match {named_by} checksum of it: this copy "
+                                     "is damaged", location=where)
     # Checked against the index's checksum, these are the bytes the writer's json.dumps produced:
     # the C parser alone (no per-object duplicate check in Python) reads them.
     try:
@@ -423,4 +460,4 @@ def load_plan(state: Any, directory: Directory, group: Group) -> Manifest:
     return read_manifest(directory) if whole else planned  # type: ignore[return-value]
 
 
-__all__ = ["Index", "build_index", "load_plan", "parse_index", "plan_from_index", "read_index", "write_index"]
+__all__ = ["Index", "build_index", "index_of", "load_plan", "parse_index", "plan_from_index", "read_index", "write_index"]

@@ -45,7 +45,22 @@ from ..errors import (
 from ..format import codecs
 from ..format.checksum import checksum
 from ..format.dtypes import dtype_from_name, dtype_name, element_size
-from ..format.manifest import Chunk, Manifest, TensorEntry, check_manifest_size, parse_manifest
+from ..format.manifest import (
+    PARTED_VERSION,
+    Chunk,
+    Manifest,
+    Parted,
+    TensorEntry,
+    check_byte_ranges,
+    check_manifest_size,
+    chunk_digest,
+    combine_digests,
+    encode_parted,
+    load_json,
+    parse_entry,
+    parse_manifest,
+    parse_sharded,
+)
 from ..format.tree import Decoder, Encoder, format_path
 from ..names import INDEX, MANIFEST, data_file, part_file, writer_variant
 from ..planning.flatten import contiguous_bytes, escape_key
@@ -927,6 +942,8 @@ def check_extent(where: str, key: str, c: Chunk, size: int) -> None:
 
 
 def read_manifest(directory: Directory) -> Manifest:
+    """The committed manifest of ``directory``, whole: a format 2 manifest's chunk table is
+    assembled from the part files it names (each checked against its size and checksum)."""
     where = f"{directory.display}/{MANIFEST}"
     try:
         body = directory.read_small(MANIFEST)
@@ -937,7 +954,8 @@ def read_manifest(directory: Directory) -> Manifest:
                 "checkpoint; load an earlier one"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {directory.display}: {MANIFEST} does not exist") from None
-    manifest = parse_manifest(body, where=where)
+    parsed = parse_sharded(body, where=where)
+    manifest = assemble(parsed, directory.read_small, directory.display) if isinstance(parsed, Parted) else parsed
     if manifest.kind != "sharded":
         raise CorruptCheckpointError(f"{where}: kind {manifest.kind!r} is not a sharded checkpoint", location=where)
     world = manifest.meta.get("world_size")
@@ -949,6 +967,122 @@ def read_manifest(directory: Directory) -> Manifest:
         if any(c.file is None for c in entry.chunks):
             raise CorruptCheckpointError(f"{where}: tensor {key!r} has a chunk with no file", location=where, key=key)
     return manifest
+
+
+# ------------------------------------------------------------------------------ format 2.0 manifests
+
+
+def part_summary(part: dict[str, Any]) -> dict[str, Any]:
+    """What the committer of a format 2.0 manifest needs of a rank's part (``part`` as its tier
+    returned it, naming its ``part_file``, ``part_size`` and ``part_checksum``): no chunk table.
+    ``origin`` lists the rank's chunks at the origin of their tensor (at most one per tensor in
+    the whole job, as boxes are written once and do not overlap): those that are the whole tensor
+    tell the committer this rank is its one writer. ``layout``: the digest of the rank's chunks
+    (None when it wrote none), from which the committer composes the step's layout digest."""
+    origin: list[tuple[str, Any]] = []
+    items: list[tuple[str, Any]] = []
+    for alias, chunks in part["chunks"].items():
+        key = _unalias(alias)
+        for c in chunks:
+            items.append((key, c))
+            if not any(c["offsets"]):
+                origin.append((key, c["sizes"]))
+    return {
+        **{k: part[k] for k in ("rank", "host", "pid", "bytes", "timings", "part_file", "part_size", "part_checksum")},
+        "origin": origin,
+        "layout": chunk_digest(items) if items else None,
+    }
+
+
+def parted_manifest(tree: Any, tensors_meta: dict[str, tuple[str, tuple[int, ...]]], summaries: list[dict[str, Any]],
+                    world: int, *, layouts: dict[str, Any] | None = None, meta: dict[str, Any] | None = None) -> bytes:
+    """The bytes of a format 2.0 manifest for ``world`` ranks' parts, from their
+    :func:`part_summary` (in any order): the tree, the tensor table, each tensor's one writer where
+    a single rank wrote it whole, and each rank's part file with its size and checksum. Its cost
+    grows with the ranks plus the tensors, never with ranks x tensors (no chunk is seen)."""
+    tensors: dict[str, TensorEntry] = {k: TensorEntry(dtype=d, shape=tuple(s)) for k, (d, s) in tensors_meta.items()}
+    writers: dict[str, int] = {}
+    parts: list[Any] = [None] * world
+    digests: dict[int, str] = {}
+    for summary in summaries:
+        rank = summary["rank"]
+        parts[rank] = (summary["part_file"], summary["part_size"], summary["part_checksum"])
+        if summary["layout"] is not None:
+            digests[rank] = summary["layout"]
+        for key, sizes in summary["origin"]:
+            entry = tensors.get(key)
+            if entry is None:  # another rank's per-rank value: one uint8 chunk, its own
+                entry = tensors[key] = TensorEntry(dtype="uint8", shape=tuple(sizes))
+            if tuple(sizes) == entry.shape:
+                writers[key] = rank
+    missing = [r for r, p in enumerate(parts) if p is None]
+    if missing:
+        raise CheckpointError(f"no part of ranks {missing[:5]} reached the committer")
+    header = Manifest(kind="sharded", tensors=tensors, tree=tree, format_version=PARTED_VERSION, meta={
+        "world_size": world,
+        "created_unix": round(time.time(), 3),
+        "torch_version": torch.__version__,
+        "ckptstore_version": __version__,
+        "total_bytes": sum(e.nbytes for e in tensors.values()),
+        "ranks": [{k: s[k] for k in ("rank", "host", "pid", "bytes", "timings")}
+                  for s in sorted(summaries, key=lambda s: s["rank"])],
+        **({"layouts": {k: layouts[k] for k in sorted(layouts) if k in tensors}} if layouts else {}),
+        **(meta or {}),
+    })
+    return encode_parted(header, writers, parts, combine_digests(digests))
+
+
+def read_part(read: Callable[[str], bytes], parted_or_file: tuple[str, int | None, str], rank: int,
+              display: str) -> dict[str, Any]:
+    """Rank ``rank``'s part file, checked against the (file, size, checksum) a manifest or index
+    names it by: a missing, short or damaged part is a CorruptCheckpointError naming the file."""
+    rel, size, expected = parted_or_file
+    where = f"{display}/{rel}"
+    try:
+        data = read(rel)
+    except (CheckpointNotFoundError, FileNotFoundError):
+        raise CorruptCheckpointError(f"{where}: the part file of rank {rank} that the manifest names is missing: "
+                                     "the checkpoint is damaged; load another copy or an earlier step",
+                                     location=where) from None
+    if (size is not None and len(data) != size) or checksum(data) != expected:
+        raise CorruptCheckpointError(
+            f"{where}: the part file of rank {rank} does not match the manifest's size and checksum of it "
+            f"({len(data)} bytes): this copy is damaged; load another copy or an earlier step", location=where)
+    doc = load_json(data, where=where, what="part file")
+    if not isinstance(doc, dict) or doc.get("rank") != rank or not isinstance(doc.get("chunks"), dict):
+        raise CorruptCheckpointError(f"{where}: not the part of rank {rank}", location=where)
+    return doc
+
+
+def assemble(parted: Parted, read: Callable[[str], bytes], display: str) -> Manifest:
+    """The whole manifest of a format 2.0 ``parted`` one: its chunk table read from every part
+    file (each checked against the manifest), validated as a 1.x manifest is (coverage, byte
+    ranges, one writer per whole tensor)."""
+    where = f"{display}/{MANIFEST}"
+    header = parted.header
+    raw: dict[str, list[Any]] = {key: [] for key in header.tensors}
+    for rank, named in enumerate(parted.parts):
+        doc = read_part(read, named, rank, display)
+        for alias, chunks in doc["chunks"].items():
+            key = _unalias(alias)
+            got = raw.get(key)
+            if got is None or not isinstance(chunks, list):
+                raise CorruptCheckpointError(f"{display}/{named[0]}: tensor {key!r} is not in the manifest",
+                                             location=where, key=key)
+            writer = parted.writers.get(key)
+            if writer is not None and writer != rank:
+                raise CorruptCheckpointError(
+                    f"{display}/{named[0]}: rank {rank} names chunks of tensor {key!r}, which the manifest says "
+                    f"rank {writer} wrote whole", location=where, key=key)
+            got.extend(chunks)
+    tensors: dict[str, TensorEntry] = {}
+    for key, entry in header.tensors.items():
+        parsed = parse_entry(key, {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": raw[key]}, where)
+        parsed.chunks.sort(key=lambda c: c.offsets)
+        tensors[key] = parsed
+    check_byte_ranges(tensors, where)
+    return Manifest(kind="sharded", tensors=tensors, tree=header.tree, pickled=[], meta=header.meta,
+                    format_version=header.format_version, writer=header.writer)
 
 
 def load(

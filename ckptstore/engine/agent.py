@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.sharded import Directory
+from ..checkpoint.sharded import Directory, part_summary
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, InvalidArgumentError
 from ..format.checksum import checksum, verify
 from ..format.manifest import Manifest, load_json, parse_manifest
@@ -53,7 +53,7 @@ from ..tiers.base import Snapshot
 from ..tiers.directory import DirectoryTier
 from ..tiers.ram import process_start, scan
 from ..tiers.segments import inventory, remove_segments
-from .pipeline import shared_of, step_manifest
+from .pipeline import parted_step_manifest, shared_of, step_manifest
 
 log = logging.getLogger("ckptstore")
 
@@ -339,11 +339,12 @@ class NodeAgent:
         missing = [r for r in range(world) if r not in found]
         if missing:
             return missing
-        parts = [found[r] for r in range(world)]
-        body = step_manifest(shared_of(manifest), parts, world,
-                             job=manifest.meta.get("job", self.job), step=step, cadence=cadence, sdc=sdc)
+        summaries = [part_summary(found[r]) for r in range(world)]
+        # Format 2.0, as the trainers' coordinator commits: the manifest names the part files.
+        body = await asyncio.to_thread(parted_step_manifest, shared_of(manifest), summaries, world,
+                                       job=manifest.meta.get("job", self.job), step=step, cadence=cadence, sdc=sdc)
         try:
-            await tier.commit(step, body, parts)  # with its index, as the trainers' coordinator commits
+            await tier.commit_document(step, body)
         except CheckpointExistsError:
             # Another agent found every part too, and its manifest won; ours backs off. Our parts
             # stay: the winner's manifest may name them.
@@ -483,7 +484,7 @@ async def tier_parts(tier: DirectoryTier, step: int, sid: str, world: int) -> di
         rank = part.get("rank")
         if type(rank) is int and 0 <= rank < world and isinstance(part.get("chunks"), dict):
             # What the committer's index names the part by (the file may be a writer's variant).
-            part.update(part_file=f"parts/{name}", part_checksum=checksum(body))
+            part.update(part_file=f"parts/{name}", part_size=len(body), part_checksum=checksum(body))
             found.setdefault(rank, part)
     return found
 

@@ -60,6 +60,8 @@ from ..checkpoint.sharded import (
     collect,
     merge_structures,
     my_writes,
+    part_summary,
+    parted_manifest,
     structure_digest,
 )
 from ..collective import Group, StoreGroups, agree_async, concur_async, failure_record, settle
@@ -729,13 +731,15 @@ class Pipeline:
                 committing = f"committing step {job.step} in the {tier.name} tier"
                 if tier is self.durable:
                     part = await concur_async(group, writing, lambda: self._put(tier, source, job))
-                    parts = await asyncio.to_thread(group.gather_to_root, part)
+                    # The coordinator receives what names each rank's part file, never its chunk
+                    # table: the manifest (format 2.0) grows with ranks plus tensors.
+                    summaries = await asyncio.to_thread(group.gather_to_root, part_summary(part))
 
                     async def commit() -> None:
                         if group.rank == 0:
                             assert self.durable is not None
-                            # With its index: a rank plans its restore from it and its own part.
-                            await self.durable.commit(job.step, self._manifest(job, parts), parts)
+                            body = await asyncio.to_thread(self._parted, job, summaries)
+                            await self.durable.commit_document(job.step, body)
 
                     await concur_async(group, committing, commit)
                     return part
@@ -778,6 +782,12 @@ class Pipeline:
         sdc = None if job.sdc is None else {"policy": self.check.mode, "mismatches": job.sdc}
         return step_manifest(job.shared, parts, self.world, job=self.options.job, step=job.step,
                              cadence=job.cadence, sdc=sdc)
+
+    def _parted(self, job: StepJob, summaries: list[dict[str, Any]]) -> bytes:
+        """The durable tier's manifest of the step (format 2.0) from every rank's part summary."""
+        sdc = None if job.sdc is None else {"policy": self.check.mode, "mismatches": job.sdc}
+        return parted_step_manifest(job.shared, summaries, self.world, job=self.options.job, step=job.step,
+                                    cadence=job.cadence, sdc=sdc)
 
     def _stage_timings(self, job: StepJob, hash_s: float) -> None:
         """Note the hashing time, and drop the entries staged only for the replica check from what the
@@ -920,6 +930,17 @@ def step_manifest(shared: dict[str, Any], parts: list[dict[str, Any]], world: in
     if sdc is not None:
         manifest.meta["sdc"] = sdc
     return manifest
+
+
+def parted_step_manifest(shared: dict[str, Any], summaries: list[dict[str, Any]], world: int, *, job: str, step: int,
+                         cadence: dict[str, Any], sdc: dict[str, Any] | None = None) -> bytes:
+    """:func:`step_manifest` in format 2.0, from the ranks' part summaries
+    (checkpoint.sharded.part_summary): the bytes the durable tier commits."""
+    meta: dict[str, Any] = {"step": step, "job": job, "cadence": cadence}
+    if sdc is not None:
+        meta["sdc"] = sdc
+    return parted_manifest(shared["tree"], shared["tensors"], summaries, world, layouts=shared.get("layouts"),
+                           meta=meta)
 
 
 def shared_of(manifest: Manifest) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
+from ..names import data_file_rank
 from .checksum import checksum, validate_checksum_string
 from .codecs import CODECS
 from .dtypes import dtype_from_name, element_size
@@ -32,6 +33,13 @@ FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 # Writers write FORMAT_MINOR unless the data needs a later feature (docs/format.md, section 8):
 # 1.2 added the $attrs tag (a tensor's Python attributes), which 1.1 readers refuse.
 ATTRS_MINOR = 2
+# Format 2.0 is a sharded manifest that names each rank's part file (with its size and checksum)
+# instead of listing every chunk: its size grows with ranks plus the model, not ranks x tensors.
+# A new major: a 1.x reader must refuse it ("upgrade ckptstore"), never read it as a checkpoint
+# without chunks. Single files and other sharded manifests keep 1.x, readable by 1.x readers.
+PARTED_MAJOR = 2
+PARTED_VERSION = f"{PARTED_MAJOR}.0"
+READ_MAJOR = PARTED_MAJOR  # the newest major this reader implements
 
 # Chunk file names are relative, portable, and cannot climb out of the checkpoint's root.
 _FILE_RE = re.compile(r"^(?!/)(?!.*(?:^|/)\.\.?(?:/|$))[A-Za-z0-9._\-/]{1,255}$")
@@ -197,10 +205,10 @@ def _check_version(doc: dict[str, Any], where: str) -> None:
     if m is None:
         raise CorruptCheckpointError(f"{where}: manifest has no valid format_version (got {version!r})", location=where)
     major = int(m.group(1))
-    if major > FORMAT_MAJOR:
+    if major > READ_MAJOR:
         raise UnsupportedFormatVersionError(
             f"{where} was written in ckptstore format {version} (by {doc.get('writer', 'an unknown writer')}); "
-            f"this ckptstore {__version__} reads format {FORMAT_MAJOR}.x only. Upgrade ckptstore to read it."
+            f"this ckptstore {__version__} reads formats 1.x and {READ_MAJOR}.x only. Upgrade ckptstore to read it."
         )
     if major < 1:
         raise CorruptCheckpointError(f"{where}: format_version {version!r} is not a released version", location=where)
@@ -228,13 +236,29 @@ def _verify_own_checksum(data: bytes, doc: dict[str, Any], where: str) -> None:
 
 
 def parse_manifest(data: bytes, *, where: str) -> Manifest:
-    """Parse and validate manifest bytes; every failure is a CorruptCheckpointError naming ``where``."""
+    """Parse and validate manifest bytes; every failure is a CorruptCheckpointError naming ``where``.
+    A 2.x manifest (its chunks in part files) is refused: read it with :func:`parse_sharded`."""
+    doc = parse_sharded(data, where=where)
+    if isinstance(doc, Parted):
+        raise CorruptCheckpointError(
+            f"{where}: a format {doc.header.format_version} manifest names part files instead of chunks: it is "
+            "read through its checkpoint directory (load_sharded, or ckptstore's CLI on the directory)",
+            location=where)
+    return doc
+
+
+def parse_sharded(data: bytes, *, where: str) -> Manifest | Parted:
+    """Parse and validate manifest bytes of any version: a 1.x manifest whole, or a 2.x one
+    (``Parted``: the header, with each rank's part file named) whose chunks its caller reads from
+    the part files. Every failure is a CorruptCheckpointError naming ``where``."""
     check_manifest_size(len(data), where=where)
     doc = load_json(data, where=where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: manifest is not a ckptstore manifest", location=where)
     _check_version(doc, where)
     _verify_own_checksum(data, doc, where)
+    if int(doc["format_version"].split(".")[0]) == PARTED_MAJOR:
+        return _parse_parted(doc, where)
     if doc.get("byte_order", "little") != "little":
         raise CorruptCheckpointError(f"{where}: byte_order {doc.get('byte_order')!r} is not supported", location=where)
     kind = doc.get("kind")
@@ -400,15 +424,15 @@ def check_version(doc: dict[str, Any], where: str) -> None:
 def layout_digest(manifest: Manifest) -> str:
     """A name for ``manifest``'s chunk table: equal for two manifests exactly when every chunk of
     every tensor lies in the same file at the same offset, with the same length, codec and checksums
-    (timings and other ``meta`` differ between tiers' copies of one step and do not count)."""
-    parts = []
-    for key in sorted(manifest.tensors):
-        entry = manifest.tensors[key]
-        parts.append(repr((key, entry.dtype, tuple(entry.shape), [
-            (tuple(c.offsets), tuple(c.sizes), c.file, c.offset, c.length, c.codec, c.checksum, c.block_size,
-             None if c.block_checksums is None else tuple(c.block_checksums))
-            for c in entry.chunks])))
-    return checksum("\n".join(parts).encode())
+    (timings and other ``meta`` differ between tiers' copies of one step and do not count). It is
+    composed of one digest per rank (the rank whose data file holds the chunk), so a committer that
+    sees no chunk (format 2.0) computes it from each rank's digest of its own part."""
+    per_rank: dict[int, list[tuple[str, Any]]] = {}
+    for key, entry in manifest.tensors.items():
+        for c in entry.chunks:
+            rank = data_file_rank(c.file)
+            per_rank.setdefault(-1 if rank is None else rank, []).append((key, c.to_json()))
+    return combine_digests({r: chunk_digest(items) for r, items in per_rank.items()})
 
 
 def _check_byte_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
@@ -429,3 +453,124 @@ def _check_byte_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
                 location=where,
                 key=k2,
             )
+
+
+# ------------------------------------------------------------------------------ format 2.0
+
+
+@dataclass
+class Parted:
+    """A format 2.x sharded manifest: ``header`` is the manifest with no chunks (tree, tensor table,
+    ``meta``); each rank's chunks are in its part file, ``parts[r]`` = (file relative to the
+    checkpoint directory, its size in bytes, the checksum of its bytes). ``writers`` names the one
+    rank whose part holds every chunk of a tensor that rank wrote whole (replicated tensors, per-rank
+    values); the chunks of any other tensor may be in any part. ``layout``: the layout digest
+    (:func:`layout_digest`) of the whole chunk table."""
+
+    header: Manifest
+    writers: dict[str, int]
+    parts: list[tuple[str, int, str]]
+    layout: str
+
+    @property
+    def world(self) -> int:
+        return len(self.parts)
+
+
+def encode_parted(header: Manifest, writers: dict[str, int], parts: list[tuple[str, int, str]], layout: str) -> bytes:
+    """The bytes of a format 2.0 manifest (see :class:`Parted`); ``header.tensors`` have no chunks."""
+    tensors: dict[str, Any] = {}
+    for key, entry in header.tensors.items():
+        doc: dict[str, Any] = {"dtype": entry.dtype, "shape": entry.shape}
+        writer = writers.get(key)
+        if writer is not None:
+            doc["writer"] = writer
+        tensors[key] = doc
+    body = json.dumps({
+        "format": FORMAT_NAME,
+        "format_version": PARTED_VERSION,
+        "writer": header.writer,
+        "kind": "sharded",
+        "byte_order": "little",
+        "layout": layout,
+        "tensors": tensors,
+        "pickled": [],
+        "meta": header.meta,
+        "tree": header.tree,
+        "parts": parts,
+    }, allow_nan=False, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}'
+
+
+_PART_FILE = re.compile(r"^parts/[A-Za-z0-9._\-]{1,200}\.json$")
+
+
+def _parse_parted(doc: dict[str, Any], where: str) -> Parted:
+    if "checksum" not in doc:
+        raise CorruptCheckpointError(f"{where}: a format 2 manifest must carry its own checksum", location=where)
+    kind, meta, raw_tensors, parts, layout = (doc.get(k) for k in ("kind", "meta", "tensors", "parts", "layout"))
+    if kind != "sharded":
+        raise CorruptCheckpointError(f"{where}: kind {kind!r}: format 2 defines sharded manifests only", location=where)
+    if (not isinstance(meta, dict) or not isinstance(raw_tensors, dict) or not isinstance(parts, list)
+            or not isinstance(layout, str) or "tree" not in doc):
+        raise CorruptCheckpointError(f"{where}: manifest lacks meta/tensors/parts/layout/tree", location=where)
+    if doc.get("pickled", []) != []:
+        raise CorruptCheckpointError(f"{where}: a sharded checkpoint holds no pickled entries", location=where)
+    if doc.get("byte_order", "little") != "little":
+        raise CorruptCheckpointError(f"{where}: byte_order {doc.get('byte_order')!r} is not supported", location=where)
+    world = meta.get("world_size")
+    if type(world) is not int or world < 1:
+        raise CorruptCheckpointError(f"{where}: meta.world_size must be a positive int, got {world!r}", location=where)
+    if len(parts) != world:
+        raise CorruptCheckpointError(
+            f"{where}: the manifest names {len(parts)} part files for world_size {world}: it is damaged or crafted",
+            location=where)
+    table: list[tuple[str, int, str]] = []
+    seen: set[str] = set()
+    for rank, value in enumerate(parts):
+        at = f"{where}: part of rank {rank}"
+        if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
+                or not _PART_FILE.match(value[0]) or not _FILE_RE.match(value[0]) or type(value[1]) is not int
+                or not 0 <= value[1] <= _MAX_BYTES):
+            raise CorruptCheckpointError(
+                f"{at}: {str(value)[:200]} is not [file under parts/, size, checksum]", location=where)
+        if value[0] in seen:
+            raise CorruptCheckpointError(f"{at}: part file {value[0]!r} is named twice", location=where)
+        seen.add(value[0])
+        table.append((value[0], value[1], validate_checksum_string(value[2], where=at)))
+    tensors: dict[str, TensorEntry] = {}
+    writers: dict[str, int] = {}
+    heads: dict[str, TensorEntry] = {}  # tensors of one dtype and shape are checked once
+    for key, value in raw_tensors.items():
+        if not isinstance(value, dict):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r}: entry must be an object", location=where, key=key)
+        head = f"{value.get('dtype')!r}{value.get('shape')!r}"
+        if head not in heads:
+            heads[head] = _parse_entry(key, {"dtype": value.get("dtype"), "shape": value.get("shape"), "chunks": []},
+                                       where, coverage=False)
+        tensors[key] = TensorEntry(heads[head].dtype, heads[head].shape, [])
+        if "writer" in value:
+            writer = value["writer"]
+            if type(writer) is not int or not 0 <= writer < world:
+                raise CorruptCheckpointError(f"{where}: tensor {key!r}: writer {writer!r} is not a rank below {world}",
+                                             location=where, key=key)
+            writers[key] = writer
+    header = Manifest(kind="sharded", tensors=tensors, tree=doc["tree"], pickled=[], meta=meta,
+                      format_version=doc["format_version"], writer=str(doc.get("writer", "")))
+    return Parted(header, writers, table, layout)
+
+
+def chunk_digest(items: list[tuple[str, Any]]) -> str:
+    """The layout digest of one rank's chunks: (entry key, chunk as a JSON object) pairs."""
+    rows = []
+    for key, c in items:
+        blocks = c.get("block_checksums")
+        rows.append(repr((key, tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["offset"], c["length"],
+                          c["codec"], c["checksum"], c.get("block_size"), None if blocks is None else tuple(blocks))))
+    rows.sort()
+    return checksum("\n".join(rows).encode())
+
+
+def combine_digests(per_rank: dict[int, str]) -> str:
+    """The layout digest of a chunk table from its ranks' :func:`chunk_digest`."""
+    return checksum("\n".join(f"{r}:{d}" for r, d in sorted(per_rank.items())).encode())

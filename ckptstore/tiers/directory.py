@@ -42,7 +42,7 @@ from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentErro
 from ..format import codecs
 from ..format.checksum import checksum
 from ..format.container import align_up
-from ..format.manifest import Manifest, layout_digest, max_manifest_bytes, parse_manifest
+from ..format.manifest import Manifest, layout_digest, max_manifest_bytes, parse_manifest, parse_sharded
 from ..names import (
     INDEX,
     MANIFEST,
@@ -216,7 +216,7 @@ class DirectoryTier(Tier):
         await small.write(d.target(part_rel), body, exclusive=True)
         mine.append(part_rel)
         # Not in the file (they are about its bytes): what the committer's index names it by.
-        part.update(part_file=part_rel, part_checksum=checksum(body))
+        part.update(part_file=part_rel, part_size=len(body), part_checksum=checksum(body))
         crashpoint("tier.part_written", d.display)
         return part
 
@@ -266,6 +266,21 @@ class DirectoryTier(Tier):
         d = self._dir(step)
         body = manifest.to_json_bytes()
         parse_manifest(body, where=f"{d.display}/{MANIFEST}")  # never commit what we would refuse to read
+        await self._create_manifest(step, d, body)
+        if parts is not None:
+            await self._index(d, manifest, parts)
+
+    async def commit_document(self, step: int, body: bytes) -> None:
+        """Commit a manifest given as its bytes (a format 2.0 one, which names the part files the
+        ranks wrote instead of listing their chunks): the same conditional create as :meth:`commit`.
+        Such a manifest is its own index."""
+        if not self.manifest_writer:
+            return
+        d = self._dir(step)
+        parse_sharded(body, where=f"{d.display}/{MANIFEST}")  # never commit what we would refuse to read
+        await self._create_manifest(step, d, body)
+
+    async def _create_manifest(self, step: int, d: Directory, body: bytes) -> None:
         crashpoint("tier.before_manifest", d.display)
         # A conditional create (link on local disks, If-None-Match on S3): of two writers
         # committing the same step, exactly one wins and the other gets a clear error.
@@ -278,8 +293,6 @@ class DirectoryTier(Tier):
                 "directory, or save under a new step.",
                 location=exc.location,
             ) from None
-        if parts is not None:
-            await self._index(d, manifest, parts)
 
     async def _index(self, d: Directory, manifest: Manifest, parts: Sequence[dict[str, Any]]) -> None:
         # After the manifest, by the writer that committed it (a racing writer that lost never gets
