@@ -81,10 +81,9 @@ def traffic_job(rank: int, world: int, name: str, ram_root: str, local_root: str
         handle.wait("peer")
     assert traffic is not None
     traffic.__exit__(None, None, None)
-    assert_parts_only(os.path.join(ram_root, f"node{rank}"), steady[-1], world)
     with open(os.path.join(out, f"w{world}-r{rank}.json"), "w") as fh:
         json.dump({role: n / len(steady) for role, n in counts.by_role.items()}, fh)
-    store.close()
+    store.close(keep_ram=True)  # the test reads the documents
 
 
 def crash_job(rank: int, world: int, name: str, ram_root: str, local_root: str) -> None:

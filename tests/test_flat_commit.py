@@ -14,13 +14,12 @@ import shutil
 import signal
 
 import dist_workers
+import flat_workers
 import pytest
 import torch
 from conftest import assert_same, wipe_ram
 
 from ckptstore import CheckpointStore
-from ckptstore.tiers.base import manifest_of_parts
-from ckptstore.tiers.ram import doc_part, whole_manifest_doc
 
 
 @pytest.fixture
@@ -30,23 +29,31 @@ def ram_root(job):
     shutil.rmtree(root, ignore_errors=True)
 
 
+# Six processes, 7-9 s on the shared cores: the default run checks the same flatness in
+# tests/test_control_plane.py (fast and peer groups at two and four ranks); this one also pins
+# what each node copy holds.
+@pytest.mark.slow
 def test_a_steady_save_receives_the_same_bytes_at_two_and_four_ranks(tmp_path, job):
     """The RAM and local commits and the replication of a steady save (each rank its own node):
     every rank, at either size, receives the same few all-reduced flags through the fast and peer
     groups, never another rank's part; the local directories hold node parts, no manifest."""
     out = tmp_path / "traffic"
     out.mkdir()
-    for world in (2, 4):
-        root = f"/dev/shm/{job}-{world}"
-        try:
-            dist_workers.spawn(world, "flat_workers:traffic_job", tmp_path, name=f"{job}-{world}", ram_root=root,
-                               local_root=str(tmp_path / f"local-{world}"), out=str(out))
-        finally:
+    roots = {world: f"/dev/shm/{job}-{world}" for world in (2, 4)}
+    try:
+        for world in (2, 4):
+            dist_workers.spawn(world, "flat_workers:traffic_job", tmp_path, name=f"{job}-{world}",
+                               ram_root=roots[world], local_root=str(tmp_path / f"local-{world}"), out=str(out))
+        got = {w: [json.loads((out / f"w{w}-r{r}.json").read_text()) for r in range(w)] for w in (2, 4)}
+        for role in ("fast", "peer"):
+            seen = {g.get(role) for w in (2, 4) for g in got[w]}
+            assert len(seen) == 1 and seen.pop(), (role, got)
+        for w in (2, 4):
+            for r in range(w):
+                flat_workers.assert_parts_only(os.path.join(roots[w], f"node{r}"), 3, w)
+    finally:
+        for root in roots.values():
             shutil.rmtree(root, ignore_errors=True)
-    got = {w: [json.loads((out / f"w{w}-r{r}.json").read_text()) for r in range(w)] for w in (2, 4)}
-    for role in ("fast", "peer"):
-        seen = {g.get(role) for w in (2, 4) for g in got[w]}
-        assert len(seen) == 1 and seen.pop(), (role, got)
     for w in (2, 4):
         for r in range(w):
             step = tmp_path / f"local-{w}" / f"node{r}" / "step-000000000003"
@@ -92,6 +99,9 @@ def test_a_crash_after_the_ram_commit_and_a_node_loss_restore_from_parts(tmp_pat
 def test_a_ram_document_an_older_store_wrote_still_restores(tmp_path, job):
     """A RAM document with the whole manifest (minor version 0, what stores wrote before) is read
     as before: with the local tier gone, the restart restores from it, bitwise."""
+    from ckptstore.tiers.base import manifest_of_parts
+    from ckptstore.tiers.ram import doc_part, whole_manifest_doc
+
     g = torch.Generator().manual_seed(3)
     saved = {"w": torch.randn(64, 16, generator=g), "b": torch.randn(16, generator=g)}
     try:
