@@ -587,9 +587,15 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
         # No whole manifest: the rank parts committed on this node, each describing its data file.
         held.parts = _node_parts(where, tier)
         for p in held.parts:
-            path = os.path.join(where, data_file(p.rank))
-            if os.path.isfile(path) and not os.path.islink(path):
-                held.files.append(Held(data_file(p.rank), path, tier, _opener(path), manifest=p.where))
+            # Every file the part names (a frozen region has a file of its own), only under data/.
+            names = {c.get("file") for table in p.part["chunks"].values() if isinstance(table, list)
+                     for c in table if isinstance(c, dict)} or {data_file(p.rank)}
+            for rel in sorted(n for n in names if isinstance(n, str)):
+                base = os.path.basename(rel)
+                path = os.path.join(where, "data", base)
+                if (rel == f"data/{base}" and base.endswith(".bin") and not base.startswith(".")
+                        and os.path.isfile(path) and not os.path.islink(path)):
+                    held.files.append(Held(rel, path, tier, _opener(path), manifest=p.where))
         return held
     data = os.path.join(where, "data")
     for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
