@@ -125,3 +125,27 @@ def test_a_ram_document_an_older_store_wrote_still_restores(tmp_path, job):
         assert_same(target, saved, "step 4 from an old-format RAM document")
     finally:
         wipe_ram(job)
+
+
+def test_a_local_step_committed_by_node_parts_alone_restores_its_frozen_file(tmp_path, job):
+    """A node of a multi-node job commits a local step as its ranks' node parts, no manifest: a
+    restore assembles the manifest from them and reads every file they name, the frozen region's
+    file of its own included, bitwise. (One process here: the owner's manifest.json is removed to
+    leave what such a node holds.)"""
+    g = torch.Generator().manual_seed(5)
+    saved = {"base": torch.arange(3000, dtype=torch.float32), "head": torch.randn(40, 8, generator=g)}
+    local = tmp_path / "local"
+    try:
+        with CheckpointStore(job, local=local, frozen=lambda key: key == "base") as store:
+            store.save(1, saved).wait("local")
+        step = local / "step-000000000001"
+        (step / "manifest.json").unlink()
+        part = json.loads((step / "node-parts" / "rank-00000.json").read_text())
+        files = {c["file"] for table in part["part"]["chunks"].values() for c in table}
+        assert part["part"]["layout"] == "local" and any("frozen" in f for f in files), part
+        target = {k: torch.zeros_like(v) for k, v in saved.items()}
+        with CheckpointStore(job, local=local, frozen=lambda key: key == "base") as store:
+            assert store.restore(target) == 1
+        assert_same(target, saved, "step 1 from the local node part")
+    finally:
+        wipe_ram(job)
