@@ -762,6 +762,7 @@ class Pipeline:
                     await concur_async(group, committing, commit)
                     return part
                 if tier is self.peer and job.manifest is not None:
+                    self.peer.outgoing = None  # the step's whole manifest describes the replicas
                     part = await concur_async(group, writing, lambda: self._put(tier, source, job))
                     ram_manifest = job.manifest
                     await concur_async(group, committing, lambda: tier.commit(job.step, ram_manifest))
