@@ -249,6 +249,25 @@ async def concur_async(group: Group, what: str, work: Callable[[], Awaitable[Any
     return settle(what, statuses, group.rank, local)[group.rank]
 
 
+async def concur_max_async(group: Group, what: str, work: Callable[[], Awaitable[Any]],
+                           values: list[int]) -> tuple[Any, list[int]]:
+    """:func:`concur_async` that also returns the element-wise maximum over the ranks of
+    ``values`` (int64), carried in the same all-reduce as the success flag."""
+    local: BaseException | None = None
+    status: dict[str, Any]
+    try:
+        status = {"ok": True, "value": await work()}
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        local, status = exc, _failed(group.rank, exc)
+    if group.world == 1:
+        return settle(what, [status], group.rank, local)[0], list(values)
+    reduced = await asyncio.to_thread(group.max_int64, [0 if status["ok"] else 1, *values])
+    if not reduced[0]:
+        return status["value"], reduced[1:]
+    statuses = await asyncio.to_thread(group.all_gather, status)
+    return settle(what, statuses, group.rank, local)[group.rank], reduced[1:]
+
+
 @dataclass(frozen=True)
 class StoreGroups:
     """The gloo groups of one CheckpointStore, over the ranks of its process group.

@@ -665,10 +665,12 @@ def store_frozen_local_job(rank: int, world: int, name: str, root: str) -> None:
         store.save(step, state).wait("local")
         saved[step] = {k: v.clone() for k, v in state.items()}
     store.close()  # its RAM segments go with it: a restore reads the local tiers
-    with open(os.path.join(local, "step-000000000002", "manifest.json")) as fh:
-        manifest = json.load(fh)
-    files = {c["file"] for e in manifest["tensors"].values() for c in e["chunks"]}
+    # Each rank its own node: the step is committed there as the rank's node part (no manifest).
+    with open(os.path.join(local, "step-000000000002", "node-parts", f"rank-{rank:05d}.json")) as fh:
+        part = json.load(fh)["part"]
+    files = {c["file"] for table in part["chunks"].values() for c in table}
     assert any("frozen" in f for f in files), files  # the local layout, not the slot's
+    assert part["layout"] == "local", part
     fresh = ckptstore.CheckpointStore(name, local=local)
     try:
         for step in (1, 2):

@@ -48,16 +48,13 @@ def test_a_steady_promotion_sends_the_parts_to_the_coordinator_alone(traffic):
 
 
 def test_a_steady_replication_agrees_by_flags_alone(traffic):
-    """A replica is a byte copy of its source's slot, described by the step's RAM manifest: every
+    """A replica is a byte copy of its source's slot, described by its source's part: every
     rank, at either size, receives the same few flags through the peer group, never another
     rank's part (the replicated bytes travel point to point, outside the counted collectives)."""
     peer = {g.get("peer") for world in (2, 4) for g in traffic[world]}
     assert len(peer) == 1 and peer.pop(), traffic
 
 
-@pytest.mark.xfail(strict=True, reason="the fast lane still gathers every rank's part on every rank at every save "
-                                      "(docs/architecture.md, 'What is not flat yet'); remove this mark when it agrees "
-                                      "by flags alone")
 def test_a_steady_save_fast_lane_receives_the_same_bytes_at_two_and_four_ranks(traffic):
     """The RAM and local commits of a steady save: every rank, at either size, receives what a fixed
     number of all-reduced flags carry, never another rank's part."""

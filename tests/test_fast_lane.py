@@ -26,7 +26,9 @@ from ckptstore import CheckpointStore, load_sharded
 from ckptstore.engine.agent import NodeAgent, snapshot_id
 from ckptstore.format.manifest import parse_manifest
 from ckptstore.names import step_dir
+from ckptstore.tiers.base import manifest_of_parts
 from ckptstore.tiers.directory import committed_steps
+from ckptstore.tiers.ram import doc_part, whole_manifest_doc
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -90,9 +92,17 @@ def test_every_save_names_itself_and_the_agent_tags_its_parts_with_that_name(nod
     assert_same(loaded, _state(1), "step 1 as the agent persisted it")
 
 
+def _whole(doc: dict) -> dict:
+    """``doc`` as a store before parts-only documents wrote it: the whole manifest (one rank: its
+    own part makes it)."""
+    return whole_manifest_doc(doc, manifest_of_parts([doc_part(doc, "x")], "x"))
+
+
 def test_a_document_written_before_save_ids_is_still_persisted(node):
-    """An older store's document (no save id) is named by its chunk table, as before."""
-    doc = _orphan(_docs(node["ram"])[1], save_id=None)
+    """An older store's document (no save id, the whole manifest) is named by its chunk table, as before."""
+    path = _docs(node["ram"])[1]
+    path.write_text(json.dumps(_whole(json.loads(path.read_text()))))
+    doc = _orphan(path, save_id=None)
     assert _persist_again(node, 1) == [1]
     part = json.loads((node["local"] / step_dir(1) / "parts" / "rank-00000.json").read_text())
     assert part["snapshot"] == snapshot_id(doc, lambda: parse_manifest(doc["extra"]["manifest"].encode(), where="x"))
@@ -106,7 +116,7 @@ def test_two_saves_of_one_step_with_the_same_chunk_table_are_told_apart(node):
     """A rerun that saves the same step with the same bytes writes the same chunk table: only the
     save id tells the two saves apart, so an agent never tags parts of one with the other's name."""
     doc = json.loads(_docs(node["ram"])[1].read_text())
-    manifest = parse_manifest(doc["extra"]["manifest"].encode(), where="x")
+    manifest = manifest_of_parts([doc_part(doc, "x")], "x")
     rerun = {**doc, "save_id": f"{(int(doc['save_id'], 16) + 1) % (1 << 63):016x}"}
     assert snapshot_id(doc, lambda: manifest) != snapshot_id(rerun, lambda: manifest)
     old = {k: v for k, v in doc.items() if k != "save_id"}

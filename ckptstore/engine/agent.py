@@ -49,11 +49,11 @@ from ..format.checksum import checksum, verify
 from ..format.manifest import Manifest, load_json, parse_manifest
 from ..names import agent_lock, data_file, data_file_rank, step_dir, stores_lock, valid_job
 from ..storage import small
-from ..tiers.base import Snapshot
-from ..tiers.directory import DirectoryTier
-from ..tiers.ram import process_start, scan
+from ..tiers.base import Snapshot, manifest_of_parts
+from ..tiers.directory import DirectoryTier, write_node_part
+from ..tiers.ram import doc_part, node_extra, process_start, scan
 from ..tiers.segments import inventory, remove_segments
-from .pipeline import parted_step_manifest, shared_of, step_manifest
+from .pipeline import parted_step_manifest, same_table, shared_of, step_manifest
 
 log = logging.getLogger("ckptstore")
 
@@ -192,7 +192,7 @@ class NodeAgent:
             if settled in self._settled:
                 continue
             try:
-                manifest = parse_manifest(segments[0][1]["extra"]["manifest"].encode(), where=segments[0][0])
+                manifest = node_manifest(segments)
                 if not all(owner_gone(doc, manifest) for _path, doc in segments):
                     continue  # a live store is persisting it
                 if self.local is not None and local_steps is None:
@@ -267,7 +267,7 @@ class NodeAgent:
         where = ", ".join(map(str, ranks))
         if need_local:
             assert self.local is not None
-            if not await self._commit_local(step, manifest, ranks, snaps, sid, cadence, sdc, held):
+            if not await self._commit_local(step, manifest, ranks, snaps, sid, cadence, sdc, held, segments):
                 log.info("ckptstore agent: step %d left the RAM tier while it was being persisted (a restarted "
                          "store dropped it); not committing it in %s", step, self.local.display(step))
                 return True
@@ -291,7 +291,7 @@ class NodeAgent:
 
     async def _commit_local(self, step: int, manifest: Manifest, ranks: list[int], snaps: Callable[[], list[Snapshot]],
                             sid: str, cadence: dict[str, Any], sdc: dict[str, Any] | None,
-                            held: Callable[[], bool]) -> bool:
+                            held: Callable[[], bool], segments: list[tuple[str, dict[str, Any]]]) -> bool:
         """Commit the step in this node's local directory; False (and nothing of it left there) when
         its segments left the RAM tier before the commit."""
         tier = self.local
@@ -305,6 +305,17 @@ class NodeAgent:
             if not held():
                 await tier.discard(step)
                 return False
+            owns = {path_doc[1]["rank"]: own for path_doc in segments
+                    if (own := doc_part(path_doc[1], path_doc[0])) is not None}
+            if owns and any(r not in owns for r in range(world)):
+                # The node's documents hold their own ranks' parts, and other nodes' ranks are not
+                # here: each of this node's parts is committed on its own, as the store does.
+                for r in ranks:
+                    own = owns[r]
+                    mine = {**found[r], "step": step, "digest": own.part.get("digest", ""),
+                            "layout": "staged" if same_table(found[r]["chunks"], own.part["chunks"]) else "local"}
+                    await write_node_part(tier.root, step, r, node_extra(mine, own.meta, own.header), holder=r)
+                return True
             # The ranks of other nodes: named as the local tier lays a snapshot out (its slot written
             # whole to data/rank-<r>.bin), which is the RAM manifest's own table.
             parts = [found[r] if r in found else ram_part(manifest, r) for r in range(world)]
@@ -396,7 +407,21 @@ class NodeAgent:
 
 
 def _doc_manifest(path: str, doc: dict[str, Any]) -> Manifest:
+    own = doc_part(doc, path)
+    if own is not None:
+        return manifest_of_parts([own], path, partial=True)
     return parse_manifest(doc["extra"]["manifest"].encode(), where=path)
+
+
+def node_manifest(segments: list[tuple[str, dict[str, Any]]]) -> Manifest:
+    """The step's manifest as the node's documents of it hold it: the whole one of an older
+    document, or the one this node's ranks' parts assemble (every rank's in a single-node job;
+    in a multi-node job only this node's ranks' chunks, with the meta and the headers they carry)."""
+    path, doc = segments[0]
+    if doc_part(doc, path) is None:
+        return parse_manifest(doc["extra"]["manifest"].encode(), where=path)
+    parts = [p for where, d in segments if (p := doc_part(d, where)) is not None]
+    return manifest_of_parts(parts, path, partial=True)
 
 
 def _one_per_rank(segments: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:

@@ -45,7 +45,7 @@ from ..collective import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError, UnsupportedFormatVersionError
 from ..format.manifest import Manifest, layout_digest, parse_manifest
 from ..storage.targets import ShortRead, Source
-from ..tiers.base import Held, Tier
+from ..tiers.base import Held, NodePart, Tier, manifest_of_parts
 
 log = logging.getLogger("ckptstore")
 
@@ -69,6 +69,12 @@ class Inventory:
         self.manifest: bytes | None = None
         self.parsed: Manifest | None = None  # self.manifest, parsed once (10^5 entries take seconds)
         self.where = ""
+        # Where the node's copies hold their own ranks' parts instead of the whole manifest: those
+        # parts by rank (the manifest is assembled from every node's, :func:`get_manifest`), and
+        # the step's meta they carry.
+        self.parts: dict[int, NodePart] = {}
+        self.meta: dict[str, Any] | None = None
+        self.layout: str | None = None  # the layout digest of the manifest assembled from the parts
 
     def names(self, excluded: set[str]) -> list[str]:
         return sorted(n for n, copies in self.files.items() if any(c.where not in excluded for c in copies))
@@ -110,8 +116,10 @@ class NodeInventory:
         parsed: dict[bytes, tuple[str, Manifest] | None] = dict(known or {})  # one parse per distinct body
         for tier in tiers:
             held = tier.holdings(step)
-            if tier.name != "peer" and (held.manifests or held.files):
+            if tier.name != "peer" and (held.manifests or held.files or held.parts or held.damaged):
                 node.own = True
+            if held.damaged:
+                node.damaged = True  # the node holds something of the step, unreadable
             digests: dict[str, str] = {}
             for body, where in held.manifests:
                 if body not in parsed:
@@ -130,6 +138,18 @@ class NodeInventory:
                 layout.preference = min(layout.preference, preference)
                 if layout.manifest is None:
                     layout.manifest, layout.parsed, layout.where = body, manifest, where
+            for part in held.parts:
+                kind = "staged" if tier.name in _FIRST_TIERS or part.part.get("layout") == "staged" else "local"
+                name = f"{kind}:{part.meta.get('save_id', '?')}"
+                digests[part.where] = name
+                preference = 0 if tier.name in _FIRST_TIERS else NODE_PREFERENCE
+                layout = node.layouts.get(name)
+                if layout is None:
+                    layout = node.layouts[name] = Inventory(name, preference)
+                layout.preference = min(layout.preference, preference)
+                layout.parts.setdefault(part.rank, part)
+                if layout.meta is None:
+                    layout.meta = part.meta
             only = set(digests.values())
             for copy in held.files:
                 # A tier that does not say which of its manifests describes a copy (one written
@@ -167,9 +187,36 @@ class NodeInventory:
         return min(self.layouts.values(), key=lambda inv: (inv.preference, inv.digest or ""), default=None)
 
 
+def assembled(digest: str | None) -> bool:
+    """Whether the layout ``digest`` is one whose copies hold parts, not the whole manifest."""
+    return digest is not None and digest.startswith(("staged:", "local:"))
+
+
+def assemble_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
+    """The manifest of a layout whose node copies hold their own ranks' parts, assembled on every
+    rank from every node's parts (collective): the ranks gather which ranks' parts their nodes
+    hold, the lowest holder of each sends it, and one more gather hands every rank all of them.
+    None when no node holds a part; raises PartsMissing when some rank's part is held nowhere."""
+    mine = sorted(inv.parts)
+    held = group.all_gather(mine) if group.world > 1 else [mine]
+    owner: dict[int, int] = {}
+    for r, ranks in enumerate(held):
+        for q in ranks:
+            owner.setdefault(q, r)
+    if not owner:
+        return None
+    sent = [(q, p.part, p.meta, p.header, p.where) for q in mine if owner[q] == group.rank for p in [inv.parts[q]]]
+    got = group.all_gather(sent) if group.world > 1 else [sent]
+    parts = [NodePart(q, part, meta, header, at) for batch in got for q, part, meta, header, at in batch]
+    return manifest_of_parts(parts, where)
+
+
 def get_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
-    """The manifest of ``inv``'s layout on every rank: its own, or the lowest holder's. None when
-    nobody has one (every rank passes the same layout)."""
+    """The manifest of ``inv``'s layout on every rank: its own, or the lowest holder's, or (a
+    layout of parts) assembled from every node's. None when nobody has one (every rank passes the
+    same layout)."""
+    if assembled(inv.digest):
+        return assemble_manifest(group, inv, where)
     has = group.all_gather(inv.manifest is not None) if group.world > 1 else [inv.manifest is not None]
     if not any(has):
         return None
@@ -517,5 +564,5 @@ def _agree_plan(group: Group, plan: list[tuple[int, int, str]]) -> list[tuple[in
     return sorted(p for lst in group.all_gather(mine) for p in lst)
 
 
-__all__ = ["DURABLE_PREFERENCE", "Inventory", "NodeInventory", "PeerUnavailable", "RemoteSource", "Transfers",
+__all__ = ["DURABLE_PREFERENCE", "assembled", "assemble_manifest", "Inventory", "NodeInventory", "PeerUnavailable", "RemoteSource", "Transfers",
            "exchange", "get_manifest", "layout_digest"]

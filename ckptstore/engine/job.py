@@ -35,7 +35,14 @@ class StepJob:
     durable_data: Any = None  # the local files mapped read-only, what the promotion reads instead of the slot
     parts: list[dict[str, Any]] = field(default_factory=list)  # every rank's RAM part, after the gather
     manifest: Manifest | None = None  # the step's RAM manifest, which also describes its peer replicas
-    shared: dict[str, Any] = field(default_factory=dict)  # rank 0's tree and tensor table, after the gather
+    # The tree, tensor table and layouts of this rank's structure: ``shared`` on its representative
+    # (the lowest rank of the structure, whose header the manifest takes), empty elsewhere;
+    # ``header`` on every rank, for its own node copies (RAM document, replicas).
+    shared: dict[str, Any] = field(default_factory=dict)
+    header: dict[str, Any] = field(default_factory=dict)
+    # What this rank's node copies of the step hold instead of the whole manifest (tiers/ram.py
+    # ``node_extra``: its part, the step's meta, its header); None when the save gathered the parts.
+    own: dict[str, Any] | None = None
     check: set[str] = field(default_factory=set)  # keys staged only to compare replicas (sdc), never written
     live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)
     replicated: dict[str, tuple] = field(default_factory=dict)  # key -> (offsets, sizes, kind) of replicated boxes

@@ -64,7 +64,7 @@ from ..checkpoint.sharded import (
     parted_manifest,
     structure_digest,
 )
-from ..collective import Group, StoreGroups, agree_async, concur_async, failure_record, settle
+from ..collective import Group, StoreGroups, agree_async, concur_async, concur_max_async, failure_record, settle
 from ..errors import (
     CheckpointError,
     InvalidArgumentError,
@@ -78,10 +78,10 @@ from ..format.manifest import Manifest
 from ..goodput.tracker import GoodputTracker
 from ..planning.flatten import OtherLeaf, dtensor_leaf, fingerprint
 from ..storage import s3
-from ..tiers.base import Snapshot, Tier
+from ..tiers.base import NodePart, Snapshot, Tier, manifest_of_parts
 from ..tiers.directory import DirectoryTier
 from ..tiers.peer import PeerTier
-from ..tiers.ram import Layout, RamTier
+from ..tiers.ram import Layout, RamTier, node_extra
 from ..train_state import TrainState
 from .job import StepJob
 from .options import StoreOptions
@@ -200,6 +200,7 @@ class _Planned:
     breaks: frozenset[int]
     layout: Layout
     shared: dict[str, Any]
+    header: dict[str, Any]
     boxes: dict[str, tuple[int, ...]]
 
 
@@ -208,9 +209,12 @@ class Pipeline:
 
     def __init__(self, options: StoreOptions, groups: StoreGroups, *, ram: RamTier, local: DirectoryTier | None,
                  peer: PeerTier, durable: DirectoryTier | None, local_owner: bool, check: ReplicaCheck,
-                 tracker: GoodputTracker, loop: LoopThread) -> None:
+                 tracker: GoodputTracker, loop: LoopThread, local_single: bool = False) -> None:
         self.options, self.groups, self.check, self.tracker, self.loop = options, groups, check, tracker, loop
         self.ram, self.local, self.peer, self.durable = ram, local, peer, durable
+        # Every rank shares the one local directory (a single-node job): its owner assembles the
+        # whole manifest there, so the directory loads on its own (load_sharded, the CLI).
+        self.local_single, self.local_owner = local_single, local_owner
         self.rank, self.world = groups.rank, groups.world
         self.fast, self.peer_lane, self.durable_lane = (Lane("fast", groups.fast), Lane("peer", groups.peer),
                                                         Lane("durable", groups.durable))
@@ -364,7 +368,8 @@ class Pipeline:
         breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
         tail = len(items) - len(own) if own and not self.check.on else None
         items += self.check.items(local, mine, job)
-        job.shared = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts} if structure.representative else {}
+        job.header = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
+        job.shared = job.header if structure.representative else {}
         job.boxes = {name: m.offsets for name, m in zip(names, frozen + rest)}
         self._size_slots(items, breaks, tail)
         job.layout = Layout.of(items, breaks, tail)
@@ -413,7 +418,7 @@ class Pipeline:
         return _Planned(key=found.fingerprint[1], structure=structure, digest=job.digest,
                         names=[name for name, _ in items], order=order,
                         views=views if any(v is not None for v in views) else None, frozen_count=frozen_count,
-                        breaks=breaks, layout=job.layout, shared=job.shared, boxes=job.boxes)
+                        breaks=breaks, layout=job.layout, shared=job.shared, header=job.header, boxes=job.boxes)
 
     def _reuse(self, job: StepJob, found: tuple[list[Any], list[Any]] | None) -> tuple[list[tuple[str, Any]], int, frozenset[int]] | None:
         """The last save's plan with this save's tensors in it, when nothing structural changed:
@@ -434,13 +439,15 @@ class Pipeline:
                 moved = layout.with_tail(tail)
                 if moved is None:
                     return None
-                shared = planned.shared
-                if shared:
-                    tensors = dict(shared["tensors"])
+                header = planned.header
+                if header:
+                    tensors = dict(header["tensors"])
                     tensors.update((name, ("uint8", (t.numel(),))) for name, t in tail if name in tensors)
-                    shared = {**shared, "tensors": tensors}
-                planned = self._planned = dataclasses.replace(planned, layout=moved, shared=shared)
+                    header = {**header, "tensors": tensors}
+                planned = self._planned = dataclasses.replace(planned, layout=moved, header=header,
+                                                              shared=header if planned.shared else {})
         job.digest, job.shared, job.boxes, job.layout = planned.digest, planned.shared, planned.boxes, planned.layout
+        job.header = planned.header
         if planned.views is None:
             items = [(name, leaves[i]) for name, i in zip(planned.names, planned.order)]
         else:
@@ -627,28 +634,33 @@ class Pipeline:
             self._stage_timings(job, time.perf_counter() - t_hash)
             part = await self.ram.put(job.snap)
             part["sdc"] = self.check.digest(job)
-            # Each rank proposes a save id and the largest wins: every rank's RAM document of this
-            # save names it alike, so a node agent tells this save from any other of the step
-            # without comparing chunk tables.
-            part.update(step=job.step, digest=job.digest, save_id=secrets.randbits(63))
-            if job.shared:  # one rank of each structure carries its tree and tensor table
-                part["shared"] = job.shared
+            part.update(step=job.step, digest=job.digest)
             return part
 
-        parts = await agree_async(fast, f"staging step {job.step}", stage_part)
-        if len({p["step"] for p in parts}) > 1:
-            raise CheckpointError(
-                f"ranks staged different steps for step {job.step}: every rank must save the same step"
-            )
-        job.save_id = f"{max(p.pop('save_id') for p in parts):016x}"
-        job.shared = merge_structures([(r, p.pop("shared")) for r, p in enumerate(parts) if "shared" in p],
-                                      f"step {job.step}")
-        job.sdc = await self.check.compare(job, parts, lambda what, fn: agree_async(fast, what, _threaded(fn)))
-        manifest = self._manifest(job, parts)
-        job.parts, job.manifest = parts, manifest
-        crashpoint("ram.before_commit", str(job.step))
-        await concur_async(fast, f"committing step {job.step} in RAM",
-                           lambda: self.ram.commit(job.step, manifest, save_id=job.save_id))
+        if self.check.on:
+            await self._gathered_commit(job, stage_part)
+        else:
+            # Each rank proposes a save id and the largest wins: every rank's RAM document of this
+            # save names it alike, so a node agent and a restore tell this save from any other of
+            # the step without comparing chunk tables. The step and its negation ride the same
+            # all-reduce: ranks that staged different steps learn it there.
+            nonce = secrets.randbits(63)
+            flat = job.step if 0 <= job.step < _STEP_LIMIT else 0  # the vote compared the others already
+            part, agreed = await concur_max_async(fast, f"staging step {job.step}", stage_part,
+                                                  [flat, -flat, nonce])
+            if agreed[0] != -agreed[1]:
+                raise CheckpointError(
+                    f"ranks staged different steps for step {job.step}: every rank must save the same step"
+                )
+            job.save_id = f"{agreed[2]:016x}"
+            meta = {"step": job.step, "job": self.options.job, "cadence": job.cadence, "world_size": self.world,
+                    "save_id": job.save_id}
+            job.own = node_extra(part, meta, job.header)
+            job.parts, job.manifest = [], None
+            crashpoint("ram.before_commit", str(job.step))
+            own = job.own
+            await concur_async(fast, f"committing step {job.step} in RAM",
+                               lambda: self.ram.commit(job.step, save_id=job.save_id, own=own))
         crashpoint("ram.committed", str(job.step))
         self._last = job
         _resolve(job.futures["ram"], job.step)
@@ -664,6 +676,34 @@ class Pipeline:
         if job.sdc and self.check.mode == "raise":
             self._promoted.add(job.step)  # close() must not promote it to durable either
         self.check.verdict(job, self.tracker.event)
+
+    async def _gathered_commit(self, job: StepJob, stage_part: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        """The RAM commit with every rank's part gathered to every rank, and the step's whole
+        manifest in every rank's document: what the replica check needs (comparing every rank's
+        checksums is its point), so only a save with it on pays for it."""
+        fast = self.groups.fast
+
+        async def with_id() -> dict[str, Any]:
+            part = await stage_part()
+            part["save_id"] = secrets.randbits(63)
+            if job.shared:  # one rank of each structure carries its tree and tensor table
+                part["shared"] = job.shared
+            return part
+
+        parts = await agree_async(fast, f"staging step {job.step}", with_id)
+        if len({p["step"] for p in parts}) > 1:
+            raise CheckpointError(
+                f"ranks staged different steps for step {job.step}: every rank must save the same step"
+            )
+        job.save_id = f"{max(p.pop('save_id') for p in parts):016x}"
+        shared = merge_structures([(r, p.pop("shared")) for r, p in enumerate(parts) if "shared" in p],
+                                  f"step {job.step}")
+        job.sdc = await self.check.compare(job, parts, lambda what, fn: agree_async(fast, what, _threaded(fn)))
+        manifest = self._manifest(job, parts, shared)
+        job.parts, job.manifest = parts, manifest
+        crashpoint("ram.before_commit", str(job.step))
+        await concur_async(fast, f"committing step {job.step} in RAM",
+                           lambda: self.ram.commit(job.step, manifest, save_id=job.save_id))
 
     async def _replicate(self, job: StepJob) -> None:
         """Send this rank's staged bytes to its holders and take in the replicas it holds, over the
@@ -732,24 +772,40 @@ class Pipeline:
                 if tier is self.durable:
                     part = await concur_async(group, writing, lambda: self._put(tier, source, job))
                     # The coordinator receives what names each rank's part file, never its chunk
-                    # table: the manifest (format 2.0) grows with ranks plus tensors.
-                    summaries = await asyncio.to_thread(group.gather_to_root, part_summary(part))
+                    # table: the manifest (format 2.0) grows with ranks plus tensors; the
+                    # representatives' headers travel with their summaries.
+                    summaries = await asyncio.to_thread(group.gather_to_root, _with_header(part_summary(part), job))
 
                     async def commit() -> None:
                         if group.rank == 0:
                             assert self.durable is not None
-                            body = await asyncio.to_thread(self._parted, job, summaries)
+                            shared = _headers(summaries, job.step)
+                            body = await asyncio.to_thread(self._parted, job, summaries, shared)
                             await self.durable.commit_document(job.step, body)
 
                     await concur_async(group, committing, commit)
                     return part
                 if tier is self.peer and job.manifest is not None:
+                    self.peer.outgoing = None  # the step's whole manifest describes the replicas
                     part = await concur_async(group, writing, lambda: self._put(tier, source, job))
                     ram_manifest = job.manifest
                     await concur_async(group, committing, lambda: tier.commit(job.step, ram_manifest))
                     return part
-                parts = await agree_async(group, writing, lambda: self._put(tier, source, job))
-                manifest = self._manifest(job, parts)
+                if tier is self.local and job.own is not None:
+                    return await self._to_local(job, group, source)
+                if tier is self.peer and job.own is not None:
+                    # A replica is a byte copy of its source's slot: its document carries what the
+                    # source's RAM document does (part, meta, header), sent with the bytes.
+                    self.peer.outgoing = job.own
+                    part = await concur_async(group, writing, lambda: self._put(tier, source, job))
+                    await concur_async(group, committing, lambda: tier.commit(job.step, None))
+                    return part
+                async def put() -> dict[str, Any]:
+                    return _with_header(await self._put(tier, source, job), job)
+
+                parts = await agree_async(group, writing, put)
+                shared = _headers(parts, job.step)
+                manifest = self._manifest(job, parts, shared)
                 await concur_async(group, committing, lambda: tier.commit(job.step, manifest))
         except BaseException:
             # Every rank is past its writes (the agreement said so): each removes the files it
@@ -762,6 +818,35 @@ class Pipeline:
                             tier.display(job.step), exc)
             raise
         return parts[group.rank]
+
+    async def _to_local(self, job: StepJob, group: Group, source: Snapshot) -> dict[str, Any]:
+        """The local tier by flags: each rank writes its files and commits its own part on this
+        node (its node part: its local part, the step's meta, its header); in a single-node job the
+        directory's owner then assembles the whole manifest from the node parts on its disk."""
+        local = self.local
+        assert local is not None and job.own is not None
+        own = job.own
+
+        async def write() -> dict[str, Any]:
+            part = await self._put(local, source, job)
+            mine = {**part, "step": job.step, "digest": job.digest}
+            # A local file that is the slot written whole is a byte copy of it: the node part then
+            # joins the slot's layout, and a restore reads either copy with the same chunk table.
+            mine["layout"] = "staged" if same_table(part["chunks"], own["part"]["chunks"]) else "local"
+            await local.put_node_part(job.step, self.rank, node_extra(mine, own["meta"], job.header))
+            return part
+
+        part = await concur_async(group, f"writing step {job.step} to the local tier", write)
+
+        async def commit() -> None:
+            if self.local_single and self.local_owner:
+                held = await asyncio.to_thread(local.holdings, job.step)
+                manifest = manifest_of_parts(held.parts, local.display(job.step))
+                manifest.meta["cadence"] = job.cadence
+                await local.commit(job.step, manifest)
+
+        await concur_async(group, f"committing step {job.step} in the local tier", commit)
+        return part
 
     async def _put(self, tier: Tier, snap: Snapshot, job: StepJob) -> dict[str, Any]:
         """Write this rank's part to ``tier`` and record the step's stage timings in it. The durable
@@ -778,15 +863,15 @@ class Pipeline:
         part["timings"] = {**part.get("timings", {}), **timings}
         return part
 
-    def _manifest(self, job: StepJob, parts: list[dict[str, Any]]) -> Manifest:
+    def _manifest(self, job: StepJob, parts: list[dict[str, Any]], shared: dict[str, Any]) -> Manifest:
         sdc = None if job.sdc is None else {"policy": self.check.mode, "mismatches": job.sdc}
-        return step_manifest(job.shared, parts, self.world, job=self.options.job, step=job.step,
+        return step_manifest(shared, parts, self.world, job=self.options.job, step=job.step,
                              cadence=job.cadence, sdc=sdc)
 
-    def _parted(self, job: StepJob, summaries: list[dict[str, Any]]) -> bytes:
+    def _parted(self, job: StepJob, summaries: list[dict[str, Any]], shared: dict[str, Any]) -> bytes:
         """The durable tier's manifest of the step (format 2.0) from every rank's part summary."""
         sdc = None if job.sdc is None else {"policy": self.check.mode, "mismatches": job.sdc}
-        return parted_step_manifest(job.shared, summaries, self.world, job=self.options.job, step=job.step,
+        return parted_step_manifest(shared, summaries, self.world, job=self.options.job, step=job.step,
                                     cadence=job.cadence, sdc=sdc)
 
     def _stage_timings(self, job: StepJob, hash_s: float) -> None:
@@ -845,7 +930,12 @@ class Pipeline:
         assert snap is not None and source is not None
         promoted: concurrent.futures.Future = concurrent.futures.Future()
         job = StepJob(step, futures={"durable": promoted}, snap=snap, promote=True)
-        job.shared = shared_of(source)
+        if isinstance(source, NodePart):
+            # Every rank's own header, with its structure's digest: the coordinator keeps the
+            # lowest rank's of each structure, as a save's representatives are.
+            job.shared, job.digest = dict(source.header or {}), str(source.part.get("digest", ""))
+        else:
+            job.shared = shared_of(source) if self.rank == 0 else {}  # the whole header, on the coordinator
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         job.cadence = {"durable": 0, "peer": cadence.get("peer", 0)}
         self.since["durable"] = 0
@@ -883,16 +973,18 @@ class Pipeline:
         self._outstanding = {f for f in self._outstanding if not f.done()} | {done}
         return job.futures["durable"]
 
-    def _restored_part(self, step: int) -> tuple[Snapshot | None, Manifest | None]:
-        """This rank's part of ``step`` from a copy on this node, and the manifest of that copy."""
+    def _restored_part(self, step: int) -> tuple[Snapshot | None, Manifest | NodePart | None]:
+        """This rank's part of ``step`` from a copy on this node, and what that copy holds of the
+        step: its whole manifest, or this rank's part with the step's meta and its header."""
         try:
             if self.local is not None and step in self.local.node_steps():
                 snap = self.local.snapshot_of(step, self.rank)
                 if snap is not None:
-                    return snap, self.local.manifest_sync(step)
+                    return snap, self.local.node_part(step, self.rank) or self.local.manifest_sync(step)
             if step in self.ram.steps_sync():
-                manifest = self.ram.manifest_sync(step)
-                return self.ram.snapshot_of(step, manifest), manifest
+                got = self.ram.snapshot_of(step)
+                if got is not None:
+                    return got
         except (CheckpointError, OSError) as exc:
             log.warning("ckptstore: cannot read this rank's part of step %d on this node: %s", step, exc)
         return None, None
@@ -946,7 +1038,7 @@ def parted_step_manifest(shared: dict[str, Any], summaries: list[dict[str, Any]]
 def shared_of(manifest: Manifest) -> dict[str, Any]:
     """What :func:`step_manifest` needs of a committed copy of the step: its tree, tensor table and layouts."""
     return {"tree": manifest.tree, "tensors": {k: (e.dtype, e.shape) for k, e in manifest.tensors.items()},
-            "layouts": manifest.meta.get("layouts")}
+            "layouts": manifest.meta.get("layouts") or {}}
 
 
 # The vote's int64 fields: steps at or past this limit take the gathered vote (they do not fit
@@ -976,6 +1068,31 @@ def _decode_plan(fields: list[int]) -> dict[str, Any] | None:
         return None
     return {k: None if b == _NONE else struct.unpack("<d", struct.pack("<q", b))[0]
             for k, b in zip(_PLAN_KEYS, fields[1:])}
+
+
+def same_table(a: dict[str, list[dict[str, Any]]], b: dict[str, list[dict[str, Any]]]) -> bool:
+    """Whether two chunk tables address the same bytes alike (files, offsets, lengths, checksums)."""
+    def table(t: dict[str, list[dict[str, Any]]]) -> dict[str, list[tuple[Any, ...]]]:
+        return {k: [(c["file"], c["offset"], c["length"], c["codec"], c["checksum"]) for c in cs] for k, cs in t.items()}
+
+    return table(a) == table(b)
+
+
+def _with_header(part: dict[str, Any], job: StepJob) -> dict[str, Any]:
+    """``part`` as it travels to whoever builds the whole manifest: with its structure's header
+    (and digest) when this rank carries one (a save's representatives)."""
+    return {**part, "shared": job.shared, "shared_digest": job.digest} if job.shared else part
+
+
+def _headers(parts: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """The headers taken out of gathered ``parts`` (in place), the lowest rank's of each
+    structure, merged in rank order."""
+    chosen: dict[str, tuple[int, dict[str, Any]]] = {}
+    for r, p in enumerate(parts):
+        if "shared" in p:
+            header, digest = p.pop("shared"), p.pop("shared_digest", None)
+            chosen.setdefault(f"#{r}" if digest is None else str(digest), (r, header))
+    return merge_structures(sorted(chosen.values(), key=lambda c: c[0]), f"step {step}")
 
 
 def _resolve(f: concurrent.futures.Future | None, value: Any) -> None:

@@ -41,7 +41,7 @@ from ..errors import (
 from ..format.manifest import Manifest
 from ..names import MANIFEST, data_file_rank
 from ..storage.targets import Source
-from ..tiers.base import Tier
+from ..tiers.base import PartsMissing, Tier
 from .exchange import (
     DURABLE_PREFERENCE,
     Inventory,
@@ -49,6 +49,7 @@ from .exchange import (
     PeerUnavailable,
     RemoteSource,
     Transfers,
+    assembled,
     exchange,
     get_manifest,
     layout_digest,
@@ -247,6 +248,8 @@ class Restorer:
         first = self._inventory(step).first()
         if first is not None and first.parsed is not None:
             return dict(first.parsed.meta)
+        if first is not None and first.meta is not None:  # a copy of parts: each carries the step's meta
+            return dict(first.meta)
         if in_durable and self.durable is not None:
             try:
                 index = self._durable_index(step)
@@ -365,7 +368,9 @@ class Restorer:
         if from_durable:
             durable = self.durable
         elif in_durable and self.durable is not None:
-            durable = _Lazy(self.durable, step, lambda: self._durable_layout(step) == digest)
+            # A layout of parts is named by its save; the durable copy is laid out alike when its
+            # layout is the one the assembled manifest describes.
+            durable = _Lazy(self.durable, step, lambda: self._durable_layout(step) in (digest, inv.layout))
         else:
             durable = None
         display = f"step {step} of job {self.job}"
@@ -381,8 +386,16 @@ class Restorer:
             problem = kind = ""
             retry = False
             used: set[str] = set()
-            manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}")
+            missing: PartsMissing | CorruptCheckpointError | None = None
             try:
+                manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}")
+            except (PartsMissing, CorruptCheckpointError) as exc:  # alike on every rank: from what all sent
+                manifest, missing = None, exc
+            if manifest is not None and assembled(digest):
+                inv.layout = layout_digest(manifest)
+            try:
+                if missing is not None:
+                    raise missing
                 if manifest is None and from_durable:
                     manifest = self._durable_manifest(state, step, display)
                 if manifest is None and node.unsupported is not None:
@@ -392,6 +405,13 @@ class Restorer:
                 self.check.refuse(manifest, display)
                 wanted = [] if solo else sorted({name for name, _offset, _length in
                                                  chunks_needed(state, manifest, display, self.rank, self.world)})
+            except PartsMissing as exc:
+                # Parts no node holds: incomplete when every rank that wrote one has a node that
+                # holds no copy of its own of the step (lost with it, or gone to retention while a
+                # replica of another node's part stayed) and the durable tier cannot fill in.
+                wanted, problem = [], f"incomplete: {exc}"
+                lost_with_node = bool(exc.ranks) and all(r < self.world and r in ownless for r in exc.ranks)
+                kind = _MISSING if lost_with_node and durable is None and _DAMAGED not in kinds else _OTHER
             except (CorruptCheckpointError, CheckpointNotFoundError, StorageError, OSError) as exc:
                 wanted, problem = [], f"{exc}"
                 unreadable = manifest is None and not from_durable  # listed, yet no node's copy parses

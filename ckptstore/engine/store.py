@@ -214,7 +214,7 @@ class CheckpointStore:
         check = ReplicaCheck(opts.goodput.sdc, self.rank, self.world)
         self._pipeline = Pipeline(opts, self._groups, ram=self.ram, local=self.local, peer=self.peer,
                                   durable=self.durable, local_owner=local_owner, check=check, tracker=self._tracker,
-                                  loop=self._loop)
+                                  loop=self._loop, local_single=len(set(sharing)) == 1)
         node_tiers = [t for t in (self.ram, self.local, self.peer) if t is not None]
         self._restorer = Restorer(opts.job, self._groups, node_tiers, self.durable, check, opts.peer.timeout_s,
                                   durable_listing=listing)

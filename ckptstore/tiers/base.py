@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .._aio import run_sync
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.manifest import Manifest
 from ..storage.targets import Source
 
@@ -91,14 +92,31 @@ class Held:
     manifest: str = ""
 
 
+@dataclass(frozen=True)
+class NodePart:
+    """One rank's part of a step as a node copy records it instead of the whole manifest: the
+    rank's chunk table (``part``), the step's ``meta`` (step, job, cadence, world size, save id)
+    and the header of the rank's structure (tree, tensor table, layouts), at ``where``. A restore
+    assembles the step's manifest from every rank's part (engine/exchange.py)."""
+
+    rank: int
+    part: dict[str, Any]
+    meta: dict[str, Any]
+    header: dict[str, Any] | None
+    where: str
+
+
 @dataclass
 class Holdings:
     """What a node-local tier holds of one step on this node: data files and manifest copies
-    (``(body, where)``, each checked by whoever reads it); each file names the manifest copy that
-    describes it (``Held.manifest``)."""
+    (``(body, where)``, each checked by whoever reads it), or parts (:class:`NodePart`) where a
+    copy holds its own rank's part only; each file names the manifest copy or part that describes
+    it (``Held.manifest``)."""
 
     files: list[Held] = field(default_factory=list)
     manifests: list[tuple[bytes, str]] = field(default_factory=list)
+    parts: list[NodePart] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)  # copies of parts that failed their checksum
 
 
 class Tier(abc.ABC):
@@ -193,3 +211,61 @@ class Tier(abc.ABC):
 def uint8(data: bytes) -> torch.Tensor:
     """Bytes as a uint8 tensor (an empty one for no bytes, which frombuffer refuses)."""
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+class PartsMissing(CheckpointNotFoundError):
+    """The parts of some ranks (``ranks``) are held by no node: the step's manifest cannot be
+    assembled from the node copies."""
+
+    def __init__(self, message: str, *, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+def manifest_of_parts(parts: list[NodePart], where: str, *, partial: bool = False) -> Manifest:
+    """The step's whole manifest, assembled from one part per rank: what the fast lane's gather
+    used to build at every save. Each structure's header comes from its lowest rank that carries
+    one (the representative, when its copy survives), merged in rank order as the save merged
+    them, so the manifest is the one the old whole-manifest copies held. Raises PartsMissing
+    when a rank's part, or every header of a structure, is missing; ``partial``: the ranks whose
+    parts are at hand only (a node agent's view of the node), never raising for the others."""
+    from ..checkpoint.sharded import build_manifest, merge_structures
+
+    if not parts:
+        raise PartsMissing(f"{where}: no part of the step is held", ranks=[])
+    by_rank: dict[int, NodePart] = {}
+    for p in sorted(parts, key=lambda p: p.rank):
+        by_rank.setdefault(p.rank, p)
+    meta = by_rank[min(by_rank)].meta
+    world = meta.get("world_size")
+    if type(world) is not int or world < 1:
+        raise CorruptCheckpointError(f"{where}: a part's meta names no world size", location=where)
+    missing = [r for r in range(world) if r not in by_rank]
+    if missing and not partial:
+        raise PartsMissing(f"{where}: no node holds the parts of ranks {_ranks(missing)}", ranks=missing)
+    headers: dict[str, tuple[int, dict[str, Any]]] = {}
+    present = sorted(by_rank)
+    for r in present:
+        p = by_rank[r]
+        digest = str(p.part.get("digest", ""))
+        if p.header is not None and digest not in headers:
+            headers[digest] = (r, p.header)
+    headless = [r for r in present if str(by_rank[r].part.get("digest", "")) not in headers]
+    if headless:
+        raise PartsMissing(f"{where}: no node holds the tree and tensor table of the structure of ranks "
+                           f"{_ranks(headless)}", ranks=headless)
+    try:
+        shared = merge_structures(sorted(headers.values(), key=lambda h: h[0]), where)
+        tensors = {k: (v[0], tuple(v[1])) for k, v in shared["tensors"].items()}
+        manifest = build_manifest(shared["tree"], tensors, [by_rank[r].part for r in present], world,
+                                  layouts=shared.get("layouts") or None)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CorruptCheckpointError(f"{where}: the parts of the step do not make a manifest: {exc}",
+                                     location=where) from None
+    manifest.meta.update({"step": meta.get("step"), "job": meta.get("job"), "cadence": meta.get("cadence", {})})
+    return manifest
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")

@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -57,8 +58,17 @@ from ..names import (
     writer_variant,
 )
 from ..storage import small
-from ..storage.targets import Source, Target, WriteTuning, open_sink, open_source, storage_error, transport_errors
-from .base import Capabilities, Held, Holdings, Snapshot, Tier
+from ..storage.targets import (
+    Source,
+    Target,
+    WriteTuning,
+    makedirs_private,
+    open_sink,
+    open_source,
+    storage_error,
+    transport_errors,
+)
+from .base import Capabilities, Held, Holdings, NodePart, Snapshot, Tier, manifest_of_parts
 
 log = logging.getLogger("ckptstore")
 _LISTING_CONCURRENCY = 8  # manifest checks in flight while listing an object store's steps
@@ -350,12 +360,19 @@ class DirectoryTier(Tier):
 
         async def committed(name: str) -> bool:
             async with limit:
-                return await small.exists(self._base.target(f"{name}/{MANIFEST}"))
+                if await small.exists(self._base.target(f"{name}/{MANIFEST}")):
+                    return True
+            # A node-local directory of a multi-node job: its ranks' parts, each committed on its own.
+            return self.local_root is not None and _has_node_parts(os.path.join(self.local_root, name))
 
         found = await asyncio.gather(*(committed(name) for _step, name in names))
         return [(step, ok) for (step, _name), ok in zip(names, found)]
 
     async def manifest(self, step: int) -> Manifest:
+        if self.local_root is not None and not os.path.exists(os.path.join(self.local_root, step_dir(step), MANIFEST)):
+            parts = _node_parts(os.path.join(self.local_root, step_dir(step)), self.name)
+            if parts:  # a multi-node job's node: the manifest this node's parts make
+                return manifest_of_parts(parts, self.display(step))
         return await asyncio.to_thread(read_manifest, self._dir(step))
 
     def opener(self, step: int) -> Callable[[str | None], Source]:
@@ -375,6 +392,8 @@ class DirectoryTier(Tier):
     async def remove(self, step: int) -> None:
         d = self._dir(step)
         await small.remove(d.target(MANIFEST))  # uncommit first: a half-deleted step must never look complete
+        if self.local_root is not None:
+            await asyncio.to_thread(shutil.rmtree, os.path.join(self.local_root, step_dir(step), NODE_PARTS), True)
         crashpoint("tier.removing", d.display)
         await small.remove_tree(d.base)
 
@@ -443,6 +462,20 @@ class DirectoryTier(Tier):
             return None
 
 
+    async def put_node_part(self, step: int, rank: int, own: dict[str, Any]) -> None:
+        """Commit this rank's files of ``step`` on this node with ``own`` (its part, the step's
+        meta, its header: :func:`write_node_part`); a failed save's :meth:`discard` removes it."""
+        assert self.local_root is not None
+        self._mine.setdefault(step, []).append(f"{NODE_PARTS}/rank-{rank:05d}.json")
+        await write_node_part(self.local_root, step, rank, own, holder=rank)
+
+    def node_part(self, step: int, rank: int) -> NodePart | None:
+        """Rank ``rank``'s node part of ``step`` in this directory, when there is one."""
+        if self.local_root is None:
+            return None
+        return next((p for p in _node_parts(os.path.join(self.local_root, step_dir(step)), self.name)
+                     if p.rank == rank), None)
+
     def snapshot_of(self, step: int, rank: int) -> Snapshot | None:
         """Rank ``rank``'s files of the committed ``step`` as a snapshot another tier can take (a
         restored step promoted to the durable tier): its chunks as this tier's manifest lists them,
@@ -450,14 +483,24 @@ class DirectoryTier(Tier):
         None when this is not a local directory or the files cannot be mapped."""
         if self.local_root is None:
             return None
-        manifest = read_manifest(self._dir(step))
         chunks: dict[str, list[dict[str, Any]]] = {}
         files: set[str] = set()
-        for key, entry in manifest.tensors.items():
-            for c in entry.chunks:
-                if c.file is not None and data_file_rank(c.file) == rank:
-                    chunks.setdefault(key, []).append(c.to_json())
-                    files.add(c.file)
+        own = None if os.path.exists(os.path.join(self.local_root, step_dir(step), MANIFEST)) else (
+            self.node_part(step, rank))
+        if own is not None:
+            world = int(own.meta.get("world_size", 1))
+            for key, table in own.part["chunks"].items():
+                for c in table:
+                    chunks.setdefault(key, []).append(dict(c))
+                    files.add(c["file"])
+        else:
+            manifest = read_manifest(self._dir(step))
+            world = int(manifest.meta.get("world_size", 1))
+            for key, entry in manifest.tensors.items():
+                for c in entry.chunks:
+                    if c.file is not None and data_file_rank(c.file) == rank:
+                        chunks.setdefault(key, []).append(c.to_json())
+                        files.add(c.file)
         frozen = sorted(f for f in files if is_frozen_file(f))
         rest = sorted(f for f in files if not is_frozen_file(f))
         if len(frozen) > 1 or len(rest) > 1:
@@ -476,7 +519,7 @@ class DirectoryTier(Tier):
                     doc["offset"] += frozen_end
         size = frozen_end + (int(rest_map.numel()) if rest_map is not None else 0)
         data = _SlotFiles(frozen_map, rest_map, frozen_end, size)
-        return Snapshot(step, rank, int(manifest.meta.get("world_size", 1)), data, chunks, frozen_end)
+        return Snapshot(step, rank, world, data, chunks, frozen_end)
 
 
 def _check_protocol(url: str) -> None:
@@ -491,12 +534,59 @@ def _check_protocol(url: str) -> None:
                                    "spelling, or install the fsspec implementation that provides it")
 
 
+NODE_PARTS = "node-parts"  # a step's rank parts held on a node instead of its whole manifest
+
+
+def _has_node_parts(where: str) -> bool:
+    d = os.path.join(where, NODE_PARTS)
+    return os.path.isdir(d) and any(n.endswith(".json") and not n.startswith(".") for n in os.listdir(d))
+
+
 def committed_steps(root: str | None) -> set[int]:
-    """The committed steps (a manifest present) directly under the local directory ``root``."""
+    """The committed steps (a manifest, or a rank's node part, present) directly under the local
+    directory ``root``."""
     if root is None or not os.path.isdir(root):
         return set()
     return {step for name in os.listdir(root) if (step := parse_step_dir(name)) is not None
-            and os.path.exists(os.path.join(root, name, MANIFEST))}
+            and (os.path.exists(os.path.join(root, name, MANIFEST)) or _has_node_parts(os.path.join(root, name)))}
+
+
+async def write_node_part(root: str, step: int, rank: int, own: dict[str, Any], *, holder: int) -> None:
+    """Commit rank ``rank``'s data file of ``step`` under ``root`` on this node (written before)
+    with its part, the step's meta and its header (``own``, what its RAM document holds): the
+    file appears by rename, after the data, so its presence is the commit of that part here."""
+    path = os.path.join(root, step_dir(step), NODE_PARTS, f"rank-{rank:05d}.json")
+    body = json.dumps({"format": NODE_PART_FORMAT, "holder": holder, **own}, separators=(",", ":")).encode()
+    await asyncio.to_thread(makedirs_private, os.path.dirname(path))
+    await small.write(Target(display=path, path=path), body)
+
+
+NODE_PART_FORMAT = "ckptstore-node-part/1"
+
+
+def _node_parts(where: str, tier: str) -> list[NodePart]:
+    out: list[NodePart] = []
+    d = os.path.join(where, NODE_PARTS)
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        path = os.path.join(d, name)
+        if not name.endswith(".json") or name.startswith(".") or os.path.islink(path):
+            continue
+        try:
+            if os.path.getsize(path) > max_manifest_bytes():
+                raise ValueError("over the manifest size cap")
+            with open(path, "rb") as fh:
+                doc = json.loads(fh.read())
+            part, meta, header = doc["part"], doc["meta"], doc.get("header")
+            if (doc.get("format") != NODE_PART_FORMAT or not isinstance(part, dict) or type(part.get("rank")) is not int
+                    or name != f"rank-{part['rank']:05d}.json" or not isinstance(part.get("chunks"), dict)
+                    or not isinstance(meta, dict) or type(meta.get("world_size")) is not int
+                    or not (header is None or isinstance(header, dict))):
+                raise ValueError("not a node part of this format")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ckptstore: ignoring the %s part %s: %s", tier, path, exc)
+            continue
+        out.append(NodePart(part["rank"], part, meta, header, path))
+    return out
 
 
 def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
@@ -507,6 +597,18 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
     where = os.path.join(root, step_dir(step))
     manifest = os.path.join(where, MANIFEST)
     if not os.path.exists(manifest) or os.path.islink(manifest):
+        # No whole manifest: the rank parts committed on this node, each describing its data file.
+        held.parts = _node_parts(where, tier)
+        for p in held.parts:
+            # Every file the part names (a frozen region has a file of its own), only under data/.
+            names = {c.get("file") for table in p.part["chunks"].values() if isinstance(table, list)
+                     for c in table if isinstance(c, dict)} or {data_file(p.rank)}
+            for rel in sorted(n for n in names if isinstance(n, str)):
+                base = os.path.basename(rel)
+                path = os.path.join(where, "data", base)
+                if (rel == f"data/{base}" and base.endswith(".bin") and not base.startswith(".")
+                        and os.path.isfile(path) and not os.path.islink(path)):
+                    held.files.append(Held(rel, path, tier, _opener(path), manifest=p.where))
         return held
     data = os.path.join(where, "data")
     for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:

@@ -23,6 +23,7 @@ group's timeout fails ``put`` with the transport's error.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -40,11 +41,23 @@ from ..format.manifest import Manifest, parse_manifest
 from ..names import MANIFEST, PEER_DIR, data_file, data_file_rank, replica_segment, step_dir
 from ..storage import small
 from ..storage.targets import Source, Target, makedirs_private, open_sink, open_source
-from .base import Capabilities, Holdings, Snapshot, Tier
-from .directory import committed_steps, directory_holdings
-from .ram import RAM_FORMAT, Slot, lower_record, owner_record, read_doc, remove_file, scan, segment_holdings, write_doc
+from .base import Capabilities, Holdings, Snapshot, Tier, manifest_of_parts
+from .directory import committed_steps, directory_holdings, write_node_part
+from .ram import (
+    RAM_FORMAT,
+    RAM_MINOR,
+    Slot,
+    extra_checksum,
+    lower_record,
+    owner_record,
+    read_doc,
+    remove_file,
+    scan,
+    segment_holdings,
+    write_doc,
+)
 
-_SIZE_TAG, _DATA_TAG = 1, 2
+_SIZE_TAG, _DATA_TAG, _DOC_TAG = 1, 2, 3
 
 
 class PeerTier(Tier):
@@ -68,7 +81,12 @@ class PeerTier(Tier):
         self.group, self.local_root, self.to_local, self.keep = group, local_root, to_local and local_root is not None, keep
         self.send_to, self.hold_for = list(send_to or []), list(hold_for or [])
         self._segments: dict[tuple[int, int], Slot] = {}  # (source rank, slot) -> segment
-        self._received: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}  # step -> (src, slot, size, bytes)
+        # step -> (src, slot, size, bytes, what the source's RAM document holds of the step or None)
+        self._received: dict[int, list[tuple[int, int, int, torch.Tensor, dict[str, Any] | None]]] = {}
+        # What this rank's RAM document of the step being replicated holds (its part, the step's
+        # meta, its header), sent with its bytes; None when the step's whole manifest describes
+        # the replicas (the save gathered every part).
+        self.outgoing: dict[str, Any] | None = None
 
     def _name(self, src: int, slot: int, ext: str, holder: int | None = None) -> str:
         return os.path.join(self.ram_dir, replica_segment(self.job, self.rank if holder is None else holder, src, slot, ext))
@@ -81,20 +99,31 @@ class PeerTier(Tier):
     def _exchange(self, snap: Snapshot) -> dict[str, Any]:
         t0 = time.perf_counter()
         pg = self.group.pg if self.group is not None else None
-        received: list[tuple[int, int, int, torch.Tensor]] = []
+        received: list[tuple[int, int, int, torch.Tensor, dict[str, Any] | None]] = []
         if pg is not None and (self.send_to or self.hold_for):
-            mine = torch.tensor([snap.nbytes], dtype=torch.int64)
-            sizes = {src: torch.zeros(1, dtype=torch.int64) for src in self.hold_for}
+            own = b"" if self.outgoing is None else json.dumps(self.outgoing, separators=(",", ":")).encode()
+            mine = torch.tensor([snap.nbytes, len(own)], dtype=torch.int64)
+            sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.hold_for}
             _wait([pg.recv([sizes[src]], src, _SIZE_TAG) for src in self.hold_for]
                   + [pg.send([mine], dst, _SIZE_TAG) for dst in self.send_to])
             works = []
+            docs: list[torch.Tensor | None] = []
             for src in self.hold_for:
-                size = int(sizes[src].item())
+                size, doc_size = (int(v) for v in sizes[src].tolist())
                 slot, buf = self.replica_buffer(src, size)
                 works.append(pg.recv([buf], src, _DATA_TAG))
-                received.append((src, slot, size, buf))
+                doc = torch.empty(doc_size, dtype=torch.uint8) if doc_size else None
+                if doc is not None:
+                    works.append(pg.recv([doc], src, _DOC_TAG))
+                docs.append(doc)
+                received.append((src, slot, size, buf, None))
             works += [pg.send([snap.data], dst, _DATA_TAG) for dst in self.send_to]
+            if own:
+                sent = torch.frombuffer(bytearray(own), dtype=torch.uint8)
+                works += [pg.send([sent], dst, _DOC_TAG) for dst in self.send_to]
             _wait(works)
+            received = [(src, slot, size, buf, None if doc is None else json.loads(doc.numpy().tobytes()))
+                        for (src, slot, size, buf, _), doc in zip(received, docs)]
         self._received = {s: r for s, r in self._received.items() if s > snap.step - 4}
         self._received[snap.step] = received
         return {"rank": snap.rank, "world_size": snap.world, "host": socket.gethostname(), "pid": os.getpid(),
@@ -121,13 +150,21 @@ class PeerTier(Tier):
             seg = self._segments[(src, slot)] = Slot(self._name(src, slot, "bin"), size)
         return slot, seg.buffer.narrow(0, 0, size)
 
-    async def commit(self, step: int, manifest: Manifest) -> None:
-        body = manifest.to_json_bytes()
-        for src, slot, size, buf in self._received.pop(step, []):
-            await self._publish(src, slot, step, size, body)
+    async def commit(self, step: int, manifest: Manifest | None) -> None:
+        """Make the replicas of ``step`` received visible: described by the step's whole
+        ``manifest``, or (None) each by what its source's RAM document holds, received with it."""
+        body = manifest.to_json_bytes() if manifest is not None else None
+        for src, slot, size, buf, own in self._received.pop(step, []):
+            if body is None and own is None:
+                raise CorruptCheckpointError(f"{self.display(step)}: rank {src} sent its snapshot without its part")
+            await self._publish(src, slot, step, size, body, own)
             if self.to_local:
                 await asyncio.to_thread(self._to_disk, step, src, buf)
-                await small.write(self._disk_target(step, MANIFEST), body)
+                if body is not None:
+                    await small.write(self._disk_target(step, MANIFEST), body)
+                else:
+                    await write_node_part(os.path.join(self.local_root or "", PEER_DIR), step, src, own or {},
+                                          holder=self.rank)
         if self.to_local and self.keep is not None:
             await asyncio.to_thread(self._retain_disk)
 
@@ -135,11 +172,15 @@ class PeerTier(Tier):
         """Make a replica received into ``slot`` outside a store visible to restores."""
         run_sync(self._publish(src, slot, step, size, manifest))
 
-    async def _publish(self, src: int, slot: int, step: int, size: int, manifest: bytes) -> None:
+    async def _publish(self, src: int, slot: int, step: int, size: int, manifest: bytes | None,
+                       own: dict[str, Any] | None = None) -> None:
         """Make a received replica visible to restores (by rename, after the bytes)."""
         doc = {"format": RAM_FORMAT, "job": self.job, "rank": self.rank, "src": src, "step": step, "slot": slot,
                "size": size, "committed_unix": round(time.time(), 3), "owner": owner_record(), "lower": self.lower,
-               "extra": {"manifest": manifest.decode()}}
+               "extra": {"manifest": manifest.decode()} if manifest is not None else own}
+        if manifest is None:
+            doc["minor"] = RAM_MINOR
+            doc["extra_checksum"] = extra_checksum(own or {})
         await write_doc(self._name(src, slot, "json"), doc)
 
     def _disk_target(self, step: int, rel: str) -> Target:
@@ -178,6 +219,8 @@ class PeerTier(Tier):
     async def manifest(self, step: int) -> Manifest:
         for _src, doc in self.replicas():
             if doc["step"] == step:
+                if doc.get("minor", 0):
+                    return manifest_of_parts(self.holdings(step).parts, self.display(step))
                 return parse_manifest(doc["extra"]["manifest"].encode(), where=self.display(step))
         raise CheckpointNotFoundError(f"{self.display(step)}: no replica of this step is held here")
 
@@ -201,6 +244,7 @@ class PeerTier(Tier):
             disk = directory_holdings(os.path.join(self.local_root, PEER_DIR), step, self.name)
             held.files += disk.files
             held.manifests += disk.manifests
+            held.parts += disk.parts
         return held
 
     def node_steps(self) -> set[int]:

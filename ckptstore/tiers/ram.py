@@ -53,9 +53,14 @@ from ..format.manifest import Manifest, check_manifest_size, load_json, parse_ma
 from ..names import Segment, data_file, data_file_rank, document_temporary, parse_segment, segment, valid_job
 from ..storage import small
 from ..storage.targets import LocalSource, Source, Target
-from .base import Capabilities, Held, Holdings, Snapshot, Tier
+from .base import Capabilities, Held, Holdings, NodePart, Snapshot, Tier, manifest_of_parts
 
 RAM_FORMAT = "ckptstore-ram/1"
+# Minor versions of RAM_FORMAT: 0 (no ``minor`` member) holds the step's whole manifest in
+# ``extra.manifest``; 1 holds this rank's own part, the step's meta and the header of the rank's
+# structure (``extra.part``, ``extra.meta``, ``extra.header``), so a save never gathers every
+# rank's part to every rank. Readers accept both.
+RAM_MINOR = 1
 # What RamTier(fallback=...) and CheckpointStore(ram_fallback=...) accept: None fails a save whose
 # slot ram_dir cannot hold; "private" stages in process memory instead (see RamTier).
 RAM_FALLBACKS = (None, "private")
@@ -449,7 +454,7 @@ class RamTier(Tier):
         return out
 
     async def _publish(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None,
-                       save_id: str | None = None) -> None:
+                       save_id: str | None = None, minor: int = 0) -> None:
         """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes."""
         if self.private:
             return  # no other process can read a private slot: there is nothing to publish
@@ -472,6 +477,9 @@ class RamTier(Tier):
             doc["store"] = self.store_info
         if save_id is not None:
             doc["save_id"] = save_id
+        if minor:
+            doc["minor"] = minor
+            doc["extra_checksum"] = extra_checksum(extra or {})
         await write_doc(self._name(staged.slot, "json"), doc)
         if self._newest is None or staged.step >= self._newest[0]:
             self._newest = (staged.step, staged.slot)
@@ -532,19 +540,28 @@ class RamTier(Tier):
 
     # ------------------------------------------------------------------ the Tier contract
 
-    def snapshot_of(self, step: int, manifest: Manifest) -> Snapshot | None:
+    def snapshot_of(self, step: int) -> tuple[Snapshot, NodePart | Manifest] | None:
         """This rank's committed slot of ``step`` as a snapshot another tier can take (a restored
-        step promoted to the durable tier), its chunks as ``manifest`` (the step's RAM manifest)
-        lists them; None when no committed slot of this rank holds the step."""
+        step promoted to the durable tier), its chunks as its document lists them, with what the
+        document holds of the step (this rank's part, or the whole manifest of an older
+        document); None when no committed slot of this rank holds the step."""
         doc = next((d for d in self._docs(self.rank) if d["step"] == step), None)
         if doc is None:
             return None
-        mine = data_file(self.rank)
-        chunks = {key: [c.to_json() for c in entry.chunks if c.file == mine] for key, entry in manifest.tensors.items()}
-        chunks = {key: table for key, table in chunks.items() if table}
+        where = self._name(doc["slot"], "json")
+        own = doc_part(doc, where)
+        held: NodePart | Manifest
+        if own is not None:
+            chunks = {key: table for key, table in own.part["chunks"].items() if table}
+            world, held = int(own.meta.get("world_size", 1)), own
+        else:
+            held = parse_manifest(doc["extra"]["manifest"].encode(), where=where)
+            mine = data_file(self.rank)
+            chunks = {key: [c.to_json() for c in entry.chunks if c.file == mine] for key, entry in held.tensors.items()}
+            chunks = {key: table for key, table in chunks.items() if table}
+            world = int(held.meta.get("world_size", 1))
         data = self._committed_slot(doc).buffer.narrow(0, 0, doc["size"])
-        return Snapshot(step, self.rank, int(manifest.meta.get("world_size", 1)), data, chunks,
-                        meta={"slot": doc["slot"]})
+        return Snapshot(step, self.rank, world, data, chunks, meta={"slot": doc["slot"]}), held
 
     def snapshot(self, staged: Staged, world: int, boxes: dict[str, tuple[int, ...]], frozen_end: int = 0) -> Snapshot:
         """The staged slot as every tier receives it (after :meth:`checksums`). ``boxes`` gives
@@ -575,13 +592,20 @@ class RamTier(Tier):
         return {"rank": self.rank, "world_size": snap.world, "host": socket.gethostname(), "pid": os.getpid(),
                 "bytes": snap.nbytes, "written_bytes": 0, "chunks": snap.chunks, "timings": snap.meta.get("timings", {})}
 
-    async def commit(self, step: int, manifest: Manifest, *, save_id: str | None = None) -> None:
-        """Publish the staged ``step`` with ``manifest``; ``save_id``, when the ranks agreed one,
-        names this save of the step in every rank's document alike (what a node agent matches)."""
+    async def commit(self, step: int, manifest: Manifest | None = None, *, save_id: str | None = None,
+                     own: dict[str, Any] | None = None) -> None:
+        """Publish the staged ``step``: with the step's whole ``manifest`` (a document of minor
+        version 0), or with ``own``, this rank's part, the step's meta and its structure's header
+        (:func:`node_extra`, minor version 1). ``save_id``, when the ranks agreed one, names this
+        save of the step in every rank's document alike (what a node agent matches)."""
         staged = self._by_step.pop(step, None)
         if staged is None:
             raise CheckpointError(f"step {step} is not staged in this RAM tier (rank {self.rank}), or its slot was reused")
-        await self._publish(staged, staged.sums or {}, {"manifest": manifest.to_json_bytes().decode()}, save_id)
+        if manifest is not None:
+            await self._publish(staged, staged.sums or {}, {"manifest": manifest.to_json_bytes().decode()}, save_id)
+        else:
+            assert own is not None
+            await self._publish(staged, staged.sums or {}, own, save_id, minor=RAM_MINOR)
 
     def _docs(self, rank: int) -> list[dict[str, Any]]:
         """Committed snapshots of ``rank`` of this job in ram_dir (any rank on this node), whose
@@ -600,9 +624,13 @@ class RamTier(Tier):
         return sorted({d["step"] for d in self._docs(self.rank)})
 
     async def manifest(self, step: int) -> Manifest:
+        """The step's manifest: the whole one an older document holds, or the one this node's
+        documents of the step assemble (every rank's part on this node: a single-node job)."""
         for doc in self._docs(self.rank):
             if doc["step"] == step:
-                return parse_manifest(doc["extra"]["manifest"].encode(), where=self.display(step))
+                if doc_part(doc, self.display(step)) is None:
+                    return parse_manifest(doc["extra"]["manifest"].encode(), where=self.display(step))
+                return manifest_of_parts(self.holdings(step).parts, self.display(step))
         raise CheckpointNotFoundError(f"{self.display(step)}: no committed snapshot of this step")
 
     def opener(self, step: int) -> Callable[[str | None], Source]:
@@ -735,17 +763,55 @@ def read_doc(path: str, *, cached: bool = False) -> dict[str, Any]:
 
 def usable_doc(doc: dict[str, Any]) -> bool:
     """Whether a RAM-tier document has the members a restore relies on, of the right types (a
-    document that fails this is skipped like a missing one: restore uses another copy)."""
+    document that fails this is skipped like a missing one: restore uses another copy). Both
+    minor versions: the whole manifest (0), or the own part, meta and header (1)."""
     extra = doc.get("extra")
-    return (
-        doc.get("format") == RAM_FORMAT
-        and type(doc.get("step")) is int
-        and doc["step"] >= 0
-        and type(doc.get("size")) is int
-        and doc["size"] >= 0
-        and isinstance(extra, dict)
-        and isinstance(extra.get("manifest"), str)
-    )
+    if not (doc.get("format") == RAM_FORMAT and type(doc.get("step")) is int and doc["step"] >= 0
+            and type(doc.get("size")) is int and doc["size"] >= 0 and isinstance(extra, dict)):
+        return False
+    minor = doc.get("minor", 0)
+    if minor == 0:
+        return isinstance(extra.get("manifest"), str)
+    part, meta, header = extra.get("part"), extra.get("meta"), extra.get("header")
+    return (minor == RAM_MINOR and isinstance(part, dict) and type(part.get("rank")) is int
+            and isinstance(part.get("chunks"), dict) and isinstance(meta, dict)
+            and type(meta.get("world_size")) is int and meta.get("step") == doc["step"]
+            and (header is None or (isinstance(header, dict) and isinstance(header.get("tensors"), dict))))
+
+
+def node_extra(part: dict[str, Any], meta: dict[str, Any], header: dict[str, Any] | None) -> dict[str, Any]:
+    """What a document of minor version 1 carries in ``extra``: a rank's own part, the step's
+    meta and the header of the rank's structure."""
+    extra = {"part": part, "meta": meta}
+    if header:
+        extra["header"] = header
+    return extra
+
+
+def whole_manifest_doc(doc: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
+    """``doc`` as a store before minor version 1 wrote it: the step's whole ``manifest`` in
+    ``extra.manifest``, no ``minor`` (what a restore must still read after an upgrade)."""
+    old = {k: v for k, v in doc.items() if k != "minor"}
+    old["extra"] = {"manifest": manifest.to_json_bytes().decode()}
+    return old
+
+
+def extra_checksum(extra: dict[str, Any]) -> str:
+    """The checksum a document of minor version 1 keeps of its ``extra`` (a whole manifest has its
+    own): over its compact JSON, which a parsed document reproduces (JSON objects keep their order)."""
+    return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(json.dumps(extra, separators=(',', ':')).encode())}"
+
+
+def doc_part(doc: dict[str, Any], where: str) -> NodePart | None:
+    """The part a document of minor version 1 holds (None for a whole-manifest document). Raises
+    CorruptCheckpointError when it does not match its checksum."""
+    if doc.get("minor", 0) == 0:
+        return None
+    extra = doc["extra"]
+    if doc.get("extra_checksum") != extra_checksum(extra):
+        raise CorruptCheckpointError(f"{where}: the part this RAM-tier document holds does not match its checksum",
+                                     location=where)
+    return NodePart(extra["part"]["rank"], extra["part"], extra["meta"], extra.get("header"), where)
 
 
 def scan(job: str, ram_dir: str) -> list[tuple[Segment, str, dict[str, Any]]]:
@@ -799,8 +865,21 @@ def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool) -> Ho
         if (seg.src is not None) != replicas or doc["step"] != step:
             continue
         bin_path = path[:-5] + ".bin"
+        try:
+            own = doc_part(doc, path)
+        except CorruptCheckpointError as exc:
+            logging.getLogger("ckptstore").warning("ckptstore: ignoring a damaged copy of a part: %s", exc)
+            held.damaged.append(path)
+            continue
+        if own is not None and own.rank != seg.owner:
+            _warn_once(path, f"ckptstore: ignoring the RAM copy {path}: its part is rank {own.rank}'s, its name "
+                             f"says rank {seg.owner}'s")
+            continue
         held.files.append(Held(data_file(seg.owner), bin_path, tier, _opener(bin_path), manifest=path))
-        held.manifests.append((doc["extra"]["manifest"].encode(), path))
+        if own is not None:
+            held.parts.append(own)
+        else:
+            held.manifests.append((doc["extra"]["manifest"].encode(), path))
     return held
 
 
