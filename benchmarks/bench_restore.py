@@ -169,11 +169,21 @@ def _copy_from(mapping: mmap.mmap, entries: list[tuple[str, int, int]], dst: dic
         pass
 
 
+def fresh_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``t`` on pages never touched: an anonymous mapping of its own (the
+    allocator may hand out memory it got back from earlier tensors, already faulted in)."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return torch.empty_like(t)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=t.dtype).view(t.shape)
+
+
 def restarted_worker(job: str, local: str, ram_dir: str, layers: int) -> None:
     """A second process, as a restarted one finds the RAM tier: the committed slot is in ram_dir
     and nothing of it is mapped here. Each line on stdin names one timed run, checked bitwise:
     ``restore`` (the store's restore; the process's first one is reported as such), or one of the
-    floors of this process (``pread``, ``map``: see :func:`restarted_floor`). Wall and CPU seconds
+    floors of this process (``pread``, ``map``: see :func:`restarted_floor`); followed by ``fresh``:
+    into tensors on never-touched pages (:func:`fresh_like`). Wall and CPU seconds
     go to stdout. (A second store in the benchmark's own process would find the slot mapped by the
     first and copy from that mapping.) The destination tensors are the same in every run, touched
     by the first: the restore and the floors write into the same memory."""
@@ -186,17 +196,22 @@ def restarted_worker(job: str, local: str, ram_dir: str, layers: int) -> None:
     pool = ThreadPoolExecutor(os.cpu_count() or 2)
     try:
         for line in sys.stdin:
-            what = line.strip()
+            what, _, memory = line.strip().partition(" ")
+            # "fresh": into tensors of never-touched pages (anonymous mappings of their own, gone
+            # after the run), as a restarted process's first restore may find its destination.
+            into = {k: fresh_like(v) for k, v in flat.items()} if memory == "fresh" else dst
             gc.collect()
             t, c = time.perf_counter(), time.process_time()
             if what == "restore":
-                assert store.restore(dst) == 1
+                assert store.restore(into) == 1
             else:
-                restarted_floor(path, entries, dst, pool, what)
+                restarted_floor(path, entries, into, pool, what)
             took, cpu = time.perf_counter() - t, time.process_time() - c
             for k, v in flat.items():
-                assert torch.equal(dst[k], v), k
-                dst[k].zero_()
+                assert torch.equal(into[k], v), k
+                if into is dst:
+                    dst[k].zero_()
+            del into
             print(took, cpu, flush=True)
     finally:
         pool.shutdown()
@@ -286,10 +301,12 @@ def main() -> None:
             in_worker(what)
         # Rows timed in the worker, each checked there: its restores, and its own floors.
         restarted = {"restore_ram_restarted": "restore", "restarted_floor_pread": "pread",
-                     "restarted_floor_map": "map"}
+                     "restarted_floor_map": "map", "restore_ram_restarted_fresh": "restore fresh",
+                     "restarted_floor_pread_fresh": "pread fresh"}
         for r in range(args.repeats):
             order = [("memcpy_floor", floor), ("memcpy_floor_threads", floor_threads), ("restore_ram", ram),
-                     ("restarted_floor_pread", None), ("restore_ram_restarted", None), ("restarted_floor_map", None)]
+                     ("restarted_floor_pread", None), ("restore_ram_restarted", None), ("restarted_floor_map", None),
+                     ("restarted_floor_pread_fresh", None), ("restore_ram_restarted_fresh", None)]
             for name, fn in order if r % 2 == 0 else list(reversed(order)):
                 if fn is None:
                     took, spent = in_worker(restarted[name])
@@ -341,6 +358,9 @@ def main() -> None:
         # into the same tensors, unverified, the faster of pread and a mapping.
         "restore_ram_restarted_vs_restarted_floor": med["restore_ram_restarted"] / min(
             med["restarted_floor_pread"], med["restarted_floor_map"]),
+        # Both into never-touched pages: what the first touch of a fresh destination costs either.
+        "restore_ram_restarted_fresh_vs_restarted_floor_fresh": med["restore_ram_restarted_fresh"]
+        / med["restarted_floor_pread_fresh"],
         # Throughput of the restore over that of the raw read (at least 0.9 is the target).
         "restore_local_cold_speed_vs_raw_read": med["raw_read_cold"] / med["restore_local_cold"],
     }
