@@ -136,7 +136,7 @@ def restarted_floor(path: str, entries: list[tuple[str, int, int]], dst: dict[st
         if how == "pread":
             def one(entry: tuple[str, int, int]) -> None:
                 key, offset, n = entry
-                view = memoryview(dst[key].view(-1).view(torch.uint8).numpy())
+                view = memoryview(dst[key].view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                 done = 0
                 while done < n:
                     got = os.preadv(fd, [view[done:]], offset + done)
@@ -304,16 +304,17 @@ def main() -> None:
                      "restarted_floor_map": "map", "restore_ram_restarted_fresh": "restore fresh",
                      "restarted_floor_pread_fresh": "pread fresh"}
         for r in range(args.repeats):
-            order = [("memcpy_floor", floor), ("memcpy_floor_threads", floor_threads), ("restore_ram", ram),
-                     ("restarted_floor_pread", None), ("restore_ram_restarted", None), ("restarted_floor_map", None),
-                     ("restarted_floor_pread_fresh", None), ("restore_ram_restarted_fresh", None)]
-            for name, fn in order if r % 2 == 0 else list(reversed(order)):
-                if fn is None:
+            rows: list[tuple[str, Callable[[], Any] | None]] = [
+                ("memcpy_floor", floor), ("memcpy_floor_threads", floor_threads), ("restore_ram", ram),
+                ("restarted_floor_pread", None), ("restore_ram_restarted", None), ("restarted_floor_map", None),
+                ("restarted_floor_pread_fresh", None), ("restore_ram_restarted_fresh", None)]
+            for name, run in rows if r % 2 == 0 else list(reversed(rows)):
+                if run is None:
                     took, spent = in_worker(restarted[name])
                     results.setdefault(name, []).append(took)
                     cpu.setdefault(name, []).append(spent)
                     continue
-                timed(name, fn)
+                timed(name, run)
                 if name == "restore_ram":
                     check()
         worker.stdin.close()  # type: ignore[union-attr]
