@@ -1,7 +1,10 @@
 """Restore on the CPU against its floors, same state, same run: `CheckpointStore.restore` from the
 RAM tier (the slot mapped in this process, and from a second process that has none of it mapped, as
-a restarted process finds it) against the memcpy floor of the same bytes, and from the local tier with its files dropped from the page cache against
-one raw read of the same files into fresh memory. Every restore is checked bitwise.
+a restarted process finds it) against the memcpy floor of the same bytes; the second process's
+restore also against that process's own floor (the same bytes out of the freshly opened segment
+into the same tensors, unverified: by ``pread`` and by a mapping); and from the local tier with
+its files dropped from the page cache against one raw read of the same files into fresh memory.
+Every restore is checked bitwise.
 
     python benchmarks/bench_restore.py [--layers 24] [--repeats 5] [--out docs/benchmarks]
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -106,25 +111,110 @@ def remove_segments(job: str, ram_dir: str) -> None:
             os.unlink(os.path.join(ram_dir, name))
 
 
+def segment_of(job: str, ram_dir: str, step: int) -> tuple[str, list[tuple[str, int, int]]]:
+    """The RAM segment holding ``step`` of ``job`` and its entries (key, offset, bytes), from the
+    segment's document."""
+    for name in sorted(os.listdir(ram_dir)):
+        if name.startswith(f"ckptstore-{job}-") and name.endswith(".json"):
+            with open(os.path.join(ram_dir, name)) as fh:
+                doc = json.load(fh)
+            if doc.get("step") == step:
+                # Keys are escaped JSON-pointer style ("/" in a key is "~1", "~" is "~0").
+                entries = [(e["key"].replace("~1", "/").replace("~0", "~"), e["offset"], e["nbytes"])
+                           for e in doc["layout"]]
+                return os.path.join(ram_dir, name[: -len(".json")] + ".bin"), entries
+    raise RuntimeError(f"no RAM segment of job {job} holds step {step} in {ram_dir}")
+
+
+def restarted_floor(path: str, entries: list[tuple[str, int, int]], dst: dict[str, torch.Tensor],
+                    pool: ThreadPoolExecutor, how: str) -> None:
+    """The restarted process's floor: the same bytes from the freshly opened segment into the same
+    destination tensors, unverified, on a thread per core; ``how``: one ``pread`` per tensor, or a
+    mapping of the segment (``MAP_POPULATE``) and one memcpy per tensor."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if how == "pread":
+            def one(entry: tuple[str, int, int]) -> None:
+                key, offset, n = entry
+                view = memoryview(dst[key].view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                done = 0
+                while done < n:
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                    if got <= 0:
+                        raise OSError(f"{path}: short read at {offset + done}")
+                    done += got
+
+            for _ in pool.map(one, entries):
+                pass
+            return
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        _copy_from(mapping, entries, dst, pool)  # its views of the mapping gone on return
+    finally:
+        mapping.close()
+
+
+def _copy_from(mapping: mmap.mmap, entries: list[tuple[str, int, int]], dst: dict[str, torch.Tensor],
+               pool: ThreadPoolExecutor) -> None:
+    src = numpy.frombuffer(mapping, numpy.uint8)
+
+    def copy(entry: tuple[str, int, int]) -> None:
+        key, offset, n = entry
+        numpy.copyto(dst[key].view(-1).view(torch.uint8).numpy(), src[offset : offset + n])
+
+    for _ in pool.map(copy, entries):
+        pass
+
+
+def fresh_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``t`` on pages never touched: an anonymous mapping of its own (the
+    allocator may hand out memory it got back from earlier tensors, already faulted in)."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return torch.empty_like(t)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=t.dtype).view(t.shape)
+
+
 def restarted_worker(job: str, local: str, ram_dir: str, layers: int) -> None:
     """A second process, as a restarted one finds the RAM tier: the committed slot is in ram_dir
-    and nothing of it is mapped here. Each line on stdin: one restore, timed, checked bitwise; the
-    seconds go to stdout. (A second store in the benchmark's own process would find the slot
-    mapped by the first and copy from that mapping.)"""
+    and nothing of it is mapped here. Each line on stdin names one timed run, checked bitwise:
+    ``restore`` (the store's restore; the process's first one is reported as such), or one of the
+    floors of this process (``pread``, ``map``: see :func:`restarted_floor`); followed by ``fresh``:
+    into tensors on never-touched pages (:func:`fresh_like`). Wall and CPU seconds
+    go to stdout. (A second store in the benchmark's own process would find the slot mapped by the
+    first and copy from that mapping.) The destination tensors are the same in every run, touched
+    by the first: the restore and the floors write into the same memory."""
     flat = flat_tensors(make_state(layers))
     dst = {k: torch.empty_like(v) for k, v in flat.items()}
     store = CheckpointStore(job, local=local, keep_local=1, ram_dir=ram_dir)
+    path, entries = segment_of(job, ram_dir, 1)
+    entries = [e for e in entries if e[0] in dst]
+    assert sorted(k for k, _o, _n in entries) == sorted(dst), "the segment's layout is not the state's"
+    pool = ThreadPoolExecutor(os.cpu_count() or 2)
     try:
-        for _line in sys.stdin:
+        for line in sys.stdin:
+            what, _, memory = line.strip().partition(" ")
+            # "fresh": into tensors of never-touched pages (anonymous mappings of their own, gone
+            # after the run), as a restarted process's first restore may find its destination.
+            into = {k: fresh_like(v) for k, v in flat.items()} if memory == "fresh" else dst
             gc.collect()
             t, c = time.perf_counter(), time.process_time()
-            assert store.restore(dst) == 1
+            if what == "restore":
+                assert store.restore(into) == 1
+            else:
+                restarted_floor(path, entries, into, pool, what)
             took, cpu = time.perf_counter() - t, time.process_time() - c
             for k, v in flat.items():
-                assert torch.equal(dst[k], v), k
-                dst[k].zero_()
+                assert torch.equal(into[k], v), k
+                if into is dst:
+                    dst[k].zero_()
+            del into
             print(took, cpu, flush=True)
     finally:
+        pool.shutdown()
         store.close(keep_ram=True)
 
 
@@ -193,9 +283,9 @@ def main() -> None:
         def ram() -> None:
             assert store.restore(dst) == 1
 
-        def ram_fresh() -> tuple[float, float]:
+        def in_worker(what: str) -> tuple[float, float]:
             assert worker is not None and worker.stdin is not None and worker.stdout is not None
-            worker.stdin.write("restore\n")
+            worker.stdin.write(what + "\n")
             worker.stdin.flush()
             took, spent = worker.stdout.readline().split()
             return float(took), float(spent)
@@ -203,17 +293,28 @@ def main() -> None:
         for fn in (floor, floor_threads, ram):  # warm-up: destinations and caches touched once
             fn()
         check()
-        ram_fresh()
+        # The worker's first restore (its destinations fresh, its control plane cold), once per run.
+        took, spent = in_worker("restore")
+        results["restore_ram_restarted_first"] = [took]
+        cpu["restore_ram_restarted_first"] = [spent]
+        for what in ("pread", "map"):
+            in_worker(what)
+        # Rows timed in the worker, each checked there: its restores, and its own floors.
+        restarted = {"restore_ram_restarted": "restore", "restarted_floor_pread": "pread",
+                     "restarted_floor_map": "map", "restore_ram_restarted_fresh": "restore fresh",
+                     "restarted_floor_pread_fresh": "pread fresh"}
         for r in range(args.repeats):
-            order = [("memcpy_floor", floor), ("memcpy_floor_threads", floor_threads), ("restore_ram", ram),
-                     ("restore_ram_restarted", ram_fresh)]
-            for name, fn in order if r % 2 == 0 else list(reversed(order)):
-                if name == "restore_ram_restarted":  # timed in the worker, checked there
-                    took, spent = ram_fresh()
+            rows: list[tuple[str, Callable[[], Any] | None]] = [
+                ("memcpy_floor", floor), ("memcpy_floor_threads", floor_threads), ("restore_ram", ram),
+                ("restarted_floor_pread", None), ("restore_ram_restarted", None), ("restarted_floor_map", None),
+                ("restarted_floor_pread_fresh", None), ("restore_ram_restarted_fresh", None)]
+            for name, run in rows if r % 2 == 0 else list(reversed(rows)):
+                if run is None:
+                    took, spent = in_worker(restarted[name])
                     results.setdefault(name, []).append(took)
                     cpu.setdefault(name, []).append(spent)
                     continue
-                timed(name, fn)
+                timed(name, run)
                 if name == "restore_ram":
                     check()
         worker.stdin.close()  # type: ignore[union-attr]
@@ -254,6 +355,13 @@ def main() -> None:
         "restore_ram_vs_memcpy_floor": med["restore_ram"] / med["memcpy_floor"],
         "restore_ram_vs_memcpy_floor_threads": med["restore_ram"] / med["memcpy_floor_threads"],
         "restore_ram_restarted_vs_memcpy_floor": med["restore_ram_restarted"] / med["memcpy_floor"],
+        # Against the floor of its own process: the same bytes out of the freshly opened segment
+        # into the same tensors, unverified, the faster of pread and a mapping.
+        "restore_ram_restarted_vs_restarted_floor": med["restore_ram_restarted"] / min(
+            med["restarted_floor_pread"], med["restarted_floor_map"]),
+        # Both into never-touched pages: what the first touch of a fresh destination costs either.
+        "restore_ram_restarted_fresh_vs_restarted_floor_fresh": med["restore_ram_restarted_fresh"]
+        / med["restarted_floor_pread_fresh"],
         # Throughput of the restore over that of the raw read (at least 0.9 is the target).
         "restore_local_cold_speed_vs_raw_read": med["raw_read_cold"] / med["restore_local_cold"],
     }

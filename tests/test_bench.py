@@ -279,7 +279,10 @@ def test_restore_benchmarks_run_on_the_cpu(tmp_path, monkeypatch):
     with open(tmp_path / "restore.json") as fh:
         doc = json.load(fh)
     assert set(doc["median_seconds"]) == {"memcpy_floor", "memcpy_floor_threads", "restore_ram",
-                                          "restore_ram_restarted", "raw_read_cold", "restore_local_cold"}
+                                          "restore_ram_restarted", "restore_ram_restarted_first",
+                                          "restarted_floor_pread", "restarted_floor_map",
+                                          "restore_ram_restarted_fresh", "restarted_floor_pread_fresh",
+                                          "raw_read_cold", "restore_local_cold"}
     assert set(doc["median_cpu_seconds"]) == set(doc["median_seconds"])
     assert all(v > 0 for v in doc["ratios"].values()) and doc["cache_drop"] == "fadvise_dontneed"
     assert (tmp_path / "restore.png").read_bytes()[:4] == b"\x89PNG"
