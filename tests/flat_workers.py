@@ -88,13 +88,13 @@ def traffic_job(rank: int, world: int, name: str, ram_root: str, local_root: str
 
 def crash_job(rank: int, world: int, name: str, ram_root: str, local_root: str) -> None:
     """Step 1 on every node tier and replicated; step 2 committed in RAM, then the process dies by
-    SIGKILL as its local write begins (never reaching a peer either)."""
+    SIGKILL before its local write and its replication begin."""
     store = _store(name, rank, ram_root, local_root, peer_replicas=1)
     handle = store.save(1, _state(rank, 1))
     handle.wait("local")
     handle.wait("peer")
     store._drain()
-    _faults.arm("tier.data_written", "step-000000000002")
+    _faults.arm("ram.committed", "2")
     store.save(2, _state(rank, 2)).wait("local")
     raise AssertionError("the crash point was never reached")
 

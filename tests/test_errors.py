@@ -258,12 +258,12 @@ def test_unknown_tree_tag_is_corrupt_and_mentions_newer_writer(saved):
 
 def test_manifest_of_newer_major_version(saved):
     path, _, data = saved
-    path.write_bytes(rewrite_manifest(data, lambda doc: {**doc, "format_version": "2.0"}))
+    path.write_bytes(rewrite_manifest(data, lambda doc: {**doc, "format_version": "3.0"}))
     with pytest.raises(UnsupportedFormatVersionError) as info:
         ckptstore.load(path)
     msg = str(info.value)
     assert isinstance(info.value, CheckpointError)
-    assert str(path) in msg and "2.0" in msg and "Upgrade ckptstore" in msg
+    assert str(path) in msg and "3.0" in msg and "Upgrade ckptstore" in msg
 
 
 def test_manifest_of_newer_minor_version_still_loads(saved):

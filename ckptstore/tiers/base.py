@@ -19,7 +19,7 @@ and fetches what a rank's node lacks from the nodes that have it.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,7 +217,8 @@ class PartsMissing(CheckpointNotFoundError):
     """The parts of some ranks (``ranks``) are held by no node: the step's manifest cannot be
     assembled from the node copies."""
 
-    def __init__(self, message: str, *, ranks: list[int]) -> None:
+    def __init__(self, message: str, *, ranks: Sequence[int] = ()) -> None:
+        # ``ranks`` has a default: a failure carried to other ranks is rebuilt from its message alone.
         super().__init__(message)
         self.ranks = list(ranks)
 

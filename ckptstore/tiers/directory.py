@@ -466,8 +466,19 @@ class DirectoryTier(Tier):
         """Commit this rank's files of ``step`` on this node with ``own`` (its part, the step's
         meta, its header: :func:`write_node_part`); a failed save's :meth:`discard` removes it."""
         assert self.local_root is not None
-        self._mine.setdefault(step, []).append(f"{NODE_PARTS}/rank-{rank:05d}.json")
-        await write_node_part(self.local_root, step, rank, own, holder=rank)
+        rel = f"{NODE_PARTS}/rank-{rank:05d}.json"
+        try:
+            # Exclusive: of two writers of one step in one directory (two jobs given the same one)
+            # exactly one commits its part, and the other's discard never removes the winner's.
+            await write_node_part(self.local_root, step, rank, own, holder=rank, exclusive=True)
+        except CheckpointExistsError as exc:
+            raise CheckpointExistsError(
+                f"step {step} in {self.display(step)} is being written by another writer at the same time "
+                f"({exc.location} appeared first): this writer's copy of the step is abandoned and the other "
+                "writer's files are untouched. Give each writer its own directory, or save under a new step.",
+                location=exc.location,
+            ) from None
+        self._mine.setdefault(step, []).append(rel)
 
     def node_part(self, step: int, rank: int) -> NodePart | None:
         """Rank ``rank``'s node part of ``step`` in this directory, when there is one."""
@@ -551,14 +562,15 @@ def committed_steps(root: str | None) -> set[int]:
             and (os.path.exists(os.path.join(root, name, MANIFEST)) or _has_node_parts(os.path.join(root, name)))}
 
 
-async def write_node_part(root: str, step: int, rank: int, own: dict[str, Any], *, holder: int) -> None:
+async def write_node_part(root: str, step: int, rank: int, own: dict[str, Any], *, holder: int,
+                          exclusive: bool = False) -> None:
     """Commit rank ``rank``'s data file of ``step`` under ``root`` on this node (written before)
     with its part, the step's meta and its header (``own``, what its RAM document holds): the
     file appears by rename, after the data, so its presence is the commit of that part here."""
     path = os.path.join(root, step_dir(step), NODE_PARTS, f"rank-{rank:05d}.json")
     body = json.dumps({"format": NODE_PART_FORMAT, "holder": holder, **own}, separators=(",", ":")).encode()
     await asyncio.to_thread(makedirs_private, os.path.dirname(path))
-    await small.write(Target(display=path, path=path), body)
+    await small.write(Target(display=path, path=path), body, exclusive=exclusive)
 
 
 NODE_PART_FORMAT = "ckptstore-node-part/1"
