@@ -101,7 +101,11 @@ def test_a_save_of_an_unchanged_dtensor_structure_reads_no_dtensor_property(save
 def test_without_dtensor_internals_the_public_path_tells_every_change_apart(saver, mesh, named_mesh, monkeypatch):
     """A torch without DTensor's private attributes: each change of placement, mesh, shape or
     dtype, and a replaced local tensor, plans afresh (or stages the new tensor) and restores bitwise."""
-    monkeypatch.setattr(flatten, "dtensor_internals", lambda obj: None)
+    def missing(obj: Any) -> Any:
+        raise AttributeError("_local_tensor")  # what a torch without them raises
+
+    monkeypatch.setattr(flatten, "_dtensor_parts", missing)
+    assert flatten.dtensor_internals(_dt(torch.zeros(2), mesh)) is None
     state = _state(mesh)
     assert saver.save_and_check(state)
     assert not saver.save_and_check(state)
@@ -117,6 +121,68 @@ def test_without_dtensor_internals_the_public_path_tells_every_change_apart(save
         assert saver.save_and_check(state)
     model["layer5.weight"] = _dt(torch.full((8, 6), 7.0), mesh)  # the same structure, a new local tensor
     assert not saver.save_and_check(state)
+
+
+def test_the_walk_reads_every_dtensor_as_dtensor_leaf_does(mesh, named_mesh, monkeypatch):
+    """The fingerprint reads a DTensor held by a dict in its own loop (a sharded state dict is
+    mostly DTensors) and any other through dtensor_leaf: both must give the same tensor and key
+    part, with torch's private attributes and without them, whatever the local tensor's layout."""
+    base = torch.arange(48.0).reshape(8, 6)
+    cases = [
+        _dt(base, mesh),
+        _dt(base, mesh, [Replicate()]),
+        _dt(base, named_mesh, [Shard(1)]),
+        DTensor.from_local(base.t().contiguous().t(), mesh, [Shard(0)]),  # a column-major local tensor
+        DTensor.from_local(base[:, 1:4], mesh, [Shard(0)]),  # a local tensor that is a strided view
+        _dt(base.double(), init_device_mesh("cpu", (1, 1)), [Shard(0), Replicate()]),
+    ]
+    for private in (True, False):
+        if not private:
+            def missing(obj: Any) -> Any:
+                raise AttributeError("_spec")
+
+            monkeypatch.setattr(flatten, "_dtensor_parts", missing)
+        for dt in cases:
+            with torch.no_grad():
+                want_tensor, want_key = flatten.dtensor_leaf(dt)  # type: ignore[misc]
+            for tree in ({"w": dt}, [dt], ({"inner": [dt]},), dt):
+                with torch.no_grad():
+                    found = flatten.fingerprint(tree, dtensor=DTensor)
+                assert found is not None, tree
+                leaves, key = found
+                assert len(leaves) == 1 and leaves[0] is want_tensor, (private, tree)
+                assert want_key in key, (private, tree, key)
+            # And the key tells this DTensor from the same values as a plain tensor, and from each other case.
+            with torch.no_grad():
+                keys = [flatten.fingerprint({"w": other}, dtensor=DTensor)[1] for other in cases]  # type: ignore[index]
+                plain = flatten.fingerprint({"w": dt.to_local()}, dtensor=DTensor)[1]  # type: ignore[index]
+            assert keys.count(flatten.fingerprint({"w": dt}, dtensor=DTensor)[1]) == 1  # type: ignore[index]
+            assert plain not in keys
+
+
+def test_the_trainers_thread_never_wakes_the_loop_itself(saver, mesh, monkeypatch):
+    """Waking the background loop is a system call that releases the GIL, and the trainer's thread
+    then waited for the loop (and the checksum worker it starts) to hand it back, inside ``save``:
+    the hand-off thread makes that call instead. Every save still reaches every tier in order and
+    restores bitwise, and close() leaves no hand-off thread behind."""
+    import threading
+
+    from ckptstore._aio import LoopThread
+
+    callers: list[str] = []
+    real = LoopThread.submit
+
+    def recording(self: Any, coro: Any) -> Any:
+        callers.append(threading.current_thread().name)
+        return real(self, coro)
+
+    monkeypatch.setattr(LoopThread, "submit", recording)
+    states = [_state(mesh, seed) for seed in range(4)]
+    for state in states:
+        saver.save_and_check(state)
+    assert callers and threading.main_thread().name not in callers, callers
+    saver.store.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ckptstore-handoff")]
 
 
 # ------------------------------------------------------------------------------ TrainState

@@ -41,7 +41,7 @@ import secrets
 import struct
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import torch
@@ -76,7 +76,7 @@ from ..errors import (
 from ..format.container import align_up
 from ..format.manifest import Manifest
 from ..goodput.tracker import GoodputTracker
-from ..planning.flatten import OtherLeaf, dtensor_leaf, fingerprint
+from ..planning.flatten import fingerprint
 from ..storage import s3
 from ..tiers.base import NodePart, Snapshot, Tier, manifest_of_parts
 from ..tiers.directory import DirectoryTier
@@ -252,6 +252,7 @@ class Pipeline:
         self._planned: _Planned | None = None
         self._found: _Found | None = None
         self._hashed: tuple[list[str], int] | None = None  # the agreed digests and their hash (_vote)
+        self._handoff = _Handoff(loop)
 
     # ------------------------------------------------------------------------------ the trainer's part
 
@@ -315,7 +316,7 @@ class Pipeline:
             "durable": concurrent.futures.Future() if job.promote else None,
         }
         self._last_ram = job.futures["ram"]
-        done = self.loop.submit(self._run(job, self.fast.reserve()))
+        done = self._handoff.submit(self._run(job, self.fast.reserve()))
         self._outstanding = {f for f in self._outstanding if not f.done()} | {done}
         if job.staged is not None:
             self._busy[job.staged.slot] = job.slot_free
@@ -449,7 +450,8 @@ class Pipeline:
         job.digest, job.shared, job.boxes, job.layout = planned.digest, planned.shared, planned.boxes, planned.layout
         job.header = planned.header
         if planned.views is None:
-            items = [(name, leaves[i]) for name, i in zip(planned.names, planned.order)]
+            # zip and map, not a comprehension: no bytecode per tensor.
+            items = list(zip(planned.names, map(leaves.__getitem__, planned.order)))
         else:
             items = [(name, leaves[i] if v is None else leaves[i].as_strided(v[0], v[1], leaves[i].storage_offset() + v[2]))
                      for name, i, v in zip(planned.names, planned.order, planned.views)]
@@ -996,6 +998,7 @@ class Pipeline:
     def close(self) -> None:
         """Drain, promote the last snapshot if it was not; the caller stops the loop."""
         self.drain()
+        self._handoff.close()
         last = self._last
         promote = (self.durable is not None and last is not None and last.step not in self._promoted
                    and self.errors.pending() is None)
@@ -1118,6 +1121,55 @@ def _storage_of(t: torch.Tensor) -> tuple[str, int]:
     return str(t.device), t.untyped_storage().data_ptr()
 
 
+class _Handoff:
+    """Hands each save's background run to the loop from a thread of its own.
+
+    Waking the loop's thread writes to its self-pipe, a system call that releases the GIL: the
+    trainer's thread then waited for the woken loop (and the checksum worker it starts) to hand the
+    GIL back, a switch interval (5 ms) or more inside ``save`` at every save, about a tenth of the
+    blocking time of a 64 MiB state. Releasing a lock wakes a waiting thread without releasing the
+    GIL, so the trainer's thread only puts the run in a queue and returns; the hand-off thread wakes
+    the loop once it gets the GIL, when the trainer next releases it. One thread, so runs start in
+    the order of their saves."""
+
+    def __init__(self, loop: LoopThread) -> None:
+        self._loop = loop
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, coro: Coroutine[Any, Any, None]) -> concurrent.futures.Future[None]:
+        """Run ``coro`` on the loop; its future resolves as the run ends, like ``LoopThread.submit``'s."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptstore-handoff")
+
+        def start() -> None:
+            try:
+                running = self._loop.submit(coro)
+            except BaseException as exc:  # noqa: BLE001 - a stopped loop: the save's waiters learn of it
+                coro.close()
+                done.set_exception(exc)
+                return
+            running.add_done_callback(lambda f: _copy_outcome(f, done))
+
+        self._pool.submit(start)
+        return done
+
+    def close(self) -> None:
+        """Stop the hand-off thread (every run handed to it has been handed on by then)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _copy_outcome(src: concurrent.futures.Future[None], dst: concurrent.futures.Future[None]) -> None:
+    if src.cancelled():
+        dst.cancel()
+    elif src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
+
+
 class _Found:
     """A save's state as its fingerprint sees it: the tree, the fingerprint (None when the state
     has none, or the replica check is on: it stages what the plan alone does not say), and the
@@ -1129,32 +1181,25 @@ class _Found:
         self._encoded: list[bytes] = []
         self.fingerprint: tuple[list[Any], list[Any]] | None = None
         if on:
-            # Without grad, DTensor.to_local() is the local tensor itself, not an autograd view
-            # (tens of microseconds each).
+            # A process that never imported torch.distributed.tensor holds no DTensor, and importing
+            # it here would cost the first save seconds (it pulls in sympy).
+            module = sys.modules.get("torch.distributed.tensor")
+            dtensor = getattr(module, "DTensor", None) if module is not None else None
+            # Without grad, DTensor.to_local() (the public path, where torch lacks the private
+            # attributes) is the local tensor itself, not an autograd view (tens of microseconds each).
             with torch.no_grad():
-                self.fingerprint = fingerprint(tree, self._other())
+                self.fingerprint = fingerprint(tree, self._per_rank, dtensor)
             if self.fingerprint is None:
                 self._encoded = []
 
-    def _other(self) -> OtherLeaf:
-        # A process that never imported torch.distributed.tensor holds no DTensor, and importing it
-        # here would cost the first save seconds (it pulls in sympy).
-        module = sys.modules.get("torch.distributed.tensor")
-        dtensor = getattr(module, "DTensor", None) if module is not None else None
-
-        def other(obj: Any) -> tuple[torch.Tensor, Any] | None:
-            t = type(obj)
-            if dtensor is not None and t is dtensor:
-                return dtensor_leaf(obj)
-            if t is PerRank:
-                data = encode_value(obj.value)
-                self._encoded.append(data)
-                blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                self.blobs.append(blob)
-                return blob, t  # its length moves only the slot's tail (Pipeline._reuse); its bytes are values
-            return None
-
-        return other
+    def _per_rank(self, obj: Any) -> tuple[torch.Tensor, Any] | None:
+        if type(obj) is PerRank:
+            data = encode_value(obj.value)
+            self._encoded.append(data)
+            blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self.blobs.append(blob)
+            return blob, PerRank  # its length moves only the slot's tail (Pipeline._reuse); its bytes are values
+        return None
 
     def collect(self, rank: int) -> Collected:
         """The full walk of the state, for planning; per-rank values get the bytes the fingerprint saw."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -349,7 +350,8 @@ _WALKED = frozenset({*_SCALARS, float, dict, collections.OrderedDict, list, tupl
 OtherLeaf = Callable[[Any], "tuple[torch.Tensor, Any] | None"]
 
 
-def fingerprint(obj: Any, other: OtherLeaf | None = None) -> tuple[list[torch.Tensor], list[Any]] | None:
+def fingerprint(obj: Any, other: OtherLeaf | None = None,
+                dtensor: type | None = None) -> tuple[list[torch.Tensor], list[Any]] | None:
     """The tensors of a state tree in walk order, and a key that is equal for two trees exactly
     when they flatten the same way: the same containers (their types, keys and lengths), the same
     non-tensor leaves (their values: they are in the manifest's tree), and tensors of the same type,
@@ -357,7 +359,10 @@ def fingerprint(obj: Any, other: OtherLeaf | None = None) -> tuple[list[torch.Te
     (an alias is written once). A save whose key equals the last one's can reuse everything planned
     from the tree and stage the new tensors into the same places.
 
-    ``other`` describes the leaves this module cannot (a DTensor, a per-rank value): it returns the
+    ``dtensor``: DTensor's class, when the process imported it: a DTensor's tensor is its local
+    tensor, and its key part is :func:`dtensor_leaf`'s (read in the walk itself: a sharded model's
+    state is mostly DTensors, and two calls per tensor were most of what it cost above a plain
+    tensor). ``other`` describes the leaves this module cannot (a per-rank value): it returns the
     tensor to stage and a key part that decides its structure, or None.
 
     Costs about a microsecond per tensor: it is walked at every save. None when the tree holds
@@ -366,9 +371,9 @@ def fingerprint(obj: Any, other: OtherLeaf | None = None) -> tuple[list[torch.Te
     """
     leaves: list[torch.Tensor] = []
     key: list[Any] = []
-    if not _walk(obj, leaves, key, 0, other):
+    if not _walk(obj, leaves, key, 0, other, dtensor, _dtensor_parts):
         return None
-    if len({id(t) for t in leaves}) != len(leaves):
+    if len(set(map(id, leaves))) != len(leaves):
         # Aliases are part of the structure: two places holding one tensor are one entry, two
         # tensors of the same shape are two.
         first: dict[int, int] = {}
@@ -381,7 +386,8 @@ def fingerprint(obj: Any, other: OtherLeaf | None = None) -> tuple[list[torch.Te
     return leaves, key
 
 
-def _walk(obj: Any, leaves: list[torch.Tensor], key: list[Any], depth: int, other: OtherLeaf | None) -> bool:
+def _walk(obj: Any, leaves: list[torch.Tensor], key: list[Any], depth: int, other: OtherLeaf | None,
+          dtensor: type | None, parts: Callable[[Any], Any]) -> bool:
     t = type(obj)
     if t is torch.Tensor or t is torch.nn.Parameter:
         leaves.append(obj)
@@ -412,33 +418,48 @@ def _walk(obj: Any, leaves: list[torch.Tensor], key: list[Any], depth: int, othe
                 # Inline: a state dict is mostly tensors, and a call per tensor is a third of the walk.
                 leaves.append(v)
                 key.append((tv, v.dtype, v.shape, v.stride(), v.device))
+            elif tv is dtensor:
+                # Inline too, and the same as dtensor_leaf's: the spec and local tensor, read at once.
+                try:
+                    local, spec = parts(v)
+                except AttributeError:
+                    found = dtensor_leaf(v)
+                    if found is None:
+                        return False
+                    leaves.append(found[0])
+                    key.append(found[1])
+                    continue
+                tl = type(local)
+                if tl is not torch.Tensor and tl is not torch.nn.Parameter:
+                    return False
+                leaves.append(local)
+                key.append((tv, spec, local.shape, local.stride(), local.device))
             elif other is not None and tv not in _WALKED:
-                found = other(v)  # inline too: a sharded model's state dict is mostly DTensors
+                found = other(v)
                 if found is None:
                     return False
                 leaves.append(found[0])
                 key.append(found[1])
-            elif not _walk(v, leaves, key, depth + 1, other):
+            elif not _walk(v, leaves, key, depth + 1, other, dtensor, parts):
                 return False
         return True
     if t is list or t is tuple:
         key.append((t, len(obj)))
-        return all(_walk(v, leaves, key, depth + 1, other) for v in obj)
-    if other is not None:
-        found = other(obj)
-        if found is not None:
-            leaves.append(found[0])
-            key.append(found[1])
-            return True
-    return False
+        return all(_walk(v, leaves, key, depth + 1, other, dtensor, parts) for v in obj)
+    found = dtensor_leaf(obj) if t is dtensor else other(obj) if other is not None else None
+    if found is None:
+        return False
+    leaves.append(found[0])
+    key.append(found[1])
+    return True
 
 
 def dtensor_leaf(obj: Any) -> tuple[torch.Tensor, Any] | None:
-    """A DTensor's fingerprint (see :func:`fingerprint`'s ``other``): its local tensor, what a
-    save stages (read with grad off, where ``to_local()`` is the tensor itself), and a key part
-    that decides its structure: the global shape, dtype, placements, shard order and mesh (the
-    boxes follow from them) and the local tensor's own shape, strides and device (how the boxes are
-    cut out of it). None when the local tensor is not a plain tensor (an async collective's).
+    """A DTensor's fingerprint (see :func:`fingerprint`): its local tensor, what a save stages (read
+    with grad off, where ``to_local()`` is the tensor itself), and a key part that decides its
+    structure: the global shape, dtype, placements, shard order and mesh (the boxes follow from
+    them) and the local tensor's own shape, strides and device (how the boxes are cut out of it).
+    None when the local tensor is not a plain tensor (an async collective's).
 
     The spec comes from :func:`dtensor_internals` where it can: DTensor's public properties cost
     about a microsecond each, and a fingerprint reads them for every tensor at every save. A
@@ -457,12 +478,17 @@ def dtensor_leaf(obj: Any) -> tuple[torch.Tensor, Any] | None:
     return local, (type(obj), spec, local.shape, local.stride(), local.device)
 
 
+# The one reader of DTensor's private attributes: its local tensor (``_local_tensor``) and its
+# spec (``_spec``, a ``DTensorSpec``), at C speed; AttributeError when torch no longer has them.
+_dtensor_parts = operator.attrgetter("_local_tensor", "_spec")
+
+
 def dtensor_internals(obj: Any) -> tuple[torch.Tensor, Any] | None:
-    """The one place that reads DTensor's private attributes: its local tensor (``_local_tensor``)
-    and its spec (``_spec``, a ``DTensorSpec``). None when torch no longer has them: the caller
-    then reads the public properties (tests/test_save_blocking.py fails when torch changes them)."""
+    """A DTensor's local tensor and spec (see ``_dtensor_parts``). None when torch no longer has
+    them: the caller then reads the public properties (tests/test_save_blocking.py fails when torch
+    changes them)."""
     try:
-        return obj._local_tensor, obj._spec
+        return _dtensor_parts(obj)
     except AttributeError:
         return None
 
