@@ -234,19 +234,7 @@ async def concur_async(group: Group, what: str, work: Callable[[], Awaitable[Any
     once every rank succeeded, and raises what :func:`agree_async` raises otherwise. Success costs
     one all-reduce of a flag, whatever the number of ranks; only a failure gathers every rank's
     outcome, to name each failing rank and keep its class."""
-    local: BaseException | None = None
-    status: dict[str, Any]
-    try:
-        status = {"ok": True, "value": await work()}
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        local, status = exc, _failed(group.rank, exc)
-    if group.world == 1:
-        return settle(what, [status], group.rank, local)[0]
-    failed = await asyncio.to_thread(group.max_int64, [0 if status["ok"] else 1])
-    if not failed[0]:
-        return status["value"]
-    statuses = await asyncio.to_thread(group.all_gather, status)
-    return settle(what, statuses, group.rank, local)[group.rank]
+    return (await concur_max_async(group, what, work, []))[0]
 
 
 async def concur_max_async(group: Group, what: str, work: Callable[[], Awaitable[Any]],

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -252,3 +253,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def ram_root(job):
+    """A root for simulated nodes' RAM directories (``<root>/node<r>``), removed afterwards."""
+    root = f"/dev/shm/{job}-nodes"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

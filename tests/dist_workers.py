@@ -680,3 +680,24 @@ def store_frozen_local_job(rank: int, world: int, name: str, root: str) -> None:
                 assert torch.equal(target[k], v), (rank, step, k)
     finally:
         fresh.close()
+
+
+def crash_both(tmp_path, target: str, **args) -> None:
+    """Run ``target`` on two ranks and see both die by SIGKILL at the crash point it arms."""
+    import signal
+
+    store = tmp_path / f"store-crash-{os.urandom(4).hex()}"
+    results = tmp_path / f"results-{os.urandom(4).hex()}"
+    results.mkdir()
+    ctx = context()
+    env = dict(os.environ)
+    procs = [ctx.Process(target=enter, args=(env, run, r, 2, str(store), target, args, str(results))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = {f.name: f.read_text() for f in results.iterdir()}
+    assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 2, errors

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 
 import dist_workers
 import flat_workers
@@ -20,13 +19,6 @@ import torch
 from conftest import assert_same, wipe_ram
 
 from ckptstore import CheckpointStore
-
-
-@pytest.fixture
-def ram_root(job):
-    root = f"/dev/shm/{job}-nodes"
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 # Six processes, 7-9 s on the shared cores: the default run checks the same flatness in
@@ -62,24 +54,7 @@ def test_a_steady_save_receives_the_same_bytes_at_two_and_four_ranks(tmp_path, j
 
 
 def _crash(tmp_path, **args) -> None:
-    """Run flat_workers.crash_job on two ranks and see both die by SIGKILL at the crash point."""
-    store = tmp_path / f"store-crash-{os.urandom(4).hex()}"
-    results = tmp_path / f"results-{os.urandom(4).hex()}"
-    results.mkdir()
-    ctx = dist_workers.context()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=dist_workers.enter, args=(env, dist_workers.run, r, 2, str(store),
-                                                          "flat_workers:crash_job", args, str(results)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = {f.name: f.read_text() for f in results.iterdir()}
-    assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 2, errors
+    dist_workers.crash_both(tmp_path, "flat_workers:crash_job", **args)
 
 
 def test_a_crash_after_the_ram_commit_and_a_node_loss_restore_from_parts(tmp_path, job, ram_root):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 
 import dist_workers
 import pytest
@@ -21,31 +20,7 @@ _spawn = dist_workers.spawn
 
 
 def _crash(tmp_path, **args) -> None:
-    """Run node_loss_workers.crash_job on two ranks and see both die by SIGKILL at the crash point."""
-    store = tmp_path / f"store-crash-{os.urandom(4).hex()}"
-    results = tmp_path / f"results-{os.urandom(4).hex()}"
-    results.mkdir()
-    ctx = dist_workers.context()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=dist_workers.enter, args=(env, dist_workers.run, r, 2, str(store),
-                                                          "node_loss_workers:crash_job", args, str(results)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = {f.name: f.read_text() for f in results.iterdir()}
-    assert [p.exitcode for p in procs] == [-signal.SIGKILL] * 2, errors
-
-
-@pytest.fixture
-def ram_root(job):
-    root = f"/dev/shm/{job}-nodes"
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    dist_workers.crash_both(tmp_path, "node_loss_workers:crash_job", **args)
 
 
 def _lose_node(ram_root: str, local_root: str, node: int) -> None:
