@@ -757,13 +757,15 @@ class Pipeline:
         """Write the step to ``tier`` (from ``snap``, by default the staged slot's) and commit it on
         every rank; returns this rank's part.
 
-        Each node's copy of a step in a node tier (local, peer) holds the step's whole manifest. The
-        local tier's lays the step out anew (the frozen region in a file of its own), so it gathers
-        every rank's part on every rank. A peer replica is a byte copy of its source's slot, so the
-        step's RAM manifest, which every rank built at the RAM commit, describes the replicas too:
-        replication agrees through flags alone. The durable tier has one copy, whose manifest its
-        coordinator (rank 0) writes: only it receives the parts, and the other ranks learn of
-        success through one all-reduce of a flag (every rank's failure still reaches every rank)."""
+        Each node's copy of a step in a node tier holds its own rank's part, the step's meta and
+        the rank's header, and the commits agree through flags: the local tier through
+        :meth:`_to_local` (node parts; a single-node job's owner assembles the whole manifest from
+        them), a peer replica with its source's part sent beside its bytes. With the replica check
+        on, the RAM commit gathered every part, and the local and peer tiers take that whole
+        manifest as before. The durable tier has one copy, whose format 2.0 manifest its
+        coordinator (rank 0) writes from every rank's part summary (file, size, checksum; the
+        representatives' headers); the other ranks learn of success through one all-reduce of a
+        flag (every rank's failure still reaches every rank)."""
         assert job.snap is not None
         source = snap or job.snap
         what = f"durable_timeout_s={self.options.durable.timeout_s:g}"
