@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import os
 import pickle
 import socket
 import threading
@@ -300,6 +301,29 @@ class StoreGroups:
         return self.trainer.world
 
 
+# How torch asks gloo to connect a pair of ranks at its first message instead of connecting every
+# pair when the group is created. new_group takes no gloo options, so the variable is the only way in;
+# torch reads it when it creates a group's gloo device.
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
+
+
+@contextlib.contextmanager
+def lazy_gloo() -> Iterator[None]:
+    """Gloo groups created inside connect their ranks on demand. A store's five groups, each a full
+    mesh, held 5 x (world - 1) connections per rank from the start (20,475 per rank, about 164,000
+    per eight-rank node, at 4,096 ranks) and took seconds per group to connect; its collectives (rings) and
+    point-to-point reads (the owners a restore asks) touch a few peers each. A value the caller set
+    is left as it is."""
+    if LAZY_GLOO in os.environ:
+        yield
+        return
+    os.environ[LAZY_GLOO] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_GLOO, None)
+
+
 def store_groups(process_group: Any, timeout_s: float, peer_timeout_s: float) -> StoreGroups:
     group = Group(process_group)
     if group.world == 1:
@@ -314,9 +338,10 @@ def store_groups(process_group: Any, timeout_s: float, peer_timeout_s: float) ->
         if len(ranks) < dist.get_world_size():
             kwargs["use_local_synchronization"] = True  # only the members take part in creating it
     # Created in one order on every rank (new_group is itself collective).
-    trainer, fast, durable, transfer = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(4))
-    kwargs["timeout"] = datetime.timedelta(seconds=peer_timeout_s)
-    peer = Group(dist.new_group(ranks=ranks, **kwargs))
+    with lazy_gloo():
+        trainer, fast, durable, transfer = (Group(dist.new_group(ranks=ranks, **kwargs)) for _ in range(4))
+        kwargs["timeout"] = datetime.timedelta(seconds=peer_timeout_s)
+        peer = Group(dist.new_group(ranks=ranks, **kwargs))
     for group, role in ((trainer, "trainer"), (fast, "fast"), (durable, "durable"), (peer, "peer"),
                         (transfer, "transfer")):
         group.role = role

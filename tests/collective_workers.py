@@ -7,6 +7,7 @@ import os
 import torch
 
 import ckptstore
+from ckptstore.collective import LAZY_GLOO
 from ckptstore.errors import BackgroundError, CollectiveError
 
 
@@ -118,3 +119,28 @@ def teardown_after_failed_save_job(rank: int, world: int, name: str, root: str, 
         ours = [g for g in distributed_c10d._world.pg_map if g is not dist.group.WORLD]
         assert not ours, f"close() left {len(ours)} process groups of the store for the caller to shut down"
     dist.destroy_process_group()  # the caller's own teardown, right away (dist_workers.run sees it done)
+
+
+def _sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # closed since listed
+    return count
+
+
+def store_connections_job(rank: int, world: int, name: str, root: str, ram_dir: str, out: str) -> None:
+    """A store's save and restore on every rank, with the sockets this process holds counted
+    before the store and after its restore."""
+    before = _sockets()
+    state = {"w": torch.arange(8, dtype=torch.float32), "shared": torch.ones(4)}  # replicated: written once
+    with ckptstore.CheckpointStore(name, local=os.path.join(root, "local"), ram_dir=ram_dir) as store:
+        store.save(1, state).wait()
+        target = {"w": torch.zeros(8), "shared": torch.zeros(4)}
+        assert store.restore(target) == 1
+        assert torch.equal(target["w"], state["w"]) and torch.equal(target["shared"], state["shared"])
+        after = _sockets()
+    with open(os.path.join(out, f"sockets-{rank}"), "w") as fh:
+        fh.write(f"{before} {after} {int(LAZY_GLOO in os.environ)}")
