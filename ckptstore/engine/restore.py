@@ -49,7 +49,6 @@ from .exchange import (
     PeerUnavailable,
     RemoteSource,
     Transfers,
-    assembled,
     exchange,
     get_manifest,
     layout_digest,
@@ -388,11 +387,16 @@ class Restorer:
             used: set[str] = set()
             missing: PartsMissing | CorruptCheckpointError | None = None
             try:
-                manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}")
+                # A layout of parts is planned from each rank's own part where it can be (the same
+                # world loading the layout it saved), and its layout digest is known to every rank
+                # only when the durable copy may fill in (it is compared with it).
+                manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}", state,
+                                                                  layout=durable is not None)
             except (PartsMissing, CorruptCheckpointError) as exc:  # alike on every rank: from what all sent
                 manifest, missing = None, exc
-            if manifest is not None and assembled(digest):
-                inv.layout = layout_digest(manifest)
+            # Planned from own parts (alike on every rank): each rank reads its own boxes, and no
+            # rank takes part in a cooperative read, not even to abstain from it.
+            flat = manifest is not None and manifest.planned == "flat"
             try:
                 if missing is not None:
                     raise missing
@@ -439,8 +443,9 @@ class Restorer:
                     opener = _Opener(transfers.sources, inv, excluded, durable.opener(step) if durable else None,
                                      display, used)
                     problem, kind, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers,
-                                                             inv, excluded, bad_owners, share_whole=from_durable)
-                elif not lost:
+                                                             inv, excluded, bad_owners, share_whole=from_durable,
+                                                             cooperate=not flat)
+                elif not lost and not flat:
                     abstain(fg)  # the ranks that load read together; this one does not, and says so
             finally:
                 transfers.close()
@@ -468,13 +473,15 @@ class Restorer:
 
     def _load(self, state: Any, manifest: Manifest, display: str, opener: _Opener, per_rank: str,
               transfers: Transfers, inv: Inventory, excluded: set[str],
-              bad_owners: set[tuple[str, int]], *, share_whole: bool) -> tuple[str, str, bool, Exception | None]:
+              bad_owners: set[tuple[str, int]], *, share_whole: bool,
+              cooperate: bool = True) -> tuple[str, str, bool, Exception | None]:
         """Load this rank's part; returns (a problem with the copies read, its kind, whether another
         copy is worth a retry, an error of the caller's state). Only a load from the durable tier
         shares the reading of chunks ranks need whole: on the nodes each rank's copy is at hand."""
         try:
             load_manifest(state, manifest, display, opener, group=self.groups.trainer, strict=True, per_rank=per_rank,
-                          buffer_bytes=self.buffer_bytes, decode_per_rank=decode_value, share_whole=share_whole)
+                          buffer_bytes=self.buffer_bytes, decode_per_rank=decode_value, share_whole=share_whole,
+                          cooperate=cooperate)
         except PeerUnavailable as exc:
             bad_owners.update((name, exc.owner) for name in exc.names)
             return str(exc), _OTHER, True, None
