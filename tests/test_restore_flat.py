@@ -39,7 +39,8 @@ def test_a_restart_restores_bitwise_receiving_what_it_loads_not_the_world(tmp_pa
     world x part)."""
     out = tmp_path / "out"
     out.mkdir()
-    got = {world: _run(tmp_path, world, 1, f"{job}-{world}", f"{ram_root}-{world}", out) for world in (2, 4)}
+    got = {world: _run(tmp_path, world, 1, f"{job}-{world}", os.path.join(ram_root, f"w{world}"), out)
+           for world in (2, 4)}
     for world in (2, 4):
         for r, rec in enumerate(got[world]["peer+ram"]):
             assert rec["part"] > 20_000, rec  # the state makes parts that dwarf the fixed costs
