@@ -495,17 +495,18 @@ class Restorer:
 
     def _outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's outcome of an attempt (collective). A success everywhere is one all-reduce
-        of a flag and of which tiers were read (a flag per tier name this store knows); any
-        failure, or a tier it does not know, and every rank gathers every rank's outcome."""
+        of a flag and of which tiers were read (a flag per tier name of ckptstore's own tiers: the
+        same vector on every rank, whatever tiers each rank's store has); any failure, or a tier of
+        another name, and every rank gathers every rank's outcome."""
         fg = self.groups.trainer
         if self.world == 1:
             return [mine]
-        names = sorted({"durable", "peer", *(t.name for t in self.node_tiers)})
-        odd = bool(mine["fatal"] or mine["problem"] or mine["kind"] or mine["retry"]) or not set(mine["used"]) <= set(names)
-        got = fg.max_int64([int(odd)] + [int(n in mine["used"]) for n in names])
+        odd = (bool(mine["fatal"] or mine["problem"] or mine["kind"] or mine["retry"])
+               or not set(mine["used"]) <= set(_TIER_NAMES))
+        got = fg.max_int64([int(odd)] + [int(n in mine["used"]) for n in _TIER_NAMES])
         if got[0]:
             return fg.all_gather(mine)
-        used = [n for n, flag in zip(names, got[1:]) if flag]
+        used = [n for n, flag in zip(_TIER_NAMES, got[1:]) if flag]
         return [{"fatal": None, "failure": None, "problem": "", "kind": "", "retry": False, "used": used}]
 
     def _load(self, state: Any, manifest: Manifest, display: str, opener: _Opener, per_rank: str,
@@ -546,6 +547,7 @@ def _steps(verdicts: dict[int, str]) -> str:
 
 
 _DURABLE = "durable"  # the durable tier's own layout, tried after every layout the nodes hold
+_TIER_NAMES = ("durable", "local", "peer", "ram")  # what an attempt reports it read from, as flags
 
 
 class _Lazy:
