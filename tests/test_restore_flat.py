@@ -11,44 +11,52 @@ import os
 import shutil
 
 import dist_workers
+import pytest
 from conftest import wipe_ram
 
 STEP_FILE = "step-000000000002"
 
 
-def _run(tmp_path, world: int, stages: int, job: str, ram_root: str, out) -> dict[str, list[dict]]:
-    """Save steps 1 and 2, then restart twice: from RAM, then (the RAM slots gone) from the local
-    tier; returns what each restore's ranks wrote, by tier."""
+def _run(tmp_path, world: int, stages: int, job: str, ram_root: str, out, *, local: bool = True
+         ) -> dict[str, list[dict]]:
+    """Save steps 1 and 2, then restart from RAM and (``local``: the RAM slots gone) again from the
+    local tier; returns what each restore's ranks wrote, by tier."""
     local_root = str(tmp_path / f"local-{world}-{stages}")
     args = dict(name=job, ram_root=ram_root, local_root=local_root, stages=stages)
     dist_workers.spawn(world, "restore_flat_workers:save_job", tmp_path, **args)
+    tiers = ["peer+ram"]
     dist_workers.spawn(world, "restore_flat_workers:restore_job", tmp_path, expect=2, tiers="peer+ram", out=str(out),
                        **args)
-    shutil.rmtree(ram_root)
-    dist_workers.spawn(world, "restore_flat_workers:restore_job", tmp_path, expect=2, tiers="local+peer",
-                       out=str(out), **args)
-    return {tiers: [json.loads((out / f"w{world}-s{stages}-{tiers}-r{r}.json").read_text()) for r in range(world)]
-            for tiers in ("peer+ram", "local+peer")}
+    if local:
+        shutil.rmtree(ram_root)
+        tiers.append("local+peer")
+        dist_workers.spawn(world, "restore_flat_workers:restore_job", tmp_path, expect=2, tiers="local+peer",
+                           out=str(out), **args)
+    return {t: [json.loads((out / f"w{world}-s{stages}-{t}-r{r}.json").read_text()) for r in range(world)]
+            for t in tiers}
 
 
+# Six processes in four phases, about a minute on the shared cores: the default run checks the same
+# bound (under half of the own part, which the whole assembly exceeds at any world) at four ranks in
+# the pipeline test below; this one also compares two ranks with four.
+@pytest.mark.slow
 def test_a_restart_restores_bitwise_receiving_what_it_loads_not_the_world(tmp_path, job, ram_root):
     """DTensor shards, replicated plain tensors that other ranks (on other nodes) wrote, a per-rank
-    value: restored bitwise from RAM and from the local tier at two and four ranks. What a rank
-    receives during the restore stays under half of its own part's chunk table, and grows by less
-    than a few KiB from two ranks to four (the whole assembly received every rank's part: about
-    world x part)."""
+    value: restored bitwise from RAM at two and four ranks. What a rank receives during the restore
+    stays under half of its own part's chunk table, and grows by less than a few KiB from two ranks
+    to four (the whole assembly received every rank's part: about world x part). The restore from
+    the local tier is the pipeline test's."""
     out = tmp_path / "out"
     out.mkdir()
-    got = {world: _run(tmp_path, world, 1, f"{job}-{world}", os.path.join(ram_root, f"w{world}"), out)
+    got = {world: _run(tmp_path, world, 1, f"{job}-{world}", os.path.join(ram_root, f"w{world}"), out, local=False)
            for world in (2, 4)}
     for world in (2, 4):
         for r, rec in enumerate(got[world]["peer+ram"]):
             assert rec["part"] > 20_000, rec  # the state makes parts that dwarf the fixed costs
             assert rec["received"] < rec["part"] / 2, (world, r, rec)
-    for tiers in ("peer+ram", "local+peer"):
-        two = max(rec["received"] for rec in got[2][tiers])
-        four = max(rec["received"] for rec in got[4][tiers])
-        assert four < two + 8192, (tiers, two, four, got)
+    two = max(rec["received"] for rec in got[2]["peer+ram"])
+    four = max(rec["received"] for rec in got[4]["peer+ram"])
+    assert four < two + 8192, (two, four, got)
 
 
 def test_pipeline_stages_restore_a_key_the_other_stage_writes(tmp_path, job, ram_root):
@@ -60,6 +68,8 @@ def test_pipeline_stages_restore_a_key_the_other_stage_writes(tmp_path, job, ram
     got = _run(tmp_path, 4, 2, job, ram_root, out)
     for rec in got["peer+ram"]:
         assert rec["received"] < rec["part"] / 2, got
+    for rec in got["local+peer"]:
+        assert rec["received"] < 20_000, got  # the same restore, from the local tier's node parts
 
 
 def test_a_damaged_own_part_falls_back_as_before(tmp_path, job, ram_root):
