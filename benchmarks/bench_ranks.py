@@ -537,6 +537,9 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
             out["restore_cpu_s"] = c1 - c0 + b1 - b0 - (m1.get("overhead_cpu_s", 0) - m0.get("overhead_cpu_s", 0))
             out["restore_read_bytes"] = m1.get("read_bytes", 0) - m0.get("read_bytes", 0)
             out["restore_meta_recv_bytes"] = m1.get("meta_recv_bytes", 0) - m0.get("meta_recv_bytes", 0)
+            # Tensor collectives (flags, the restore's all_to_alls of box names and chunks): the
+            # buffers handed to them, sent and received alike, so an upper bound on what was received.
+            out["restore_meta_tensor_bytes"] = m1.get("meta_tensor_bytes", 0) - m0.get("meta_tensor_bytes", 0)
             out["own_bytes"] = sum(t.to_local().numel() * 4 for t in state.values())
             if rank == world // 2:
                 path = os.path.join(local_dir, f"step-{saves:012d}")
@@ -928,6 +931,7 @@ PER_RANK_FIGURES = {  # (cell kind, figure, summary, must stay flat in world siz
     "store.load_plan_cpu_s": ("store", "load_plan_cpu_s", "rank0", True),
     "store.restore_cpu_s": ("store", "restore_cpu_s", "median", True),
     "store.restore_meta_recv_bytes": ("store", "restore_meta_recv_bytes", "median", True),
+    "store.restore_meta_tensor_bytes": ("store", "restore_meta_tensor_bytes", "median", True),
     "store.manifest_bytes": ("store", "manifest_bytes", None, False),
     "sharded.save_cpu_s": ("sharded", "save_cpu_s", "median", True),
     "sharded.save_meta_recv_bytes": ("sharded", "save_meta_recv_bytes", "median", True),
@@ -1165,6 +1169,8 @@ MARKDOWN_CELLS = [  # (column, cell kind, figure, summary, unit)
     ("manifest", "store", "manifest_bytes", None, "B"),
     ("RAM copy of the manifest per rank", "store", "ram_manifest_bytes", "median", "B"),
     ("restore per rank (CPU)", "store", "restore_cpu_s", "median", "s"),
+    ("restore: metadata received per rank (objects)", "store", "restore_meta_recv_bytes", "median", "B"),
+    ("restore: tensor collectives' buffers per rank", "store", "restore_meta_tensor_bytes", "median", "B"),
     ("one rank's load plan (chunks_needed)", "store", "load_plan_cpu_s", "max", "s"),
 ]
 MARKDOWN_SHARDED = [

@@ -154,6 +154,32 @@ class Group:
         if _traffic is not None:
             _traffic.add(self.role, sum(recv_sizes))
 
+    def send_bytes(self, messages: dict[int, bytes]) -> dict[int, bytes]:
+        """``messages[r]`` to each rank ``r`` named, and what each rank sent this one (only those
+        that sent something): one all_to_all of the sizes (an int64 per rank) and one of the bytes,
+        so a rank receives what was sent to it and the sizes, never what went to other ranks."""
+        if self.world == 1:
+            return {0: messages[0]} if messages.get(0) else {}
+        import torch
+
+        sizes = [len(messages.get(r, b"")) for r in range(self.world)]
+        got = torch.empty(self.world, dtype=torch.int64)
+        self.all_to_all(got.view(torch.uint8), torch.tensor(sizes, dtype=torch.int64).view(torch.uint8),
+                        [8] * self.world, [8] * self.world)
+        recv_sizes = [int(n) for n in got.tolist()]
+        send = torch.frombuffer(bytearray(b"".join(messages.get(r, b"") for r in range(self.world))) or
+                                bytearray(1), dtype=torch.uint8)[:sum(sizes)]
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        self.all_to_all(recv, send, recv_sizes, sizes)
+        out: dict[int, bytes] = {}
+        at = 0
+        data = recv.numpy().tobytes()
+        for r, n in enumerate(recv_sizes):
+            if n:
+                out[r] = data[at:at + n]
+            at += n
+        return out
+
     def max_int64(self, values: list[int]) -> list[int]:
         """The element-wise maximum over the ranks of ``values`` (int64; negate one for a minimum):
         one all-reduce of a few bytes, whatever the number of ranks (gloo reduces int64 with MAX)."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from .._version import __version__
 from ..collective import Group
@@ -47,13 +48,14 @@ from ..format.manifest import (
     check_byte_ranges,
     check_manifest_size,
     check_version,
+    chunk_digest,
     layout_digest,
     load_json,
     parse_entry,
     parse_sharded,
     verify_own_checksum,
 )
-from ..names import INDEX, MANIFEST
+from ..names import INDEX, MANIFEST, data_file_rank
 from ..planning.sharding import Box, intersect
 from .sharded import Directory, _unalias, load_boxes, read_manifest
 
@@ -426,6 +428,131 @@ def _covered(entry: TensorEntry, box: Box) -> bool:
     return got == need
 
 
+def box_id(key: str, offsets: Sequence[int], sizes: Sequence[int]) -> int:
+    """A 64-bit name of the box ``offsets`` + ``sizes`` of tensor ``key`` (a signed int64), by which
+    a rank that needs a box finds the writer of a chunk of exactly that box without anyone holding
+    every rank's chunk table (engine/exchange.py). Two boxes of one name would hand a rank chunks of
+    another box, which its coverage check refuses: a collision costs a fallback, never a wrong load."""
+    name = f"{key}\0{','.join(map(str, offsets))}\0{','.join(map(str, sizes))}".encode()
+    value = xxhash.xxh3_64_intdigest(name)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def part_boxes(part: dict[str, Any]) -> dict[int, tuple[str, Any]]:
+    """Every chunk of a rank's ``part`` by the :func:`box_id` of its box: (key, chunk as stored)."""
+    out: dict[int, tuple[str, Any]] = {}
+    for alias, chunks in part["chunks"].items():
+        key = _unalias(alias)
+        for c in chunks:
+            out.setdefault(box_id(key, c["offsets"], c["sizes"]), (key, c))
+    return out
+
+
+def part_digest(part: dict[str, Any], rank: int) -> int | None:
+    """The layout digest (:func:`chunk_digest`) of ``rank``'s ``part`` as a signed int64, whose
+    combination over the ranks (:func:`combine_digests`) is the step's :func:`layout_digest`;
+    ``-2**63`` when it has no chunk, and None when some chunk lies in another rank's file (the
+    step's digest groups chunks by the rank whose file holds them: only the whole table tells it)."""
+    items: list[tuple[str, Any]] = []
+    for alias, chunks in part["chunks"].items():
+        key = _unalias(alias)
+        for c in chunks:
+            if data_file_rank(c.get("file")) != rank:
+                return None
+            items.append((key, c))
+    if not items:
+        return -(1 << 63)
+    value = int(chunk_digest(items).partition(":")[2], 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@dataclass
+class OwnPlan:
+    """What :func:`plan_from_part` planned: the manifest (``planned == "flat"``) with this rank's
+    own chunks, and the boxes it loads that they do not cover, as (key, box) with their
+    :func:`box_id`."""
+
+    manifest: Manifest
+    needs: list[tuple[str, Box, int]]
+
+
+def plan_from_part(header: dict[str, Any], part: dict[str, Any], meta: dict[str, Any], state: Any, rank: int,
+                   world: int, display: str) -> OwnPlan | None:
+    """The manifest ``rank`` loads ``state`` with from what its own node copy of a step holds (a
+    RAM document, a node part, a replica: engine/exchange.py): its structure's ``header`` (tree,
+    tensor table, layouts), its own ``part`` (chunk table) and the step's ``meta``, no other rank's
+    chunks. The boxes its own chunks do not cover (a replicated tensor another rank wrote, a key
+    another structure writes) are listed for the caller to find among their writers' chunks. None
+    when the load cannot be planned so (the tree lacks a key the state asks for: another structure
+    holds it, or the state changed); raises CorruptCheckpointError on a part that does not parse,
+    CheckpointError when ``state`` does not match."""
+    with _collector_paused():
+        tensors: dict[str, TensorEntry] = {}
+        heads: dict[tuple[str, tuple[int, ...]], TensorEntry] = {}
+        for key, (dtype, shape) in header["tensors"].items():
+            head = (dtype, tuple(shape))
+            if head not in heads:
+                heads[head] = parse_entry(key, {"dtype": dtype, "shape": list(shape), "chunks": []}, display,
+                                          coverage=False)
+            tensors[key] = TensorEntry(heads[head].dtype, heads[head].shape, [])
+        grouped: dict[str, list[Any]] = {}
+        for alias, chunks in part["chunks"].items():
+            grouped.setdefault(_unalias(alias), []).extend(chunks)
+        files: set[str] = set()
+        for key, chunks in grouped.items():
+            entry = tensors.get(key)
+            if entry is None:  # this rank's per-rank value: one uint8 chunk
+                entry = tensors[key] = parse_entry(key, {"dtype": "uint8", "shape": chunks[0]["sizes"], "chunks": []},
+                                                   display, coverage=False)
+            fast = _plain_chunks(entry, chunks, files)
+            entry.chunks.extend(fast if fast is not None else parse_entry(
+                key, {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": chunks}, display,
+                coverage=False).chunks)
+        layouts = header.get("layouts") or {}
+        manifest = Manifest(kind="sharded", tensors=tensors, tree=header["tree"], planned="flat", meta={
+            "world_size": world,
+            **({"layouts": {k: layouts[k] for k in sorted(layouts) if k in tensors}} if layouts else {}),
+            "step": meta.get("step"), "job": meta.get("job"), "cadence": meta.get("cadence", {})})
+        missing: list[str] = []
+        boxes = load_boxes(state, manifest, display, rank, world, missing)
+        if missing:
+            return None
+        needs = []
+        for key, box in boxes:
+            if not _covered(tensors[key], box):
+                needs.append((key, box, box_id(key, box[0], box[1])))
+        for entry in tensors.values():
+            if len(entry.chunks) > 1:
+                entry.chunks.sort(key=lambda c: c.offsets)
+        _check_byte_ranges({k: e for k, e in tensors.items() if e.chunks}, display)
+        return OwnPlan(manifest, needs)
+
+
+def add_chunks(plan: OwnPlan, found: list[tuple[str, Any]], display: str) -> bool:
+    """Add to ``plan``'s manifest the chunks other writers sent for its needs ((key, chunk as a
+    JSON object) pairs); whether every need is now covered."""
+    with _collector_paused():
+        tensors = plan.manifest.tensors
+        grouped: dict[str, list[Any]] = {}
+        for key, chunk in found:
+            if key in tensors:
+                grouped.setdefault(key, []).append(chunk)
+        files: set[str] = set()
+        for key, chunks in grouped.items():
+            entry = tensors[key]
+            have = {c.offsets for c in entry.chunks}
+            fresh = [c for c in chunks if tuple(c.get("offsets") or ()) not in have]
+            fast = _plain_chunks(entry, fresh, files)
+            entry.chunks.extend(fast if fast is not None else parse_entry(
+                key, {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": fresh}, display,
+                coverage=False).chunks)
+            entry.chunks.sort(key=lambda c: c.offsets)
+        if not all(_covered(tensors[key], box) for key, box, _id in plan.needs):
+            return False
+        _check_byte_ranges({k: e for k, e in tensors.items() if e.chunks}, display)
+        return True
+
+
 def write_index(directory: Directory, manifest: Manifest, parts: list[dict[str, Any]], overwrite: bool) -> None:
     """``save_sharded``'s index, written after the commit by the rank that committed. Without one
     the checkpoint is read through its manifest, so failing to write it fails nothing."""
@@ -460,4 +587,4 @@ def load_plan(state: Any, directory: Directory, group: Group) -> Manifest:
     return read_manifest(directory) if whole else planned  # type: ignore[return-value]
 
 
-__all__ = ["Index", "build_index", "index_of", "load_plan", "parse_index", "plan_from_index", "read_index", "write_index"]
+__all__ = ["Index", "OwnPlan", "add_chunks", "box_id", "build_index", "part_boxes", "part_digest", "index_of", "load_plan", "parse_index", "plan_from_index", "plan_from_part", "read_index", "write_index"]

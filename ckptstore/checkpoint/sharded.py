@@ -1145,14 +1145,18 @@ def chunks_needed(state: Any, manifest: Manifest, display: str, rank: int, world
     return sorted(out)
 
 
-def load_boxes(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, Box]]:
+def load_boxes(state: Any, manifest: Manifest, display: str, rank: int, world: int,
+               missing: list[str] | None = None) -> list[tuple[str, Box]]:
     """The (entry key, box) of every piece a load of ``state`` by ``rank`` of ``world`` fills: the
     walk of :func:`chunks_needed`, which needs of ``manifest`` its tree and tensor table only (no
-    chunk), so a rank can learn what to read before it reads any chunk table (checkpoint/index.py)."""
+    chunk), so a rank can learn what to read before it reads any chunk table (checkpoint/index.py).
+    ``missing`` receives the paths the state asks for that the tree lacks."""
     saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
     ctx = _LoadCtx(manifest, plan_only=True)
     with torch.no_grad():
         _fill(state, saved, [], ctx, top=True)
+    if missing is not None:
+        missing.extend(ctx.missing)
     out = [(target.key, target.box) for target in ctx.targets]
     if int(manifest.meta.get("world_size", 1)) == world:
         for _wrapper, key, _path in ctx.per_rank:
@@ -1174,9 +1178,13 @@ def load_manifest(
     buffer_bytes: int,
     decode_per_rank: Callable[[bytes, str], Any],
     share_whole: bool = True,
+    cooperate: bool = True,
 ) -> None:
     """Fill ``state`` in place from a sharded manifest whose chunk files ``open_file`` opens
-    (a checkpoint directory, or the RAM tier's slots); ``share_whole`` as in :func:`coop.read`."""
+    (a checkpoint directory, or the RAM tier's slots); ``share_whole`` as in :func:`coop.read`.
+    ``cooperate=False`` (alike on every rank) reads each rank's boxes on its own, with no
+    collective: for manifests that hold only what their own rank reads, where no chunk is needed
+    by two ranks in part (a store's restore planned from its own part, engine/exchange.py)."""
     saved_world = int(manifest.meta.get("world_size", 1))
     ctx = _LoadCtx(manifest, open_file=open_file, display=display)
     try:
@@ -1196,10 +1204,11 @@ def load_manifest(
                 "per_rank='skip' to keep the current values (and re-seed or re-position them yourself)"
             )
     except BaseException:
-        coop.abstain(group)  # the other ranks' reads must not wait for this one
+        if cooperate:
+            coop.abstain(group)  # the other ranks' reads must not wait for this one
         raise
     with torch.no_grad():
-        if coop.usable(group):
+        if cooperate and coop.usable(group):
             # Ranks split the reading of chunks several of them need and exchange the slices.
             coop.read(group, manifest, ctx.targets, buffer_bytes,
                       lambda targets: read_targets(display, open_file, manifest, targets, buffer_bytes), display,

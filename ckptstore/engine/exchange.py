@@ -18,9 +18,11 @@ A restore runs, per candidate step and layout, as one collective round:
 1. each rank asks its node-local tiers what its node holds of the step (:class:`NodeInventory`:
    layouts, each with its file copies and manifest; the ranks agree on an order of layouts);
 2. for the layout tried, a rank with no copy of its manifest gets it from the lowest rank that has
-   one;
+   one; where the node copies hold their own ranks' parts, each rank plans its manifest from its
+   own part, with only the chunks of other writers its load needs (:func:`own_manifest`);
 3. each rank plans the files its state needs, and for each file its node lacks picks an owner
-   among the ranks whose node has it (:func:`exchange`); every owner learns who will ask it;
+   among the ranks whose node has it (:func:`exchange`: nothing is gathered when every node
+   holds what its ranks need); every owner learns who will ask it;
 4. each rank loads, reading its node's copies directly and another node's through a
    :class:`RemoteSource`: every read the load makes (the rows it needs, in whole checksum
    blocks, within the load's ``buffer_bytes``) is one request to the owner, answered from the
@@ -31,6 +33,7 @@ A restore runs, per candidate step and layout, as one collective round:
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import threading
@@ -39,13 +42,15 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from ..checkpoint.index import add_chunks, part_boxes, part_digest, plan_from_part
 from ..collective import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError, UnsupportedFormatVersionError
-from ..format.manifest import Manifest, layout_digest, parse_manifest
+from ..format.manifest import Manifest, combine_digests, layout_digest, parse_manifest
 from ..storage.targets import ShortRead, Source
-from ..tiers.base import Held, NodePart, Tier, manifest_of_parts
+from ..tiers.base import Held, NodePart, PartsMissing, Tier, manifest_of_parts, ranks_shown
 
 log = logging.getLogger("ckptstore")
 
@@ -70,8 +75,8 @@ class Inventory:
         self.parsed: Manifest | None = None  # self.manifest, parsed once (10^5 entries take seconds)
         self.where = ""
         # Where the node's copies hold their own ranks' parts instead of the whole manifest: those
-        # parts by rank (the manifest is assembled from every node's, :func:`get_manifest`), and
-        # the step's meta they carry.
+        # parts by rank (each rank's manifest is planned from its own, or assembled from every
+        # node's: :func:`get_manifest`), and the step's meta they carry.
         self.parts: dict[int, NodePart] = {}
         self.meta: dict[str, Any] | None = None
         self.layout: str | None = None  # the layout digest of the manifest assembled from the parts
@@ -211,12 +216,174 @@ def assemble_manifest(group: Group, inv: Inventory, where: str) -> Manifest | No
     return manifest_of_parts(parts, where)
 
 
-def get_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:
+_NONE = -(1 << 63)  # the MAX identity of an int64 all-reduce
+
+
+def own_manifest(group: Group, inv: Inventory, state: Any, where: str, *, layout: bool = False) -> Manifest | None:
+    """The manifest this rank loads ``state`` with from a layout of parts, planned from its own part
+    and its structure's header plus the chunks of other writers only for the boxes its own part
+    does not cover (collective; checkpoint/index.py: plan_from_part). What a rank receives grows
+    with what it loads, not with the world:
+
+    1. one all-reduce: whether some rank's node lacks its own part, and the world the parts were
+       saved by (every rank's alike, or not planned so);
+    2. only when some rank lacks its own part: the ranks gather which parts their nodes hold (as
+       the whole assembly does), the lowest holder of each missing one sends it to its rank, and a
+       part held nowhere raises PartsMissing as the whole assembly would;
+    3. each rank plans from its own part; one all-reduce says whether every rank could, and
+       whether some rank needs boxes other writers hold;
+    4. only then: each part's holder names every box of its part by :func:`box_id` to the rank the
+       name hashes to (a directory spread over the ranks), each rank asks those directories for
+       the boxes it needs, the directories forward each question to the holder, and the holder
+       sends the chunks asked for: three exchanges of what each rank holds, needs and is asked,
+       and one all-reduce says whether every rank found all it needs;
+    5. with ``layout``: the step's layout digest from every rank's digest of its own part (an
+       all-reduce of one int64 per rank), set as ``inv.layout``.
+
+    None when the load cannot be planned so (a changed world or state, a resharded load, a header
+    or a box not found, a part laid out in another rank's files): decided alike on every rank,
+    which then assemble the whole manifest (:func:`assemble_manifest`)."""
+    me, world = group.rank, group.world
+    own = inv.parts.get(me)
+    known = own or next(iter(inv.parts.values()), None)
+    saved = known.meta.get("world_size") if known is not None else None
+    saved = saved if type(saved) is int and saved >= 1 else 0
+    lacks, most, least = group.max_int64([int(own is None), saved, -saved if saved else _NONE])
+    if most != world or -least != world:
+        return None
+    serving: dict[int, NodePart] = {me: own} if own is not None else {}
+    sent: dict[int, bytes] = {}
+    holder: dict[int, int] = {}
+    if lacks:
+        mine = sorted(inv.parts)
+        held = group.all_gather(mine)
+        for r, ranks in enumerate(held):
+            for q in ranks:
+                holder.setdefault(q, r)
+        for r, ranks in enumerate(held):
+            if r in ranks:
+                holder[r] = r  # a rank whose node holds its own part serves it
+        missing = [q for q in range(world) if q not in holder]
+        if missing:
+            raise PartsMissing(f"{where}: no node holds the parts of ranks {ranks_shown(missing)}", ranks=missing)
+        serving = {q: inv.parts[q] for q, r in holder.items() if r == me}
+        sent = group.send_bytes({q: _encode([p.part, p.meta, p.header, p.where]) for q, p in serving.items()
+                                 if q != me})
+    # Whatever goes wrong from here on this rank is a flag in the next all-reduce, never an
+    # exception that would leave the other ranks waiting in a collective this one skipped.
+    plan = None
+    digest: int | None = None
+    try:
+        if own is None:
+            part, meta, header, at = _decode(sent[holder[me]])
+            own = NodePart(me, part, meta, header, at)
+        if own.header is not None and own.meta.get("world_size") == world:
+            plan = plan_from_part(own.header, own.part, own.meta, state, me, world, where)
+        if plan is not None and layout:
+            digest = part_digest(own.part, me)
+    except Exception as exc:  # noqa: BLE001 - the whole assembly says what is wrong, alike on every rank
+        log.debug("ckptstore: cannot plan the load of %s from its own part: %s", where, exc)
+        plan = None
+    unplanned = plan is None or (layout and digest is None)
+    failed, needing = group.max_int64([int(unplanned), int(plan is not None and bool(plan.needs))])
+    if failed:
+        return None
+    assert plan is not None
+    if needing:
+        found = _find_boxes(group, plan.needs, serving)
+        covered = False
+        try:
+            covered = add_chunks(plan, found, where)
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.debug("ckptstore: the chunks other writers sent for %s do not plan its load: %s", where, exc)
+        if group.max_int64([int(not covered)])[0]:
+            return None
+    if layout:
+        assert digest is not None
+        vector = [_NONE] * world
+        vector[me] = digest
+        per_rank = {r: f"xxh3_64:{v % (1 << 64):016x}" for r, v in enumerate(group.max_int64(vector)) if v != _NONE}
+        inv.layout = combine_digests(per_rank)
+    return plan.manifest
+
+
+def _find_boxes(group: Group, needs: list[tuple[str, Any, int]], serving: dict[int, NodePart]) -> list[tuple[str, Any]]:
+    """The chunks of other writers' boxes that this rank needs, by way of the directories (see
+    :func:`own_manifest`, step 4): (key, chunk as a JSON object) pairs."""
+    world = group.world
+    boxes: dict[int, tuple[str, Any]] = {}  # box id -> (key, chunk) of the parts this rank serves
+    try:
+        for _q, p in sorted(serving.items()):
+            for ident, found in part_boxes(p.part).items():
+                boxes.setdefault(ident, found)
+    except (KeyError, TypeError, AttributeError) as exc:  # nobody finds its boxes: every rank falls back
+        log.debug("ckptstore: a part this rank serves does not name its boxes: %s", exc)
+        boxes = {}
+    to_dir: dict[int, tuple[list[int], list[int]]] = {}
+    for ident in boxes:
+        to_dir.setdefault(ident % world, ([], []))[0].append(ident)
+    for _key, _box, ident in needs:
+        to_dir.setdefault(ident % world, ([], []))[1].append(ident)
+    got = group.send_bytes({d: _ints([len(reg), *reg, *asked]) for d, (reg, asked) in to_dir.items()})
+    registered: dict[int, int] = {}  # box id -> the lowest rank serving a part that holds it
+    questions: list[tuple[int, int]] = []  # (box id, asker)
+    for sender, data in sorted(got.items()):
+        values = _from_ints(data)
+        n = values[0]
+        for ident in values[1:1 + n]:
+            registered.setdefault(ident, sender)
+        questions.extend((ident, sender) for ident in values[1 + n:])
+    forward: dict[int, list[int]] = {}
+    for ident, asker in questions:
+        server = registered.get(ident)
+        if server is not None:
+            forward.setdefault(server, []).extend((ident, asker))
+    asked = group.send_bytes({server: _ints(pairs) for server, pairs in forward.items()})
+    answers: dict[int, list[Any]] = {}
+    for data in asked.values():
+        values = _from_ints(data)
+        for ident, asker in zip(values[0::2], values[1::2]):
+            if ident in boxes:
+                answers.setdefault(asker, []).append(list(boxes[ident]))
+    sent = group.send_bytes({asker: _encode(pairs) for asker, pairs in answers.items()})
+    try:
+        return [(key, c) for data in sent.values() for key, c in _decode(data)]
+    except (ValueError, TypeError) as exc:  # the caller's coverage check fails, and every rank falls back
+        log.debug("ckptstore: undecodable chunks for this rank's boxes: %s", exc)
+        return []
+
+
+def _ints(values: list[int]) -> bytes:
+    return np.asarray(values, dtype=np.int64).tobytes()
+
+
+def _from_ints(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype=np.int64).tolist()
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _decode(data: bytes) -> Any:
+    return json.loads(data)
+
+
+def get_manifest(group: Group, inv: Inventory, where: str, state: Any = None, *, layout: bool = False
+                 ) -> Manifest | None:
     """The manifest of ``inv``'s layout on every rank: its own, or the lowest holder's, or (a
-    layout of parts) assembled from every node's. None when nobody has one (every rank passes the
-    same layout)."""
+    layout of parts) planned from each rank's own part (:func:`own_manifest`, given the ``state``
+    to load) or assembled from every node's. None when nobody has one (every rank passes the same
+    layout). ``layout``: set ``inv.layout``, the layout digest of a layout of parts."""
     if assembled(inv.digest):
-        return assemble_manifest(group, inv, where)
+        if state is not None:
+            planned = own_manifest(group, inv, state, where, layout=layout)
+            if planned is not None:
+                return planned
+        manifest = assemble_manifest(group, inv, where)
+        if manifest is not None and layout:
+            inv.layout = layout_digest(manifest)
+        return manifest
     has = group.all_gather(inv.manifest is not None) if group.world > 1 else [inv.manifest is not None]
     if not any(has):
         return None
@@ -348,6 +515,12 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: Sequence[str], ex
     of the same space, so point-to-point messages still in flight on a collective group could be
     taken for a collective's. The caller closes the result after its load (success or not)."""
 
+    # The usual restart finds every file a rank needs on its own node: one all-reduced flag then
+    # says so, and nobody sends the list of files its node holds (which grows with the node's ranks
+    # and, gathered, with the world).
+    remote = sorted(w for w in set(wanted) if not _opens(inv, w, excluded))
+    if group.world > 1 and not group.max_int64([int(bool(remote))])[0]:
+        return Transfers()
     sizes = _sizes(inv, excluded)
     remote = sorted({w for w in wanted if w not in sizes})
     mine: dict[str, Any] = {"has": sizes, "want": remote}
@@ -385,6 +558,14 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: Sequence[str], ex
         _start(threading.Thread(target=_serve, args=(p2p, inv, excluded, requester, names, tags), daemon=True,
                          name="ckptstore-serve"))
     return out
+
+
+def _opens(inv: Inventory, name: str, excluded: set[str]) -> bool:
+    """Whether this node can serve ``name`` in ``inv``'s layout (a copy that still opens)."""
+    opened = inv.open(name, excluded)
+    if opened is not None:
+        opened[1].close()
+    return opened is not None
 
 
 def _sizes(inv: Inventory, excluded: set[str]) -> dict[str, int]:
@@ -564,5 +745,5 @@ def _agree_plan(group: Group, plan: list[tuple[int, int, str]]) -> list[tuple[in
     return sorted(p for lst in group.all_gather(mine) for p in lst)
 
 
-__all__ = ["DURABLE_PREFERENCE", "assembled", "assemble_manifest", "Inventory", "NodeInventory", "PeerUnavailable", "RemoteSource", "Transfers",
+__all__ = ["DURABLE_PREFERENCE", "assembled", "assemble_manifest", "own_manifest", "Inventory", "NodeInventory", "PeerUnavailable", "RemoteSource", "Transfers",
            "exchange", "get_manifest", "layout_digest"]

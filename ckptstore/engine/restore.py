@@ -21,10 +21,13 @@ dead branch, which the store drops from the node tiers (store.py).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from ..checkpoint.coop import abstain
 from ..checkpoint.index import Index, plan_from_index, read_index
@@ -49,7 +52,6 @@ from .exchange import (
     PeerUnavailable,
     RemoteSource,
     Transfers,
-    assembled,
     exchange,
     get_manifest,
     layout_digest,
@@ -141,6 +143,24 @@ class Restorer:
         """Every rank's own answer, and rank 0's listing of the durable tier, from one gather."""
         return [mine for mine, _listed in gathered], set(gathered[0][1] or ())
 
+    def _listing(self, listed: set[int]) -> set[int]:
+        """Rank 0's listing of the durable tier on every rank (one broadcast: what every rank
+        receives is the listing, whatever the number of ranks)."""
+        return set(self.groups.trainer.broadcast(sorted(listed) if self.rank == 0 else None) or ())
+
+    def _held_steps(self) -> tuple[set[int], set[int]]:
+        """The steps any rank's node holds something of, and the durable tier's (collective). The
+        ranks usually hold the same steps: one all-reduce of a hash of each rank's list says so,
+        and only when the lists differ does every rank gather every rank's."""
+        listed = self._durable_steps()
+        mine = sorted(self._node_steps())
+        if self.world == 1:
+            return set(mine), listed
+        fg = self.groups.trainer
+        ours = _same_everywhere(fg, mine)
+        union = set(mine) if ours else set().union(*map(set, fg.all_gather(mine)))
+        return union, self._listing(listed)
+
     def _node_steps(self) -> set[int]:
         return set().union(*(t.node_steps() for t in self.node_tiers))
 
@@ -150,10 +170,8 @@ class Restorer:
         holds any step, or when every step held is incomplete and none damaged (a warning says so:
         the job starts fresh). Raises CorruptCheckpointError, listing what was tried, when steps
         exist but none has a sound copy for every rank and some were damaged (or unreadable)."""
-        listed = self._durable_steps()
-        node, durable = self._shared(self.groups.trainer.all_gather(
-            (sorted(self._node_steps()), sorted(listed) if self.rank == 0 else None)))
-        candidates = sorted(set().union(durable, *map(set, node)), reverse=True)
+        node, durable = self._held_steps()
+        candidates = sorted(node | durable, reverse=True)
         tried: list[str] = []
         verdicts: dict[int, str] = {}
         for step in candidates:
@@ -190,10 +208,11 @@ class Restorer:
         Raises CheckpointNotFoundError when no tier of any rank holds the step, CorruptCheckpointError
         when no sound copy of it is left."""
         listed = self._durable_steps()
-        held, durable = self._shared(self.groups.trainer.all_gather(
-            (step in self._node_steps(), sorted(listed) if self.rank == 0 else None)))
+        mine = step in self._node_steps()
+        held = bool(self.groups.trainer.max_int64([int(mine)])[0]) if self.world > 1 else mine
+        durable = self._listing(listed) if self.world > 1 else listed
         in_durable = step in durable
-        if not (any(held) or in_durable):
+        if not (held or in_durable):
             raise CheckpointNotFoundError(f"no tier holds step {step} of job {self.job}")
         ok, detail, _verdict = self._attempt(state, step, in_durable, per_rank)
         if not ok:
@@ -202,10 +221,8 @@ class Restorer:
 
     def latest(self) -> int | None:
         """The newest step any tier of any rank holds committed (collective)."""
-        listed = self._durable_steps()
-        node, durable = self._shared(self.groups.trainer.all_gather(
-            (sorted(self._node_steps()), sorted(listed) if self.rank == 0 else None)))
-        steps = set().union(durable, *map(set, node))
+        node, durable = self._held_steps()
+        steps = node | durable
         return max(steps) if steps else None
 
     def newest_held(self) -> tuple[int, dict[str, Any], bool] | None:
@@ -236,7 +253,8 @@ class Restorer:
             listed = known if known is not None and step in known else self._listed_durable()
             durable = listed is not None and step in listed
             mine = (self._meta(step, durable), durable, listed is not None)
-        first = self.groups.trainer.all_gather(mine)[0]
+        # Rank 0's answer alone travels: a gather would hand every rank a padded copy per rank.
+        first = self.groups.trainer.broadcast(mine)
         return first[0], (first[1] if first[2] else None)
 
     def _inventory(self, step: int) -> NodeInventory:
@@ -313,7 +331,10 @@ class Restorer:
         node = self._inventory(step)
         mine = sorted((inv.preference, d) for d, inv in node.layouts.items())
         said = (mine, node.holds_any(), node.own)
-        gathered = fg.all_gather(said) if self.world > 1 else [said]
+        # The usual restart: every node holds the step's layouts alike, copies of its own ranks'
+        # among them. One all-reduce says so; only otherwise does every rank gather every rank's.
+        alike = self.world > 1 and _same_everywhere(fg, [said], flags=[not node.holds_any(), not node.own])
+        gathered = [said] * self.world if alike else fg.all_gather(said) if self.world > 1 else [said]
         bare = frozenset(r for r, (_listed, holds, _own) in enumerate(gathered) if not holds)
         # Ranks whose node holds no copy of its own of the step (nothing at all, or only other
         # nodes' replicas): their own copies went with a lost node or to retention, so a part
@@ -332,7 +353,7 @@ class Restorer:
         if in_durable:
             own = self._durable_layout(step)
             known = own is not None and own in preference
-            if not all(fg.all_gather(known) if self.world > 1 else [known]):
+            if (fg.max_int64([int(not known)])[0] if self.world > 1 else not known):
                 order.append(_DURABLE)
         if not order:
             order = [None]  # nothing readable anywhere: one attempt says why (or that a newer reader is needed)
@@ -388,11 +409,16 @@ class Restorer:
             used: set[str] = set()
             missing: PartsMissing | CorruptCheckpointError | None = None
             try:
-                manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}")
+                # A layout of parts is planned from each rank's own part where it can be (the same
+                # world loading the layout it saved), and its layout digest is known to every rank
+                # only when the durable copy may fill in (it is compared with it).
+                manifest = None if from_durable else get_manifest(fg, inv, f"{display}/{MANIFEST}", state,
+                                                                  layout=durable is not None)
             except (PartsMissing, CorruptCheckpointError) as exc:  # alike on every rank: from what all sent
                 manifest, missing = None, exc
-            if manifest is not None and assembled(digest):
-                inv.layout = layout_digest(manifest)
+            # Planned from own parts (alike on every rank): each rank reads its own boxes, and no
+            # rank takes part in a cooperative read, not even to abstain from it.
+            flat = manifest is not None and manifest.planned == "flat"
             try:
                 if missing is not None:
                     raise missing
@@ -439,15 +465,16 @@ class Restorer:
                     opener = _Opener(transfers.sources, inv, excluded, durable.opener(step) if durable else None,
                                      display, used)
                     problem, kind, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers,
-                                                             inv, excluded, bad_owners, share_whole=from_durable)
-                elif not lost:
+                                                             inv, excluded, bad_owners, share_whole=from_durable,
+                                                             cooperate=not flat)
+                elif not lost and not flat:
                     abstain(fg)  # the ranks that load read together; this one does not, and says so
             finally:
                 transfers.close()
             mine: dict[str, Any] = {"fatal": None if fatal is None else f"rank {self.rank}: {fatal}",
                                     "failure": None if fatal is None else failure_record(self.rank, fatal),
                                     "problem": problem, "kind": kind, "retry": retry, "used": sorted(used)}
-            outcomes = fg.all_gather(mine) if self.world > 1 else [mine]
+            outcomes = self._outcomes(mine)
             if any(o["fatal"] for o in outcomes):
                 if fatal is not None:
                     raise fatal  # this rank's own error, as raised
@@ -466,15 +493,33 @@ class Restorer:
             log.warning("ckptstore: %s; retrying with the damaged copies excluded", summary)
         return False, detail
 
+    def _outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's outcome of an attempt (collective). A success everywhere is one all-reduce
+        of a flag and of which tiers were read (a flag per tier name of ckptstore's own tiers: the
+        same vector on every rank, whatever tiers each rank's store has); any failure, or a tier of
+        another name, and every rank gathers every rank's outcome."""
+        fg = self.groups.trainer
+        if self.world == 1:
+            return [mine]
+        odd = (bool(mine["fatal"] or mine["problem"] or mine["kind"] or mine["retry"])
+               or not set(mine["used"]) <= set(_TIER_NAMES))
+        got = fg.max_int64([int(odd)] + [int(n in mine["used"]) for n in _TIER_NAMES])
+        if got[0]:
+            return fg.all_gather(mine)
+        used = [n for n, flag in zip(_TIER_NAMES, got[1:]) if flag]
+        return [{"fatal": None, "failure": None, "problem": "", "kind": "", "retry": False, "used": used}]
+
     def _load(self, state: Any, manifest: Manifest, display: str, opener: _Opener, per_rank: str,
               transfers: Transfers, inv: Inventory, excluded: set[str],
-              bad_owners: set[tuple[str, int]], *, share_whole: bool) -> tuple[str, str, bool, Exception | None]:
+              bad_owners: set[tuple[str, int]], *, share_whole: bool,
+              cooperate: bool = True) -> tuple[str, str, bool, Exception | None]:
         """Load this rank's part; returns (a problem with the copies read, its kind, whether another
         copy is worth a retry, an error of the caller's state). Only a load from the durable tier
         shares the reading of chunks ranks need whole: on the nodes each rank's copy is at hand."""
         try:
             load_manifest(state, manifest, display, opener, group=self.groups.trainer, strict=True, per_rank=per_rank,
-                          buffer_bytes=self.buffer_bytes, decode_per_rank=decode_value, share_whole=share_whole)
+                          buffer_bytes=self.buffer_bytes, decode_per_rank=decode_value, share_whole=share_whole,
+                          cooperate=cooperate)
         except PeerUnavailable as exc:
             bad_owners.update((name, exc.owner) for name in exc.names)
             return str(exc), _OTHER, True, None
@@ -488,12 +533,21 @@ class Restorer:
         return "", "", False, None
 
 
+def _same_everywhere(group: Any, value: Any, flags: Sequence[bool] = ()) -> bool:
+    """Whether every rank of ``group`` holds the same ``value`` (JSON-able) and no rank raises any
+    of ``flags``: one all-reduce of a 62-bit hash, its negation and the flags."""
+    h = xxhash.xxh3_64_intdigest(json.dumps(value, separators=(",", ":")).encode()) >> 2
+    got = group.max_int64([h, -h, *map(int, flags)])
+    return got[0] == -got[1] and not any(got[2:])
+
+
 def _steps(verdicts: dict[int, str]) -> str:
     steps = sorted(verdicts)
     return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
 
 
 _DURABLE = "durable"  # the durable tier's own layout, tried after every layout the nodes hold
+_TIER_NAMES = ("durable", "local", "peer", "ram")  # what an attempt reports it read from, as flags
 
 
 class _Lazy:

@@ -97,7 +97,8 @@ class NodePart:
     """One rank's part of a step as a node copy records it instead of the whole manifest: the
     rank's chunk table (``part``), the step's ``meta`` (step, job, cadence, world size, save id)
     and the header of the rank's structure (tree, tensor table, layouts), at ``where``. A restore
-    assembles the step's manifest from every rank's part (engine/exchange.py)."""
+    plans each rank's load from its own part, or assembles the step's manifest from every rank's
+    part (engine/exchange.py)."""
 
     rank: int
     part: dict[str, Any]
@@ -243,7 +244,7 @@ def manifest_of_parts(parts: list[NodePart], where: str, *, partial: bool = Fals
         raise CorruptCheckpointError(f"{where}: a part's meta names no world size", location=where)
     missing = [r for r in range(world) if r not in by_rank]
     if missing and not partial:
-        raise PartsMissing(f"{where}: no node holds the parts of ranks {_ranks(missing)}", ranks=missing)
+        raise PartsMissing(f"{where}: no node holds the parts of ranks {ranks_shown(missing)}", ranks=missing)
     headers: dict[str, tuple[int, dict[str, Any]]] = {}
     present = sorted(by_rank)
     for r in present:
@@ -254,7 +255,7 @@ def manifest_of_parts(parts: list[NodePart], where: str, *, partial: bool = Fals
     headless = [r for r in present if str(by_rank[r].part.get("digest", "")) not in headers]
     if headless:
         raise PartsMissing(f"{where}: no node holds the tree and tensor table of the structure of ranks "
-                           f"{_ranks(headless)}", ranks=headless)
+                           f"{ranks_shown(headless)}", ranks=headless)
     try:
         shared = merge_structures(sorted(headers.values(), key=lambda h: h[0]), where)
         tensors = {k: (v[0], tuple(v[1])) for k, v in shared["tensors"].items()}
@@ -267,6 +268,7 @@ def manifest_of_parts(parts: list[NodePart], where: str, *, partial: bool = Fals
     return manifest
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_shown(ranks: list[int]) -> str:
+    """At most eight ranks of ``ranks``, and how many more, for messages."""
     shown = ", ".join(map(str, ranks[:8]))
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
