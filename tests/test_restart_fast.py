@@ -109,6 +109,18 @@ if mode == "restart":
            holding_before_second_save=holding_before_second_save, messages=messages)
     die()
 
+if mode == "restart_released":
+    holding = newest_slot()
+    other = slot_path(1 - holding)
+    store = CheckpointStore(job, ram_dir=ram_dir, local=local)
+    assert mapped_within(other)
+    os.unlink(other)  # released, as a node agent does once the step it held is persisted
+    target = blank()
+    step = store.restore(target)
+    store.save(step + 1, state(step + 1)).wait("local")
+    report(step=step)
+    die()
+
 if mode == "restart_bare":
     store = CheckpointStore(job, ram_dir=ram_dir, local=local)
     first_at_start = mapped_within(slot_path(0))
@@ -215,6 +227,20 @@ def test_a_restart_on_a_node_whose_segments_were_released_makes_its_first_slot_b
     assert any("restored step 2 from the local tier" in m for m in got["messages"]), got["messages"]
     assert got["first_at_start"], "the first save's slot was not made before the first save"
     assert got["second_before_second_save"], "the second save's slot was not made before the second save"
+    again = _run(job, shm, local, "restore", killed=False)
+    assert again["step"] == 3 and again["equal"], again
+    assert any("restored step 3 from the ram tier" in m for m in again["messages"]), again["messages"]
+
+
+def test_a_slot_released_after_it_was_mapped_ahead_is_made_again(job, shm, tmp_path):
+    """A restarted rank mapped its free slot ahead; before its first save the segment is released
+    (a node agent does so once its step is persisted, if it looked before the mapping). The save
+    does not stage into the mapping of a file no longer there: the next restart finds the new
+    step in RAM."""
+    local = tmp_path / "local"
+    _run(job, shm, local, "first")
+    got = _run(job, shm, local, "restart_released")
+    assert got["step"] == 2, got
     again = _run(job, shm, local, "restore", killed=False)
     assert again["step"] == 3 and again["equal"], again
     assert any("restored step 3 from the ram tier" in m for m in again["messages"]), again["messages"]

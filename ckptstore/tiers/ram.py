@@ -369,13 +369,17 @@ class RamTier(Tier):
     def _slot(self, index: int, size: int) -> Slot:
         prepared = self._claim_prepared(index)
         if prepared is not None:
-            if prepared.size == size and not self.private:
+            # Mapped before this store could hold a node agent off: an agent that released the
+            # segment since (its step persisted, no process mapping it when it looked) left the
+            # mapping on a file no longer in ram_dir, where nothing staged would be found again.
+            there = prepared.identity == _identity(prepared.path)
+            if prepared.size == size and not self.private and there:
                 if index in self._slots:
                     self._slots[index].release()
                 self._slots[index] = prepared
             else:
                 prepared.release()
-                if prepared.made_ahead:
+                if prepared.made_ahead and there:
                     # It never held a snapshot: gone, as if never made, so that a size this
                     # directory cannot hold leaves no segment behind (_map_segment removes only
                     # what it created).
@@ -970,6 +974,14 @@ def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool) -> Ho
         else:
             held.manifests.append((doc["extra"]["manifest"].encode(), path))
     return held
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _reserved_size(path: str) -> int | None:
