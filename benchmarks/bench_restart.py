@@ -192,9 +192,9 @@ def main() -> None:
         return
     from ckptstore._local_s3 import start_local_s3
 
+    s3 = start_local_s3(server="seaweedfs")  # first: a server that does not start leaves no directories
     work = tempfile.mkdtemp(prefix="bench-restart-")
     ram_root = tempfile.mkdtemp(prefix="bench-restart-", dir="/dev/shm")
-    s3 = start_local_s3(server="seaweedfs")
     job = f"restart-{uuid.uuid4().hex[:8]}"
     cfg = {"job": job, "work": work, "rendezvous": os.path.join(work, "rendezvous"), "layers": args.layers,
            "background_nice": args.background_nice,
