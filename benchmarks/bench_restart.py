@@ -2,8 +2,10 @@
 replicas + durable on a local SeaweedFS server + the node agent) is started, saves a few steps,
 is killed with SIGKILL (both ranks), and is started again, ``--rounds`` times. Each rank of every
 start times, from the moment the launcher spawned it: the imports, the process group, the store's
-construction (split into its parts), the restore (split likewise), and the first two saves'
-blocking time; the round's figure per phase is the slower rank's.
+construction (split into its parts), the restore (split likewise), the first two saves' blocking
+time and the median blocking of the three saves after them (steady: slots mapped and warm), each
+save starting once the one before it is persisted (as with training steps between saves); the
+round's figure per phase is the slower rank's.
 
     python benchmarks/bench_restart.py [--layers 4] [--rounds 3] [--out /tmp/restart]
 
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agents import agent_pids  # noqa: E402 - shared by the benchmark scripts
 
 WORLD = 2
+_SAVES = 5  # after each start: the first two, and three steady ones (their median)
 
 # (module, class or None, attribute, phase): what each rank times inside the store.
 _SPANS = [
@@ -50,6 +53,15 @@ _SPANS = [
     ("ckptstore.engine.restore", "Restorer", "meta_of", "restore.meta"),
     ("ckptstore.engine.store", "CheckpointStore", "_drop_dead_branch", "restore.dead_branch"),
     ("ckptstore.engine.pipeline", "Pipeline", "promote_restored", "restore.promote"),
+    # Mapping a RAM slot's segment (reserving and faulting in its pages), on whichever thread does it.
+    ("ckptstore.tiers.ram", None, "_map_segment", "slots.map_any_thread"),
+    # The trainer's part of a save, reported per save (saveN.*): see worker().
+    ("ckptstore.engine.pipeline", "Pipeline", "_collect", "save.collect"),
+    ("ckptstore.engine.pipeline", "Pipeline", "_vote", "save.vote"),
+    ("ckptstore.engine.pipeline", "Pipeline", "_plan", "save.plan"),
+    ("ckptstore.engine.pipeline", "Pipeline", "_wait_for_slot", "save.wait_for_slot"),
+    ("ckptstore.tiers.ram", "RamTier", "_slot", "save.slot"),
+    ("ckptstore.tiers.ram", "RamTier", "stage", "save.stage"),
 ]
 
 
@@ -111,12 +123,25 @@ def worker(cfg: dict[str, Any], rank: int) -> None:
     marks["restore"] = time.time() - t
     marks["resumed_after_spawn"] = time.time() - spawned
     step = found or 0
-    for i in range(2):
+    steady = []
+    for i in range(_SAVES):
         step += 1
+        before = {k: v for k, v in spans.items() if k.startswith("save.")}
         t = time.time()
-        store.save(step, state)
-        marks[f"save{i + 1}_blocking"] = time.time() - t
-    store.save(step + 1, state).wait("local")
+        handle = store.save(step, state)
+        blocked = time.time() - t
+        if i < 2:
+            marks[f"save{i + 1}_blocking"] = blocked
+            for k, v in spans.items():
+                if k.startswith("save.") and k != "save.sweep_wait":
+                    marks[f"save{i + 1}.{k[5:]}"] = v - before.get(k, 0.0)
+        else:
+            steady.append(blocked)
+        # A crash loop trains between saves: each save here starts once the previous one is
+        # persisted everywhere it goes, so its blocking is its own, not a wait for the last one.
+        for tier in ("local", "peer", "durable"):
+            handle.wait(tier)
+    marks["steady_save_blocking"] = statistics.median(steady)
     out = {"rank": rank, "restored": found, "marks": marks, "spans": spans}
     with open(os.path.join(cfg["work"], f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
@@ -167,9 +192,9 @@ def main() -> None:
         return
     from ckptstore._local_s3 import start_local_s3
 
+    s3 = start_local_s3(server="seaweedfs")  # first: a server that does not start leaves no directories
     work = tempfile.mkdtemp(prefix="bench-restart-")
     ram_root = tempfile.mkdtemp(prefix="bench-restart-", dir="/dev/shm")
-    s3 = start_local_s3(server="seaweedfs")
     job = f"restart-{uuid.uuid4().hex[:8]}"
     cfg = {"job": job, "work": work, "rendezvous": os.path.join(work, "rendezvous"), "layers": args.layers,
            "background_nice": args.background_nice,

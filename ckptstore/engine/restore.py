@@ -94,9 +94,9 @@ class Restorer:
         self._prelisted = durable_listing
         self._last_listed: set[int] | None = None
         # The start's listing, taken again by the first question after it unless a save came
-        # between (forget_listing): a restart asks for the newest step held, then restores, and
-        # nothing of this job can have reached the durable tier in between but a node agent's
-        # commit of a step the nodes hold anyway (a candidate through them).
+        # between (forget_listing): a restart restores and asks for the newest step held (in
+        # either order), and nothing of this job can have reached the durable tier in between but
+        # a node agent's commit of a step the nodes hold anyway (a candidate through them).
         self._reusable: set[int] | None = None
         self.check, self.peer_timeout_s = check, peer_timeout_s
         self.rank, self.world = groups.rank, groups.world
@@ -138,6 +138,10 @@ class Restorer:
         """A save is under way: the next question lists the durable tier afresh."""
         self._reusable = None
 
+    def _listing_pending(self) -> bool:
+        """Whether rank 0's listing of the durable tier, started with the store, is still under way."""
+        return self.rank == 0 and self._prelisted is not None and not self._prelisted.done()
+
     @staticmethod
     def _shared(gathered: list[tuple[Any, list[int] | None]]) -> tuple[list[Any], set[int]]:
         """Every rank's own answer, and rank 0's listing of the durable tier, from one gather."""
@@ -153,13 +157,16 @@ class Restorer:
         ranks usually hold the same steps: one all-reduce of a hash of each rank's list says so,
         and only when the lists differ does every rank gather every rank's."""
         listed = self._durable_steps()
+        union = self._node_union()
+        return union, (self._listing(listed) if self.world > 1 else listed)
+
+    def _node_union(self) -> set[int]:
+        """The steps any rank's node holds something of (collective)."""
         mine = sorted(self._node_steps())
         if self.world == 1:
-            return set(mine), listed
+            return set(mine)
         fg = self.groups.trainer
-        ours = _same_everywhere(fg, mine)
-        union = set(mine) if ours else set().union(*map(set, fg.all_gather(mine)))
-        return union, self._listing(listed)
+        return set(mine) if _same_everywhere(fg, mine) else set().union(*map(set, fg.all_gather(mine)))
 
     def _node_steps(self) -> set[int]:
         return set().union(*(t.node_steps() for t in self.node_tiers))
@@ -170,7 +177,18 @@ class Restorer:
         holds any step, or when every step held is incomplete and none damaged (a warning says so:
         the job starts fresh). Raises CorruptCheckpointError, listing what was tried, when steps
         exist but none has a sound copy for every rank and some were damaged (or unreadable)."""
-        node, durable = self._held_steps()
+        # While the start's listing of the durable tier is under way (rank 0 lists), the node tiers'
+        # newest step is loaded meanwhile; it stands only if the listing then shows no newer step (_early).
+        pending = self._listing_pending()
+        if self.world > 1:
+            pending = bool(self.groups.trainer.max_int64([int(pending)])[0])
+        if pending:
+            node = self._node_union()
+            found, durable = self._early(state, per_rank, node)
+            if found is not None:
+                return found
+        else:
+            node, durable = self._held_steps()
         candidates = sorted(node | durable, reverse=True)
         tried: list[str] = []
         verdicts: dict[int, str] = {}
@@ -191,6 +209,21 @@ class Restorer:
         if tried:
             raise CorruptCheckpointError("no sound copy of any checkpoint of this job: " + "; ".join(tried))
         return Found(None)
+
+    def _early(self, state: Any, per_rank: str, held: set[int]) -> tuple[Found | None, set[int]]:
+        """Load the newest step the nodes hold while rank 0's listing of the durable tier finishes,
+        then take the listing (collective). Returns what the restore found when that step loaded
+        and the durable tier holds nothing newer (what trying the candidates newest first would
+        have found), else None, and the durable tier's steps for the candidates' full list."""
+        step = max(held, default=None)
+        # Not in the durable tier as far as this attempt knows: a part the nodes lack fails it,
+        # and the candidates are then tried with the listing, this step first again.
+        ok, detail = (False, "") if step is None else self._attempt(state, step, False, per_rank)[:2]
+        listed = self._durable_steps()
+        durable = self._listing(listed) if self.world > 1 else listed
+        if step is None or not ok or any(s > step for s in durable):
+            return None, durable
+        return self._found(step, detail, {}, durable, sorted(held | durable, reverse=True)), durable
 
     @staticmethod
     def _found(step: int | None, tiers: str, verdicts: dict[int, str], durable: set[int],
@@ -225,21 +258,27 @@ class Restorer:
         steps = node | durable
         return max(steps) if steps else None
 
-    def newest_held(self) -> tuple[int, dict[str, Any], bool] | None:
+    def newest_held(self, *, wait: bool = True) -> tuple[tuple[int, dict[str, Any], bool] | None, bool]:
         """The newest step any tier of any rank holds committed, its manifest's ``meta`` and whether
         the durable tier holds it (collective); None when there is none. What a new store counts on
-        from: steps only grow past it, and its cadence continues."""
-        listed = self._durable_steps()  # rank 0's: the other ranks learn it from the gather
+        from: steps only grow past it, and its cadence continues.
+
+        ``wait=False``: while rank 0's start-up listing of the durable tier is under way, the node
+        tiers' answer alone, without waiting for it; the second value says so (the same on every
+        rank), and the caller asks again (waiting) before it relies on the answer."""
+        pending = not wait and self._listing_pending()
+        listed = set() if pending else self._durable_steps()  # rank 0's: the others learn it from the gather
         newest = max(self._node_steps() | listed, default=None)
         mine = None if newest is None else (newest, self._meta(newest, newest in listed))
-        answers, durable = self._shared(self.groups.trainer.all_gather(
-            (mine, sorted(listed) if self.rank == 0 else None)))
+        gathered = self.groups.trainer.all_gather((mine, sorted(listed) if self.rank == 0 else None, pending))
+        answers, durable = self._shared([(m, held) for m, held, _pending in gathered])
+        pending = gathered[0][2]
         found = [m for m in answers if m is not None]
         if not found:
-            return None
+            return None, pending
         step = max(m[0] for m in found)
         meta: dict[str, Any] = next((m[1] for m in found if m[0] == step and m[1] is not None), {})
-        return step, meta, step in durable
+        return (step, meta, step in durable), pending
 
     def meta_of(self, step: int) -> tuple[dict[str, Any], bool | None]:
         """The ``meta`` of ``step``'s manifest as this node or the durable tier holds it, and whether

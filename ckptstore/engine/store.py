@@ -27,10 +27,10 @@ from typing import Any
 
 from .._aio import LoopThread
 from .._gc import gc_paused
-from ..collective import StoreGroups, store_groups
+from ..collective import Group, StoreGroups, store_groups
 from ..errors import CheckpointError, InvalidArgumentError
 from ..goodput.tracker import GoodputTracker
-from ..names import PEER_DIR
+from ..names import PEER_DIR, data_file, step_dir
 from ..planning.placement import node_of_ranks, replica_holders, replicas_held
 from ..tiers.directory import DirectoryTier, committed_steps
 from ..tiers.peer import PeerTier
@@ -159,6 +159,7 @@ class CheckpointStore:
         self.peer: PeerTier | None = None
         self._agent_lock: int | None = None  # the stores lock, held shared while this store is open
         self._sweeping: concurrent.futures.Future[None] | None = None  # the durable sweep (rank 0)
+        self._held_pending = False  # the newest step held is the node tiers' answer only (_settle)
         try:
             self._start(process_group)
         except BaseException:
@@ -167,24 +168,10 @@ class CheckpointStore:
 
     def _start(self, process_group: Any) -> None:
         opts = self.options
-        self._groups: StoreGroups = store_groups(process_group, opts.timeout_s, opts.peer.timeout_s)
-        trainer = self._groups.trainer
-        self.rank, self.world = trainer.rank, trainer.world
-        # Which node each rank runs on decides where replicas go: never on the source's node.
-        self.nodes = node_of_ranks(trainer.all_gather(_node_identity(opts.peer.node, self.rank)))
-        holders = replica_holders(self.nodes, opts.peer.replicas)
-        # Of the ranks sharing a local directory (one node), the lowest writes its manifests, sweeps
-        # it and applies retention; rank 0 does so for the shared durable URL.
-        where = (socket.gethostname(), os.path.realpath(opts.local) if opts.local else None)
-        sharing = trainer.all_gather(where)
-        local_owner = self.rank == min(r for r, w in enumerate(sharing) if w == where)
-        self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2, fallback=opts.ram_fallback,
-                           lower={"local": opts.local, "durable": opts.durable.url})
-        # Recorded with every committed snapshot: what the node agent persists when this process dies.
-        self.ram.store_info = {"local": opts.local is not None, "durable": opts.durable.url is not None,
-                               "durable_compression": opts.durable.compression}
-        self.local = (DirectoryTier("local", opts.local, manifest_writer=local_owner, tuning=opts.tuning,
-                                    node_local=True) if opts.local else None)
+        # What needs no other rank starts before the store's groups (0.2-0.6 s of gloo): rank 0's
+        # listing of the durable tier (an object store's client and requests, the longest part of a
+        # start) and the mapping of this rank's RAM slots, both in the background.
+        self.rank = Group(process_group).rank
         self.durable = (DirectoryTier("durable", opts.durable.url, storage_options=opts.durable.storage_options,
                                       codec=opts.durable.compression, manifest_writer=self.rank == 0, tuning=opts.tuning)
                         if opts.durable.url else None)
@@ -196,6 +183,28 @@ class CheckpointStore:
             # Built meanwhile, by a thread at the trainer's priority: a restored step's promotion
             # or the first one due would otherwise wait for it (s3fs's imports and its client).
             threading.Thread(target=self.durable.warm, name="ckptstore-durable-client", daemon=True).start()
+        self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2, fallback=opts.ram_fallback,
+                           lower={"local": opts.local, "durable": opts.durable.url})
+        # Recorded with every committed snapshot: what the node agent persists when this process dies.
+        self.ram.store_info = {"local": opts.local is not None, "durable": opts.durable.url is not None,
+                               "durable_compression": opts.durable.compression}
+        # The slots are mapped off the trainer's path: now those a previous process of this rank
+        # left (a restart), after each save the ones the next saves take.
+        self.ram.prepare_ahead = True
+        self.ram.prepare()
+        self._groups: StoreGroups = store_groups(process_group, opts.timeout_s, opts.peer.timeout_s)
+        trainer = self._groups.trainer
+        self.rank, self.world = trainer.rank, trainer.world
+        # Which node each rank runs on decides where replicas go: never on the source's node.
+        self.nodes = node_of_ranks(trainer.all_gather(_node_identity(opts.peer.node, self.rank)))
+        holders = replica_holders(self.nodes, opts.peer.replicas)
+        # Of the ranks sharing a local directory (one node), the lowest writes its manifests, sweeps
+        # it and applies retention; rank 0 does so for the shared durable URL.
+        where = (socket.gethostname(), os.path.realpath(opts.local) if opts.local else None)
+        sharing = trainer.all_gather(where)
+        local_owner = self.rank == min(r for r, w in enumerate(sharing) if w == where)
+        self.local = (DirectoryTier("local", opts.local, manifest_writer=local_owner, tuning=opts.tuning,
+                                    node_local=True) if opts.local else None)
         self.peer = PeerTier(opts.job, self.rank, ram_dir=opts.ram_dir, group=self._groups.peer,
                              send_to=holders[self.rank], hold_for=replicas_held(holders, self.rank),
                              local_root=opts.local, to_local=opts.peer.to_local, keep=opts.keep_local,
@@ -221,11 +230,46 @@ class CheckpointStore:
         # A new store takes up where the job's tiers left off: steps only grow past the newest one
         # any tier holds (a committed step is never saved again), and the promotion and replication
         # cadence counts on from it, so a job that keeps crashing still reaches the durable tier.
-        newest = self._restorer.newest_held()
+        # The constructor does not wait for the durable tier's listing (an object store's client and
+        # requests: most of a start): the node tiers answer now, and the first collective call
+        # (restore, once it loaded the nodes' newest step; save; latest_step) completes the answer.
+        newest, self._held_pending = self._restorer.newest_held(wait=False)
+        self._resume_from(newest)
+        if newest is not None:
+            # Resuming: a crash loop repeats this start, so the slots a node agent released are
+            # made again off the trainer's path, the first save's now and the next after it.
+            self.ram.make_ahead = True
+            self._prepare_first_slot(newest[0])
+
+    def _prepare_first_slot(self, step: int) -> None:
+        """Make the first save's slot in the background when this node has none of this rank's
+        segments left (a node agent released them after persisting what the crashed process left,
+        or the node was replaced): its size is that of this rank's local data file of ``step``,
+        which holds the slot's bytes, and the restore of that step, then training, run meanwhile.
+        A state that changed size since is staged into a slot the save resizes, as it would be."""
+        assert self.ram is not None
+        opts = self.options
+        if opts.local is None:
+            return
+        try:
+            size = os.path.getsize(os.path.join(opts.local, step_dir(step), data_file(self.rank)))
+        except OSError:
+            return
+        if opts.ram_budget_bytes is None or size <= opts.ram_budget_bytes:
+            self.ram.prepare(size, only_next=True)
+
+    def _resume_from(self, newest: tuple[int, dict[str, Any], bool] | None) -> None:
         if newest is not None:
             step, meta, in_durable = newest
             self._pipeline.last_step = step
             self._pipeline.resume(meta, durable_holds_it=in_durable)
+
+    def _settle(self) -> None:
+        """The newest step held, with the durable tier's listing, when the constructor answered
+        without it (collective: every rank decided alike from rank 0's word)."""
+        if self._held_pending:
+            self._held_pending = False
+            self._resume_from(self._restorer.newest_held()[0])
 
     def _sweep(self, local_owner: bool) -> None:
         if self.local is not None and local_owner:
@@ -289,6 +333,7 @@ class CheckpointStore:
         here (once), with its original class.
         """
         self._check_open()
+        self._settle()
         self._swept()
         self._restorer.forget_listing()
         return self._pipeline.save(step, state)
@@ -357,9 +402,10 @@ class CheckpointStore:
         assert self._tracker is not None
         t0 = time.perf_counter()
         self._pipeline.drain()
-        last = self._pipeline.last_step
         if step is None:
             result = self._restorer.newest(state, per_rank)
+            self._settle()  # after the restore took the durable listing: it is known by then
+            last = self._pipeline.last_step
             found, tiers = result.step, result.tiers
             if result.dead:
                 self._drop_dead_branch(result.dead, found)
@@ -371,6 +417,8 @@ class CheckpointStore:
                     self._pipeline.last_step = last
                     self._pipeline.resume({}, durable_holds_it=False)  # the cadence was the dead branch's
         else:
+            self._settle()
+            last = self._pipeline.last_step
             found, tiers = step, self._restorer.exact(state, step, per_rank)
         seconds = round(time.perf_counter() - t0, 6)
         if found is None:
@@ -431,6 +479,7 @@ class CheckpointStore:
         None when there is none. A restarted job resumes numbering after it."""
         self._check_open()
         self._pipeline.drain()
+        self._settle()
         return self._restorer.latest()
 
     # ------------------------------------------------------------------------------ closing
@@ -454,6 +503,8 @@ class CheckpointStore:
             self._swept()
             self._pipeline.close()
             if not keep_ram:
+                assert self.ram is not None
+                self.ram.stop_preparing()  # a segment made after the listing below would stay behind
                 self._release_ram()
         finally:
             self._release()
@@ -562,7 +613,13 @@ class CheckpointStore:
 
     @property
     def last_step(self) -> int | None:
-        """The newest step this store saved or restored (steps only grow); None before either."""
+        """The newest step this store saved or restored (steps only grow), else the newest one the
+        tiers held at its start; None when there is none. The constructor does not wait for the
+        durable tier's listing: in a process group, until the first restore, save or latest_step
+        (collective calls, which take it in), the durable tier counts here only if its listing had
+        come back by the end of the constructor; a single process takes it in here."""
+        if self._held_pending and self.world == 1:
+            self._settle()
         return self._pipeline.last_step
 
     @property
