@@ -221,3 +221,31 @@ def test_a_damaged_document_is_refused_and_the_older_step_restores(tmp_path, job
     found, target = _restore_from_ram(job, local, mesh, states[0])
     assert found == 1
     assert_same(_plain(target), _plain(states[0]), "step 1 after step 2's document was cut short")
+
+
+def test_sources_copied_by_address_and_the_rest_stay_bitwise(tmp_path, job, mesh):
+    """While the structure holds, the pipeline lets the RAM tier copy small contiguous CPU sources
+    by address (Slot.copy_small). A state that mixes them with what must not go that way (a
+    transposed view, a complex tensor, a parameter that requires grad, one past 64 KiB) restores
+    bitwise at every save, its values changed in place in between; the complex and transposed
+    ones keep the whole state on torch's copy, and without them the address copy is taken."""
+    g = torch.Generator().manual_seed(5)
+    mixed = {"small": torch.randn(3, 5, generator=g), "t": torch.randn(6, 4, generator=g).t(),
+             "z": torch.randn(4, generator=g, dtype=torch.complex64),
+             "p": torch.nn.Parameter(torch.randn(7, generator=g)), "large": torch.randn(1 << 15, generator=g)}
+    plain = {k: v for k, v in mixed.items() if k not in ("t", "z")}
+    local = str(tmp_path / "local")
+    for state, by_address in ((mixed, False), (plain, True)):
+        with CheckpointStore(job, local=local) as store:
+            start = (store.last_step or 0) + 1
+            for step in range(start, start + 3):
+                with torch.no_grad():
+                    for value in state.values():
+                        value.add_(1)
+                store.save(step, state).wait("local")
+                assert store._pipeline._planned is not None
+                assert store._pipeline._planned.plain is by_address
+                target = {k: torch.zeros_like(v.detach()) for k, v in state.items()}
+                with _ram_only(local):
+                    assert store.restore(target, step=step) == step
+                assert_same(target, {k: v.detach() for k, v in state.items()}, f"step {step}")
