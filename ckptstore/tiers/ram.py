@@ -170,8 +170,11 @@ class Layout:
 
     @functools.cached_property
     def encoded(self) -> bytes:
-        """:meth:`to_json` as a document's compact JSON: encoded once per layout, not at every commit."""
-        return _compact(self.to_json()).encode()
+        """:meth:`to_json` as a document's compact JSON: encoded once per layout, not at every commit
+        (formatted here rather than through 10,000 dicts: the same text, tests/test_ram_doc.py)."""
+        text = ",".join(f'{{"key":{_string(e.key)},"dtype":{_string(e.dtype)},"shape":{_ints(e.shape)},'
+                        f'"offset":{e.offset},"nbytes":{e.nbytes}}}' for e in self.entries)
+        return f"[{text}]".encode()
 
 
 class Slot:
@@ -877,6 +880,15 @@ def _compact(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+# JSON's own encoding of a string (ASCII, as _compact's), and of a list of ints, for texts formatted
+# without building their objects.
+_string = json.encoder.encode_basestring_ascii
+
+
+def _ints(values: Any) -> str:
+    return "[" + ",".join(map(int.__repr__, values)) + "]"
+
+
 # A hole in a document's skeleton (see _spliced): no member of a document holds a NUL character
 # (job names, paths, host names and digests cannot), so its JSON text appears nowhere else.
 _HOLE = "\x00ckptstore-hole\x00"
@@ -919,8 +931,9 @@ class _Template:
         self.sums_heads: list[str] = []
         self.chunk_tails: list[str] = []
         self.empty: list[int] = []
+        quoted = _string(file)
         for i, e in enumerate(layout.entries):
-            key = ("," if i else "") + _compact(e.key) + ":"
+            key = ("," if i else "") + _string(e.key) + ":"
             self.sums_heads.append(key + '{"checksum":"')
             if not e.nbytes and e.shape:
                 self.bases.append(None)
@@ -928,12 +941,11 @@ class _Template:
                 self.chunk_tails.append("")
                 self.empty.append(i)
                 continue
-            base = {"offsets": list(boxes.get(e.key, (0,) * len(e.shape))), "sizes": list(e.shape), "file": file,
-                    "offset": e.offset, "length": e.nbytes, "codec": "raw", "checksum": None, "block_size": None,
-                    "block_checksums": None}
-            text = _compact(base)
-            self.bases.append(base)
-            self.chunk_heads.append(key + "[" + text[: text.rindex('"checksum":null')] + '"checksum":"')
+            offsets, sizes = list(boxes.get(e.key, (0,) * len(e.shape))), list(e.shape)
+            self.bases.append({"offsets": offsets, "sizes": sizes, "file": file, "offset": e.offset, "length": e.nbytes,
+                               "codec": "raw", "checksum": None, "block_size": None, "block_checksums": None})
+            self.chunk_heads.append(f'{key}[{{"offsets":{_ints(offsets)},"sizes":{_ints(sizes)},"file":{quoted},'
+                                    f'"offset":{e.offset},"length":{e.nbytes},"codec":"raw","checksum":"')
             self.chunk_tails.append(_CHUNK_TAIL)
 
     def chunks(self, staged: Staged) -> dict[str, list[dict[str, Any]]]:
