@@ -164,6 +164,21 @@ def test_the_tier_writes_the_full_encoding_with_reused_frozen_bytes(job):
         tier.close(unlink=True)
 
 
+def test_a_state_without_tensors_commits_and_restores(tmp_path, job):
+    """No entry at all in the slot: the document's tables are empty, and the state restores."""
+    local = str(tmp_path / "local")
+    with CheckpointStore(job, local=local) as store:
+        for step in (1, 2):
+            store.save(step, {"step": step, "note": "no tensors"}).wait("local")
+            path, raw, doc = _doc_of(job, step)
+            assert doc["layout"] == [] and doc["checksums"] == {} and doc["extra"]["part"]["chunks"] == {}
+            assert raw == _compact(doc) and doc_part(doc, path) is not None
+            target: dict[str, Any] = {"step": None, "note": None}
+            with _ram_only(local):
+                assert store.restore(target, step=step) == step
+            assert target == {"step": step, "note": "no tensors"}
+
+
 def _two_steps(tmp_path, job, mesh) -> tuple[str, list[dict[str, Any]]]:
     local = str(tmp_path / "local")
     states = [_states(mesh)[i][1] for i in (0, 1)]

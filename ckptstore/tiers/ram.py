@@ -277,7 +277,7 @@ class Staged:
     digests: list[str] | None = None
     blocked: tuple[int, ...] = ()
     # The chunk table RamTier.snapshot built from its _Template: a commit whose part holds this very
-    # table encodes its document from the template (_fast_doc).
+    # table encodes its document from the template (RamTier._extra_text).
     chunks: dict[str, list[dict[str, Any]]] | None = None
     template: _Template | None = None
 
@@ -992,6 +992,8 @@ class _Template:
     def _filled(heads: list[str], staged: Staged, tails: list[str], empty: Any) -> bytes:
         assert staged.digests is not None
         n = len(heads)
+        if not n:
+            return b"{}"
         pieces = [""] * (3 * n)
         pieces[0::3] = heads
         pieces[1::3] = staged.digests
