@@ -25,6 +25,9 @@ class StepJob:
     boxes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     layout: Layout | None = None  # the slot layout of what this rank stages, once planned
     frozen_end: int = 0
+    # Every staged tensor is a contiguous CPU tensor of a real dtype, vouched for by a fingerprint
+    # equal to the one it was checked under: the RAM tier may copy them by address.
+    plain: bool = False
     snap: Snapshot | None = None
     replicate: bool = False
     promote: bool = False

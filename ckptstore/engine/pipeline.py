@@ -48,6 +48,7 @@ import torch
 
 from .._aio import LoopThread
 from .._faults import crashpoint
+from .._gc import gc_paused, paused
 from ..checkpoint.materialize import encode_value
 from ..checkpoint.sharded import (
     BLOCK_SIZE,
@@ -202,6 +203,10 @@ class _Planned:
     shared: dict[str, Any]
     header: dict[str, Any]
     boxes: dict[str, tuple[int, ...]]
+    # Every staged tensor is a contiguous CPU tensor of a real dtype: what the fingerprint holds of
+    # them (dtype, shape, strides, device; the views' geometry is the plan's) keeps them so while the
+    # key is equal. Complex ones are left out: a conjugate or negative view bit is not in the key.
+    plain: bool = False
 
 
 class Pipeline:
@@ -419,7 +424,8 @@ class Pipeline:
         return _Planned(key=found.fingerprint[1], structure=structure, digest=job.digest,
                         names=[name for name, _ in items], order=order,
                         views=views if any(v is not None for v in views) else None, frozen_count=frozen_count,
-                        breaks=breaks, layout=job.layout, shared=job.shared, header=job.header, boxes=job.boxes)
+                        breaks=breaks, layout=job.layout, shared=job.shared, header=job.header, boxes=job.boxes,
+                        plain=all(t.device.type == "cpu" and t.is_contiguous() and not t.is_complex() for _, t in items))
 
     def _reuse(self, job: StepJob, found: tuple[list[Any], list[Any]] | None) -> tuple[list[tuple[str, Any]], int, frozenset[int]] | None:
         """The last save's plan with this save's tensors in it, when nothing structural changed:
@@ -448,7 +454,7 @@ class Pipeline:
                 planned = self._planned = dataclasses.replace(planned, layout=moved, header=header,
                                                               shared=header if planned.shared else {})
         job.digest, job.shared, job.boxes, job.layout = planned.digest, planned.shared, planned.boxes, planned.layout
-        job.header = planned.header
+        job.header, job.plain = planned.header, planned.plain
         if planned.views is None:
             # zip and map, not a comprehension: no bytecode per tensor.
             items = list(zip(planned.names, map(leaves.__getitem__, planned.order)))
@@ -555,7 +561,7 @@ class Pipeline:
         may_skip = frozenset(k for k, _ in items[:frozen_count])
         try:
             job.staged = self.ram.stage(job.step, items, may_skip=may_skip, breaks=breaks, slot=slot,
-                                        refresh_every=self.options.refresh_every, layout=job.layout)
+                                        refresh_every=self.options.refresh_every, layout=job.layout, plain=job.plain)
         except BaseException as exc:
             job.error = exc  # the pipeline still runs, so the other ranks learn of it and nobody hangs
             if self.world == 1:
@@ -631,8 +637,13 @@ class Pipeline:
             assert job.staged is not None
             crashpoint("ram.staged", str(job.step))
             t_hash = time.perf_counter()
-            await asyncio.to_thread(self.ram.checksums, job.staged, BLOCK_SIZE)
-            job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
+            # Both make an object or two per tensor, which the next save's still hold: with the
+            # collector on, their allocations set off collections that walk every live object (the
+            # trainer's state too), tens of milliseconds each at 10,000 tensors. It is paused
+            # around them as around a save, never across a collective.
+            await asyncio.to_thread(gc_paused(self.ram.checksums), job.staged, BLOCK_SIZE)
+            with paused():
+                job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
             self._stage_timings(job, time.perf_counter() - t_hash)
             part = await self.ram.put(job.snap)
             part["sdc"] = self.check.digest(job)

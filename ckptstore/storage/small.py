@@ -46,15 +46,16 @@ def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
         raise StorageError(f"cannot open {path}: {exc.strerror or exc}{link}", errno=exc.errno) from None
 
 
-async def write(target: Target, data: bytes, *, exclusive: bool = False, tmp: str | None = None,
+async def write(target: Target, data: bytes | list[bytes], *, exclusive: bool = False, tmp: str | None = None,
                 durable: bool = True) -> None:
-    """Write ``data`` to ``target`` atomically (exclusive: only where nothing is yet, else
+    """Write ``data`` (bytes, or pieces to write one after the other: a large document need not be
+    joined into one more copy first) to ``target`` atomically (exclusive: only where nothing is yet, else
     CheckpointExistsError). ``tmp``: the temporary name to write first, for files in a directory
     other users can write (/dev/shm): it is opened without following links, so a link planted
     under that name fails the write instead of redirecting it. ``durable=False`` skips the fsyncs
     (tmpfs, whose contents a power loss takes anyway)."""
     if target.path is None:
-        await asyncio.to_thread(_remote_write, target, data, exclusive)
+        await asyncio.to_thread(_remote_write, target, data if isinstance(data, bytes) else b"".join(data), exclusive)
         return
     await _local_write(target, data, exclusive=exclusive, tmp=tmp, durable=durable, commit_point=False)
 
@@ -73,7 +74,7 @@ async def create(target: Target, data: bytes) -> None:
     await _local_write(target, data, exclusive=True, tmp=None, durable=True, commit_point=True)
 
 
-async def _local_write(target: Target, data: bytes, *, exclusive: bool, tmp: str | None, durable: bool,
+async def _local_write(target: Target, data: bytes | list[bytes], *, exclusive: bool, tmp: str | None, durable: bool,
                        commit_point: bool) -> None:
     """The bytes go to a temporary name and are fsynced before their name appears, by link
     (exclusive) or rename. A commit point (a manifest) names one crash point, between its link and
@@ -166,7 +167,7 @@ async def copy(src: Target, dst: Target) -> None:
 # ------------------------------------------------------------------------------------- internals
 
 
-async def _write_tmp(tmp: str, data: bytes, private: bool, crashpoints: str | None = None,
+async def _write_tmp(tmp: str, data: bytes | list[bytes], private: bool, crashpoints: str | None = None,
                      durable: bool = True) -> None:
     def opener(path: str, flags: int) -> int:
         if private:
@@ -176,7 +177,10 @@ async def _write_tmp(tmp: str, data: bytes, private: bool, crashpoints: str | No
         return os.open(path, flags | os.O_EXCL | os.O_CLOEXEC, 0o600)  # a random temporary name is ours alone
 
     async with aiofiles.open(tmp, "wb", opener=opener) as fh:
-        await fh.write(data)
+        if isinstance(data, bytes):
+            await fh.write(data)
+        else:
+            await fh.writelines(data)
         await fh.flush()
         if crashpoints:
             crashpoint("file.written", crashpoints)

@@ -19,6 +19,7 @@ rank's shard from the segments of the ranks on its node.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import hashlib
@@ -71,6 +72,9 @@ RAM_FALLBACKS = (None, "private")
 # them would, and nothing stale can come of a copy.
 _REUSE_MIN_BYTES = 64 << 10
 _SAMPLES = 16
+# Staged entries smaller than this are copied by address when the caller vouches for their sources
+# (Slot.copy_small); larger ones by torch, which spreads a copy over its threads.
+_BY_ADDRESS = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,19 @@ class Layout:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     @functools.cached_property
+    def keys(self) -> list[str]:
+        return [e.key for e in self.entries]
+
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int]]:
+        """Each entry's byte range in the slot."""
+        return [(e.offset, e.offset + e.nbytes) for e in self.entries]
+
+    @functools.cached_property
+    def largest(self) -> int:
+        return max((e.nbytes for e in self.entries), default=0)
+
+    @functools.cached_property
     def any_empty(self) -> bool:
         return any(not e.nbytes for e in self.entries)
 
@@ -153,6 +170,14 @@ class Layout:
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes} for e in self.entries]
+
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """:meth:`to_json` as a document's compact JSON: encoded once per layout, not at every commit
+        (formatted here rather than through 10,000 dicts: the same text, tests/test_ram_doc.py)."""
+        text = ",".join(f'{{"key":{_string(e.key)},"dtype":{_string(e.dtype)},"shape":{_ints(e.shape)},'
+                        f'"offset":{e.offset},"nbytes":{e.nbytes}}}' for e in self.entries)
+        return f"[{text}]".encode()
 
 
 class Slot:
@@ -178,6 +203,9 @@ class Slot:
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pinned = _pin(self.buffer) if torch.cuda.is_available() else False
         self._views: tuple[Layout, list[torch.Tensor]] | None = None
+        # For one layout: which of its non-empty entries copy_small copies by address and which by
+        # torch, and the first ones' addresses in the slot and sizes.
+        self._addresses: tuple[Layout, list[int], list[int], list[int], list[int]] | None = None
         if self.identity is not None:
             _mapped[self.identity] = self
 
@@ -200,6 +228,26 @@ class Slot:
         self._views = (layout, views)
         return views
 
+    def copy_small(self, layout: Layout, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """``dsts[i].copy_(srcs[i])`` for views of this slot in ``layout``'s order, of sources that are
+        contiguous CPU tensors of their entry's dtype and shape (the caller's word): those under 64
+        KiB by one memmove each from their address, half the per-tensor cost of torch's grouped
+        copy, which copies the rest (spreading a large one over torch's threads)."""
+        addresses = self._addresses
+        if addresses is None or addresses[0] is not layout:
+            base = self.buffer.data_ptr()
+            filled = [e for e in layout.entries if e.nbytes]  # what dsts and srcs hold
+            small = [i for i, e in enumerate(filled) if e.nbytes < _BY_ADDRESS]
+            large = [i for i, e in enumerate(filled) if e.nbytes >= _BY_ADDRESS]
+            addresses = self._addresses = (layout, small, large, [base + filled[i].offset for i in small],
+                                           [filled[i].nbytes for i in small])
+        _, small, large, targets, sizes = addresses
+        assert len(small) + len(large) == len(srcs) == len(dsts)
+        sources = srcs if not large else [srcs[i] for i in small]
+        list(map(ctypes.memmove, targets, [t.data_ptr() for t in sources], sizes))
+        if large:
+            copy_grouped([dsts[i] for i in large], [srcs[i] for i in large])
+
     def view(self, e: SlotEntry) -> torch.Tensor:
         dtype = dtype_from_name(e.dtype, where=self.path)
         raw = self.buffer[e.offset : e.offset + e.nbytes]
@@ -216,6 +264,7 @@ class Slot:
             self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._views = None
+        self._addresses = None
 
 
 @dataclass
@@ -227,6 +276,14 @@ class Staged:
     copied_bytes: int = 0
     reused: tuple[str, ...] = ()  # keys whose bytes were already in the slot and were not copied
     sums: dict[str, Any] | None = None  # filled by RamTier.checksums
+    # Filled by RamTier.checksums too, in the layout's order: each entry's checksum, and the indices
+    # of the entries with block checksums (what a document's encoding fills in per save).
+    digests: list[str] | None = None
+    blocked: tuple[int, ...] = ()
+    # The chunk table RamTier.snapshot built from its _Template: a commit whose part holds this very
+    # table encodes its document from the template (RamTier._extra_text).
+    chunks: dict[str, list[dict[str, Any]]] | None = None
+    template: _Template | None = None
 
 
 class RamTier(Tier):
@@ -287,6 +344,9 @@ class RamTier(Tier):
         # What the store that owns these slots does with a snapshot after RAM (its "store" member
         # in each committed document): a node agent that finds the owner dead persists exactly that.
         self.store_info: dict[str, Any] | None = None
+        # What a document of the current structure reuses from the last save's (see _publish).
+        self._held_template: _Template | None = None
+        self._held_header: tuple[dict[str, Any], bytes] | None = None
 
     def _find_newest(self) -> None:
         mine = self._docs(self.rank)
@@ -420,7 +480,7 @@ class RamTier(Tier):
     def stage(
         self, step: int, items: list[tuple[str, torch.Tensor]], *, may_skip: frozenset[str] = frozenset(),
         breaks: frozenset[int] = frozenset(), slot: int | None = None, refresh_every: int | None = None,
-        layout: Layout | None = None,
+        layout: Layout | None = None, plain: bool = False,
     ) -> Staged:
         """Copy ``items`` into the next slot; the blocking part of a save. Returns what was staged.
 
@@ -432,7 +492,9 @@ class RamTier(Tier):
         each slot copies everything, which catches the rest. ``breaks``: see :meth:`Layout.of`.
         ``slot``: the slot to stage into, as :attr:`next_slot` named it to a caller that waited for
         it to be free. ``layout``: ``Layout.of(items, breaks)``, when the caller keeps it from a save
-        of the same structure.
+        of the same structure. ``plain``: the caller vouches that every source is a contiguous CPU tensor
+        of its entry's dtype and shape, of a real dtype (the pipeline, while the state's fingerprint
+        equals the one it checked this under): the small ones are then copied by address.
 
         The slot's previous manifest is removed first, so a crash mid-copy never leaves a
         committed-looking snapshot with half-overwritten bytes.
@@ -470,7 +532,9 @@ class RamTier(Tier):
                     dsts, srcs = [v for v, _ in pairs], [src for _, src in pairs]
                 else:
                     dsts, srcs = views, [src for _, src in items]
-                if dsts:
+                if plain:
+                    segment.copy_small(layout, dsts, srcs)
+                elif dsts:
                     copy_grouped(dsts, srcs)
             copied = layout.total_bytes
         else:
@@ -518,31 +582,60 @@ class RamTier(Tier):
         copy: off the training loop's path, and valid for every later copy of these bytes."""
         slot = self._slots[staged.slot]
         view = memoryview(slot.map)
-        out: dict[str, Any] = {}
-        # Bytes that were not copied were not touched since this slot's last checksums.
-        previous = self._slot_sums.get(staged.slot, {}) if staged.reused else {}
-        reused = set(staged.reused)
-        for e in staged.layout.entries:
-            if e.key in reused and e.key in previous:
-                out[e.key] = previous[e.key]
-                continue
-            data = view[e.offset : e.offset + e.nbytes]
-            entry: dict[str, Any] = {"checksum": f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"}
-            if block_size and e.nbytes > block_size:
-                entry["block_size"] = block_size
-                entry["block_checksums"] = [
-                    f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data[b : b + block_size])}" for b in range(0, e.nbytes, block_size)
-                ]
-            out[e.key] = entry
+        layout = staged.layout
+        prefix, digest = f"{ALGORITHM}:", xxhash.xxh3_64_hexdigest
+        blocked = []
+        if staged.reused:
+            # Bytes that were not copied were not touched since this slot's last checksums.
+            previous = self._slot_sums.get(staged.slot, {})
+            reused = set(staged.reused)
+            out: dict[str, Any] = {}
+            digests = []
+            for i, e in enumerate(layout.entries):
+                entry = previous.get(e.key) if e.key in reused else None
+                if entry is None:
+                    entry = self._entry_sums(view, e, block_size)
+                out[e.key] = entry
+                digests.append(entry["checksum"])
+                if "block_checksums" in entry:
+                    blocked.append(i)
+        else:
+            # One pass with nothing per entry but a hash and a string; the few entries large enough
+            # for block checksums get them below.
+            digests = [prefix + digest(view[a:b]) for a, b in layout.spans]
+            out = dict(zip(layout.keys, [{"checksum": d} for d in digests]))
+            if block_size and layout.largest > block_size:
+                for i, e in enumerate(layout.entries):
+                    if e.nbytes > block_size:
+                        data = view[e.offset : e.offset + e.nbytes]
+                        entry = out[e.key]
+                        entry["block_size"] = block_size
+                        entry["block_checksums"] = [prefix + digest(data[b : b + block_size])
+                                                    for b in range(0, e.nbytes, block_size)]
+                        data.release()
+                        blocked.append(i)
         view.release()
         staged.sums = self._slot_sums[staged.slot] = out
+        staged.digests, staged.blocked = digests, tuple(blocked)
         return out
+
+    @staticmethod
+    def _entry_sums(view: memoryview, e: SlotEntry, block_size: int | None) -> dict[str, Any]:
+        data = view[e.offset : e.offset + e.nbytes]
+        entry: dict[str, Any] = {"checksum": f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"}
+        if block_size and e.nbytes > block_size:
+            entry["block_size"] = block_size
+            entry["block_checksums"] = [
+                f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data[b : b + block_size])}" for b in range(0, e.nbytes, block_size)
+            ]
+        return entry
 
     async def _publish(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None,
                        save_id: str | None = None, minor: int = 0) -> None:
         """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes."""
         if self.private:
             return  # no other process can read a private slot: there is nothing to publish
+        extra = extra or {}
         doc = {
             "format": RAM_FORMAT,
             "job": self.job,
@@ -551,23 +644,80 @@ class RamTier(Tier):
             "slot": staged.slot,
             "size": staged.layout.total,
             "signature": staged.layout.signature,
-            "layout": staged.layout.to_json(),
-            "checksums": checksums,
+            "layout": _HOLE,
+            "checksums": _HOLE,
             "committed_unix": round(time.time(), 3),
             "owner": owner_record(),
             "lower": self.lower,
-            "extra": extra or {},
+            "extra": _HOLE,
         }
         if self.store_info is not None:
             doc["store"] = self.store_info
         if save_id is not None:
             doc["save_id"] = save_id
+        # The members of a rank's size (its layout, checksums and part, one entry per tensor) are
+        # encoded apart and spliced in: the layout once per structure, the checksums and the part
+        # from this structure's _Template where the part's chunk table is the one it built.
+        sums_text = self._sums_text(staged, checksums)
+        extra_text = self._extra_text(staged, extra)
         if minor:
             doc["minor"] = minor
-            doc["extra_checksum"] = extra_checksum(extra or {})
-        await write_doc(self._name(staged.slot, "json"), doc)
+            # Over the very text written: a reader re-encoding the parsed ``extra`` gets it back.
+            hasher = xxhash.xxh3_64()
+            for piece in extra_text:
+                hasher.update(piece)
+            doc["extra_checksum"] = f"{ALGORITHM}:{hasher.hexdigest()}"
+        pieces = _spliced(doc, [[staged.layout.encoded], [sums_text], extra_text])
+        if pieces is None:  # a hole's marker found in a value of the document: encode it whole
+            doc.update(layout=staged.layout.to_json(), checksums=checksums, extra=extra)
+            pieces = [_compact(doc).encode()]
+        await write_encoded(self._name(staged.slot, "json"), pieces)
         if self._newest is None or staged.step >= self._newest[0]:
             self._newest = (staged.step, staged.slot)
+
+    def _template(self, layout: Layout, boxes: dict[str, tuple[int, ...]]) -> _Template:
+        """The _Template of ``layout`` and ``boxes``: the one of the last save while the structure holds."""
+        held = self._held_template
+        if held is None or held.layout is not layout or held.boxes is not boxes or held.nboxes != len(boxes):
+            held = self._held_template = _Template(layout, boxes, data_file(self.rank))
+        return held
+
+    @staticmethod
+    def _sums_text(staged: Staged, checksums: dict[str, Any]) -> bytes:
+        """The JSON text of the document's ``checksums`` member."""
+        template = staged.template
+        if template is None or not template.usable or checksums is not staged.sums or staged.digests is None:
+            return _compact(checksums).encode()
+        return template.sums_text(staged)
+
+    def _extra_text(self, staged: Staged, extra: dict[str, Any]) -> list[bytes]:
+        """The JSON text of the document's ``extra``, in pieces: from the template when its part's
+        chunk table is the one :meth:`snapshot` built for ``staged`` (a document of minor version
+        1), else encoded whole."""
+        template, part = staged.template, extra.get("part")
+        if (template is None or not template.usable or staged.digests is None or not isinstance(part, dict)
+                or part.get("chunks") is not staged.chunks or len(part["chunks"]) != len(template.bases)):
+            return [_compact(extra).encode()]
+        skeleton: dict[str, Any] = {}
+        fills = []
+        for key, value in extra.items():
+            if key == "part":
+                skeleton[key] = {**value, "chunks": _HOLE}
+                fills.append([template.chunks_text(staged)])
+            elif key == "header" and isinstance(value, dict):
+                skeleton[key] = _HOLE
+                fills.append([self._header_text(value)])
+            else:
+                skeleton[key] = value
+        return _spliced(skeleton, fills) or [_compact(extra).encode()]
+
+    def _header_text(self, header: dict[str, Any]) -> bytes:
+        """The JSON text of a structure's header, encoded once per header: the pipeline keeps one
+        header object per structure and makes a new one whenever anything in it changes."""
+        held = self._held_header
+        if held is None or held[0] is not header:
+            held = self._held_header = (header, _compact(header).encode())
+        return held[1]
 
     def commit_staged(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
         """Commit a staged snapshot outside a store (its manifest, if any, in ``extra``)."""
@@ -654,19 +804,11 @@ class RamTier(Tier):
         if staged.sums is None:
             raise CheckpointError("checksums of a staged snapshot are computed before it is handed to tiers")
         slot = self._slots[staged.slot]
-        chunks: dict[str, list[dict[str, Any]]] = {}
-        for e in staged.layout.entries:
-            if not e.nbytes and e.shape:
-                chunks[e.key] = []
-                continue
-            sums = staged.sums[e.key]
-            blocks = sums.get("block_checksums")
-            chunks[e.key] = [{
-                "offsets": list(boxes.get(e.key, (0,) * len(e.shape))), "sizes": list(e.shape),
-                "file": data_file(self.rank), "offset": e.offset, "length": e.nbytes, "codec": "raw",
-                "checksum": sums["checksum"], "block_size": sums.get("block_size") if blocks else None,
-                "block_checksums": blocks,
-            }]
+        if staged.digests is None:  # checksums set from elsewhere than RamTier.checksums
+            staged.digests = [staged.sums[key]["checksum"] for key in staged.layout.keys]
+            staged.blocked = tuple(i for i, key in enumerate(staged.layout.keys) if "block_checksums" in staged.sums[key])
+        template = staged.template = self._template(staged.layout, boxes)
+        chunks = staged.chunks = template.chunks(staged)
         data = slot.buffer.narrow(0, 0, staged.layout.total)
         return Snapshot(staged.step, self.rank, world, data, chunks, frozen_end, {"timings": {"stage_s": round(staged.seconds, 6)}})
 
@@ -767,8 +909,14 @@ class RamTier(Tier):
 def owner_record() -> dict[str, Any]:
     """Who committed a segment, as a document records it: the process id with its start time (a
     pid alone may have been reused by another process since) and the host."""
+    global _own_start
     pid = os.getpid()
-    return {"pid": pid, "start": process_start(pid), "host": socket.gethostname()}
+    if _own_start is None or _own_start[0] != pid:  # this process's start time is read once (a fork: again)
+        _own_start = (pid, process_start(pid))
+    return {"pid": pid, "start": _own_start[1], "host": socket.gethostname()}
+
+
+_own_start: tuple[int, int | None] | None = None
 
 
 def process_start(pid: int) -> int | None:
@@ -812,8 +960,142 @@ def _warn_once(path: str, message: str) -> None:
 
 async def write_doc(path: str, doc: dict[str, Any]) -> None:
     """A RAM-tier document, published by rename after its bytes (tmpfs: no fsync)."""
-    await small.write(Target(display=path, path=path), json.dumps(doc, separators=(",", ":")).encode(),
-                      tmp=document_temporary(path), durable=False)
+    await write_encoded(path, _compact(doc).encode())
+
+
+async def write_encoded(path: str, data: bytes | list[bytes]) -> None:
+    """:func:`write_doc` of a document already encoded (compact JSON), whole or in pieces."""
+    await small.write(Target(display=path, path=path), data, tmp=document_temporary(path), durable=False)
+
+
+def _compact(obj: Any) -> str:
+    """The JSON text of every RAM-tier document, and of each member encoded apart: compact, ASCII."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
+# JSON's own encoding of a string (ASCII, as _compact's), and of a list of ints, for texts formatted
+# without building their objects.
+_string = json.encoder.encode_basestring_ascii
+
+
+def _ints(values: Any) -> str:
+    return "[" + ",".join(map(int.__repr__, values)) + "]"
+
+
+# A hole in a document's skeleton (see _spliced): no member of a document holds a NUL character
+# (job names, paths, host names and digests cannot), so its JSON text appears nowhere else.
+_HOLE = "\x00ckptstore-hole\x00"
+_HOLE_TEXT = _compact(_HOLE).encode()
+
+
+def _spliced(skeleton: Any, fills: list[list[bytes]]) -> list[bytes] | None:
+    """The compact JSON of ``skeleton`` with its holes, in the order they appear in the text, filled
+    with the JSON texts ``fills`` (each in pieces), as pieces to join: the same text as encoding the
+    skeleton with the fills' objects in place of its holes, without copying the fills into a string
+    first. None when the text holds more or fewer holes than ``fills``."""
+    pieces = _compact(skeleton).encode().split(_HOLE_TEXT)
+    if len(pieces) != len(fills) + 1:
+        return None
+    out = [pieces[0]]
+    for fill, piece in zip(fills, pieces[1:]):
+        out += fill
+        out.append(piece)
+    return out
+
+
+# The JSON text after a chunk's (or a checksums entry's) checksum when it has no block checksums.
+_CHUNK_TAIL = '","block_size":null,"block_checksums":null}]'
+_SUMS_TAIL = '"}'
+
+
+class _Template:
+    """What a rank's chunk table and document hold of one structure (its layout and boxes), built
+    once: per entry, the chunk's members but its checksums (a dict that each save copies), and the
+    JSON text of its chunk table and of its ``checksums`` entry up to the checksum. A save fills in
+    only its checksums: no per-entry objects to encode, and the text is what encoding the objects
+    would give (tests/test_ram_doc.py holds the two to each other)."""
+
+    def __init__(self, layout: Layout, boxes: dict[str, tuple[int, ...]], file: str) -> None:
+        self.layout, self.boxes, self.nboxes = layout, boxes, len(boxes)
+        # Keys repeated in a layout would be one key of the table: such a layout is encoded whole.
+        self.usable = len(set(layout.keys)) == len(layout.keys)
+        self.bases: list[dict[str, Any] | None] = []
+        self.chunk_heads: list[str] = []
+        self.sums_heads: list[str] = []
+        self.chunk_tails: list[str] = []
+        self.empty: list[int] = []
+        quoted = _string(file)
+        for i, e in enumerate(layout.entries):
+            key = ("," if i else "") + _string(e.key) + ":"
+            self.sums_heads.append(key + '{"checksum":"')
+            if not e.nbytes and e.shape:
+                self.bases.append(None)
+                self.chunk_heads.append(key + "[]")
+                self.chunk_tails.append("")
+                self.empty.append(i)
+                continue
+            offsets, sizes = list(boxes.get(e.key, (0,) * len(e.shape))), list(e.shape)
+            self.bases.append({"offsets": offsets, "sizes": sizes, "file": file, "offset": e.offset, "length": e.nbytes,
+                               "codec": "raw", "checksum": None, "block_size": None, "block_checksums": None})
+            self.chunk_heads.append(f'{key}[{{"offsets":{_ints(offsets)},"sizes":{_ints(sizes)},"file":{quoted},'
+                                    f'"offset":{e.offset},"length":{e.nbytes},"codec":"raw","checksum":"')
+            self.chunk_tails.append(_CHUNK_TAIL)
+
+    def chunks(self, staged: Staged) -> dict[str, list[dict[str, Any]]]:
+        """The chunk table of ``staged`` (after RamTier.checksums): each entry's one chunk, or none."""
+        assert staged.digests is not None and staged.sums is not None
+        table: dict[str, list[dict[str, Any]]] = {}
+        for key, base, digest in zip(self.layout.keys, self.bases, staged.digests):
+            if base is None:
+                table[key] = []
+            else:
+                chunk = base.copy()
+                chunk["checksum"] = digest
+                table[key] = [chunk]
+        for i in staged.blocked:
+            key = self.layout.keys[i]
+            sums = staged.sums[key]
+            chunk = table[key][0]
+            chunk["block_size"], chunk["block_checksums"] = sums["block_size"], sums["block_checksums"]
+        return table
+
+    def chunks_text(self, staged: Staged) -> bytes:
+        """The JSON text of :meth:`chunks` of ``staged``."""
+        tails = self.chunk_tails
+        if staged.blocked:
+            tails = list(tails)
+            for i in staged.blocked:
+                tails[i] = '",' + self._blocks(staged, i) + "}]"
+        return self._filled(self.chunk_heads, staged, tails, self.empty)
+
+    def sums_text(self, staged: Staged) -> bytes:
+        """The JSON text of ``staged.sums`` (its entries in the layout's order, as RamTier.checksums made them)."""
+        tails = [_SUMS_TAIL] * len(self.sums_heads)
+        for i in staged.blocked:
+            tails[i] = '",' + self._blocks(staged, i) + "}"
+        return self._filled(self.sums_heads, staged, tails, ())
+
+    def _blocks(self, staged: Staged, i: int) -> str:
+        """The text of an entry's block members (what follows its checksum, braces cut off)."""
+        assert staged.sums is not None
+        sums = staged.sums[self.layout.keys[i]]
+        return _compact({"block_size": sums["block_size"], "block_checksums": sums["block_checksums"]})[1:-1]
+
+    @staticmethod
+    def _filled(heads: list[str], staged: Staged, tails: list[str], empty: Any) -> bytes:
+        assert staged.digests is not None
+        n = len(heads)
+        if not n:
+            return b"{}"
+        pieces = [""] * (3 * n)
+        pieces[0::3] = heads
+        pieces[1::3] = staged.digests
+        pieces[2::3] = tails
+        for i in empty:
+            pieces[3 * i + 1] = ""
+        pieces[0] = "{" + pieces[0]
+        pieces.append("}")
+        return "".join(pieces).encode()
 
 
 # Documents scan() parsed, by path, with the identity of the file they were read from. A document
