@@ -95,6 +95,29 @@ def test_run_all_runs_every_item_once_on_the_callers_thread_too():
     assert any(t == caller for _i, t in seen)
 
 
+def test_run_all_from_every_pool_thread_at_once_completes():
+    """Callers that are themselves the pool's threads (all of them at once) never wait for a
+    helper that no thread is left to run: each finishes its items alone."""
+    pool = single_file.io_pool()
+    ready = threading.Barrier(single_file.IO_THREADS)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def outer(n: int) -> None:
+        ready.wait(10)  # every pool thread is a caller before any helper is submitted
+
+        def fn(i: int) -> None:
+            with lock:
+                done.append(i)
+
+        run_all(fn, list(range(n * 10, n * 10 + 10)))
+
+    futures = [pool.submit(outer, n) for n in range(single_file.IO_THREADS)]
+    for f in futures:
+        f.result(timeout=20)
+    assert sorted(done) == list(range(10 * single_file.IO_THREADS))
+
+
 def test_a_restore_from_ram_looks_up_the_slots_memory_once(job, tmp_path, monkeypatch):
     """Before, every job asked its source for its bytes in memory (an fstat and a narrow), and
     worked out its direct destination twice: 12 lookups for these 12 tensors."""

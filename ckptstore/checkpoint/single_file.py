@@ -97,7 +97,9 @@ def run_all(fn: Callable[[T], None], items: list[T]) -> None:
     finally:
         with lock:
             stop[0] = True  # also when the caller itself was interrupted: nothing new starts
-        concurrent.futures.wait(helpers)
+        # A helper still queued has nothing left to take: cancelled, it is not waited for (no
+        # thread may be free to run it when the pool's own threads are the callers, waiting).
+        concurrent.futures.wait([f for f in helpers if not f.cancel()])
     if failed:
         raise min(failed, key=lambda f: f[0])[1]
 
