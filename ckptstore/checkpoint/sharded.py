@@ -78,7 +78,7 @@ from ..storage.targets import (
 from . import coop, transfer
 from .coop import ReadTarget
 from .memory import alloc_bytes
-from .single_file import BATCH_BYTES, SMALL_BYTES, map_all, write_raw
+from .single_file import BATCH_BYTES, SMALL_BYTES, run_all, write_raw
 
 BLOCK_SIZE = 4 << 20
 # A read job of a chunk with block checksums is at most about this many bytes (see _rows_per_job).
@@ -1329,6 +1329,10 @@ class _ReadJob:
     nrows: int
     overlap: Box
     blocks: list[tuple[int, str]]  # (offset in read buffer, checksum) per block, or [] for whole-chunk
+    # Set once by read_targets, before any job runs: the caller's memory that is exactly the bytes
+    # read (see _direct_destination), and whether the job needs a staging buffer.
+    direct: torch.Tensor | None = None
+    staged: bool = False
 
 
 def _jobs_for(target: ReadTarget, entry: TensorEntry, buffer_bytes: int, where: str) -> list[_ReadJob]:
@@ -1431,7 +1435,16 @@ def read_targets(
         # find their bytes in memory take a slot. Slots start at multiples of 64 bytes: a slot is
         # viewed as the chunk's dtype (0-dim tensors), which needs an offset divisible by the element
         # size even when another job has an odd length.
-        staged = [job for job in host if _staged(job, source_for(job.chunk.file, job.target.key), manifest, where)]
+        # Each source's bytes in this process's memory, and each job's direct destination, are
+        # looked up once here: a lookup is an fstat or a narrow of the caller's tensor, and asking
+        # again in every worker for every job cost more than the first copy's wait.
+        memory = {rel: s.memory() for rel, s in sources.items()}
+        for job in host:
+            if job.length:
+                es = element_size(dtype_from_name(manifest.tensors[job.target.key].dtype, where=where))
+                job.direct = _direct_destination(job, es)
+                job.staged = job.direct is None and memory[job.chunk.file] is None
+        staged = [job for job in host if job.staged]
         slot = -(-max((job.length for job in staged), default=0) // 64) * 64
         nslots = max(1, min(len(staged), buffer_bytes // max(1, slot))) if staged else 0
         arena = alloc_bytes(nslots * slot)
@@ -1441,13 +1454,13 @@ def read_targets(
 
         def run(batch: list[_ReadJob]) -> None:
             for job in batch:
-                source = source_for(job.chunk.file, job.target.key)
-                if not _staged(job, source, manifest, where):
-                    _execute(job, source, manifest, where, None)
+                rel = job.chunk.file
+                if not job.staged:
+                    _execute(job, sources[rel] if job.length else None, memory.get(rel), manifest, where, None)
                     continue
                 buf = free.get()
                 try:
-                    _execute(job, source, manifest, where, buf[: job.length])
+                    _execute(job, sources[rel], None, manifest, where, buf[: job.length])
                 finally:
                     free.put(buf)
 
@@ -1463,8 +1476,7 @@ def read_targets(
                                                            where)]
             transfer.run_device(pieces, engine, host_work=[functools.partial(run, b) for b in batches])
         else:
-            for _ in map_all(run, batches) if len(batches) > 1 else map(run, batches):
-                pass
+            run_all(run, batches)
     finally:
         for rel, s in sources.items():
             if rel is not None:
@@ -1516,23 +1528,15 @@ def _direct_destination(job: _ReadJob, es: int) -> torch.Tensor | None:
     return flat
 
 
-def _staged(job: _ReadJob, source: Source, manifest: Manifest, where: str) -> bool:
-    """Whether a host job needs a staging buffer: it neither reads straight into the caller's tensor
-    nor finds its bytes in this process's memory."""
-    if not job.length:
-        return False
-    es = element_size(dtype_from_name(manifest.tensors[job.target.key].dtype, where=where))
-    return _direct_destination(job, es) is None and source.memory() is None
-
-
 def _checks(job: _ReadJob) -> list[transfer.Check]:
     return transfer.checks_of(job.length, job.chunk.checksum, job.blocks, job.chunk.block_size or 0)
 
 
-def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf: torch.Tensor | None) -> None:
-    """One host job: its bytes read (or taken from memory) and verified, then placed into the
-    caller's box; ``buf`` is staging memory of the job's length, None where :func:`_staged` says
-    none is needed."""
+def _execute(job: _ReadJob, source: Source | None, memory: torch.Tensor | None, manifest: Manifest, where: str,
+             buf: torch.Tensor | None) -> None:
+    """One host job: its bytes read from ``source`` (or taken from ``memory``, the source's bytes
+    in this process) and verified, then placed into the caller's box; ``buf`` is staging memory of
+    the job's length, None where ``job.staged`` says none is needed."""
     c, entry_key = job.chunk, job.target.key
     entry = manifest.tensors[entry_key]
     dtype = dtype_from_name(entry.dtype, where=where)
@@ -1541,8 +1545,8 @@ def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf:
     if not job.length:
         buf = alloc_bytes(0)
     else:
-        memory = source.memory()
-        direct = _direct_destination(job, es)
+        assert source is not None
+        direct = job.direct
         if direct is not None:
             # Same layout on both sides: straight into the caller's tensor, hashed piece by piece.
             transfer.fill_verified(source, job.file_start, direct.reshape(-1).view(torch.uint8), _checks(job),
@@ -1552,8 +1556,7 @@ def _execute(job: _ReadJob, source: Source, manifest: Manifest, where: str, buf:
             buf = memory[job.file_start : job.file_start + job.length]
             transfer.verify_in_place(buf, _checks(job), location=location, key=entry_key)
         else:
-            if buf is None:  # the slot it was going to be copied from went away since: read it
-                buf = alloc_bytes(job.length)
+            assert buf is not None
             transfer.fill_verified(source, job.file_start, buf, _checks(job), location=location, key=entry_key)
     for dst, src in _box_copies(job, buf, dtype, es, where, location):
         dst.copy_(src)

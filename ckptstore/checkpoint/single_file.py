@@ -7,6 +7,7 @@ import concurrent.futures
 import math
 import mmap as _mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,51 @@ def map_all(fn: Callable[[T], U], items: list[T]) -> Iterator[U]:
         for f in futures:
             f.cancel()
         concurrent.futures.wait(futures)
+
+
+def run_all(fn: Callable[[T], None], items: list[T]) -> None:
+    """Call ``fn`` on every item: on the calling thread and up to ``IO_THREADS - 1`` pool threads,
+    each taking the next item as it finishes one. Returns once no call is left running; raises the
+    error of the earliest item that failed (no item is started after a failure).
+
+    Against :func:`map_all`, a future per item: a restore of 144 tensors from RAM submitted 73
+    tasks, and the pool threads, woken one by one while the caller held the GIL submitting the
+    rest, started their first copy 1.5-3.6 ms after the first (a quiet copy floor of that state is
+    0.12 s). Here a few are submitted at once and the caller copies from the start."""
+    if len(items) <= 1:
+        for item in items:
+            fn(item)
+        return
+    lock = threading.Lock()
+    pending = iter(enumerate(items))
+    failed: list[tuple[int, BaseException]] = []
+    stop = [False]
+
+    def loop() -> None:
+        while True:
+            with lock:
+                taken = None if stop[0] else next(pending, None)
+            if taken is None:
+                return
+            try:
+                fn(taken[1])
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                with lock:
+                    failed.append((taken[0], exc))
+                    stop[0] = True
+                return
+
+    helpers = [io_pool().submit(loop) for _ in range(min(IO_THREADS, len(items)) - 1)]
+    try:
+        loop()
+    finally:
+        with lock:
+            stop[0] = True  # also when the caller itself was interrupted: nothing new starts
+        # A helper still queued has nothing left to take: cancelled, it is not waited for (no
+        # thread may be free to run it when the pool's own threads are the callers, waiting).
+        concurrent.futures.wait([f for f in helpers if not f.cancel()])
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
 
 
 def write_container(plan: Plan, sink: Sink) -> Manifest:

@@ -1177,16 +1177,33 @@ def extra_checksum(extra: dict[str, Any]) -> str:
     return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(json.dumps(extra, separators=(',', ':')).encode())}"
 
 
+# Parts already checked, by the parsed document they came from (held here, so its id is not
+# reused while listed): read_doc hands back the same object while its file is unchanged, and
+# callers treat it as read-only. A restore lists the RAM tier twice (its inventory, then the
+# restored step's meta), and re-encoding a part to check it again cost 1.4 ms each time at 144
+# tensors, on the restore's critical path.
+_checked_parts: dict[int, tuple[dict[str, Any], str, NodePart]] = {}
+
+
 def doc_part(doc: dict[str, Any], where: str) -> NodePart | None:
     """The part a document of minor version 1 holds (None for a whole-manifest document). Raises
     CorruptCheckpointError when it does not match its checksum."""
     if doc.get("minor", 0) == 0:
         return None
+    checked = _checked_parts.get(id(doc))
+    if checked is not None and checked[0] is doc and checked[1] == where:
+        return checked[2]
     extra = doc["extra"]
     if doc.get("extra_checksum") != extra_checksum(extra):
         raise CorruptCheckpointError(f"{where}: the part this RAM-tier document holds does not match its checksum",
                                      location=where)
-    return NodePart(extra["part"]["rank"], extra["part"], extra["meta"], extra.get("header"), where)
+    part = NodePart(extra["part"]["rank"], extra["part"], extra["meta"], extra.get("header"), where)
+    if len(_checked_parts) > 2 * len(_parsed_docs) + 16:  # keep only documents still listed
+        live = {id(d) for _identity, d in list(_parsed_docs.values())}
+        for key in [k for k in list(_checked_parts) if k not in live]:
+            _checked_parts.pop(key, None)
+    _checked_parts[id(doc)] = (doc, where, part)
+    return part
 
 
 def scan(job: str, ram_dir: str) -> list[tuple[Segment, str, dict[str, Any]]]:
