@@ -17,6 +17,9 @@ Configurations (every one saves the same flat state of tensors every ``k`` steps
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` to the shared directory with a reused
   ``DefaultStager`` on a gloo group of its own; the save blocks until staging is done (and until the
   previous upload finished).
+- ``dcp-s3``: the same ``async_save``, to the object store the ckptstore configurations promote to
+  (DCP's fsspec writer, chosen by DCP itself from the ``s3://`` checkpoint id): both then pay the
+  same server for their durable copies, which on this machine runs on the trainers' cores.
 - ``ckptstore-local``: ``CheckpointStore`` with a local directory per node and the durable tier on
   SeaweedFS (``durable_every=1``); its RAM segments are wiped at every failure, so it restores from
   local or durable only.
@@ -61,11 +64,12 @@ from agents import agent_pids  # noqa: E402 - shared by the benchmark scripts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-CONFIGS = ("torch.save", "dcp", "ckptstore-local", "ckptstore-full")
+CONFIGS = ("torch.save", "dcp", "dcp-s3", "ckptstore-local", "ckptstore-full")
 # What each configuration's copies survive, for the simulator's replay ("*": every failure class).
 TIERS: dict[str, list[str]] = {
     "torch.save": ["durable"],
     "dcp": ["durable"],
+    "dcp-s3": ["durable"],
     "ckptstore-local": ["local:survives=crash", "durable"],
     "ckptstore-full": ["ram:survives=crash", "local:survives=crash", "peer:survives=crash+node", "durable:every=4"],
 }
@@ -153,6 +157,10 @@ def _append(path: str, record: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
+def uses_s3(config: str) -> bool:
+    return config.startswith("ckptstore") or config == "dcp-s3"
+
+
 def _committed(root: str, marker: str) -> list[int]:
     """The steps under ``root`` whose directory holds ``marker`` (written last: the commit)."""
     return sorted(int(n[5:]) for n in os.listdir(root)
@@ -215,8 +223,22 @@ class Dcp:
         import torch.distributed as dist
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        self.root, self.rank, self.flat, self.on_commit = cfg["shared"], rank, flat, on_commit
-        os.makedirs(self.root, exist_ok=True)
+        self.rank, self.flat, self.on_commit = rank, flat, on_commit
+        self.fs: Any = None
+        if cfg["config"] == "dcp-s3":
+            import fsspec
+
+            # DCP picks its fsspec writer from the checkpoint id alone; botocore takes the endpoint
+            # and the credentials from the environment.
+            so = cfg["storage_options"]
+            os.environ.update(AWS_ACCESS_KEY_ID=so["key"], AWS_SECRET_ACCESS_KEY=so["secret"],
+                              AWS_ENDPOINT_URL=so["client_kwargs"]["endpoint_url"],
+                              AWS_DEFAULT_REGION=so["client_kwargs"].get("region_name", "us-east-1"))
+            self.fs, _ = fsspec.url_to_fs(cfg["durable"])
+            self.root = cfg["durable"]
+        else:
+            self.root = cfg["shared"]
+            os.makedirs(self.root, exist_ok=True)
         self.group = dist.new_group(backend="gloo")
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                    use_async_staging=True, use_non_blocking_copy=False))
@@ -225,10 +247,10 @@ class Dcp:
     def restore(self) -> int | None:
         import torch.distributed.checkpoint as dcp
 
-        steps = _committed(self.root, ".metadata")  # DCP writes it last, on the coordinator
+        steps = self._steps()  # DCP writes .metadata last, on the coordinator
         if not steps:
             return None
-        dcp.load(self.flat, checkpoint_id=os.path.join(self.root, f"step-{steps[-1]:08d}"), process_group=self.group)
+        dcp.load(self.flat, checkpoint_id=f"{self.root}/step-{steps[-1]:08d}", process_group=self.group)
         return steps[-1]
 
     def save(self, step: int) -> None:
@@ -236,15 +258,27 @@ class Dcp:
 
         if self.pending is not None:
             self.pending.result()  # one upload in flight: the stager's buffers are reused
-        resp = dcp.async_save(self.flat, checkpoint_id=os.path.join(self.root, f"step-{step:08d}"),
+        resp = dcp.async_save(self.flat, checkpoint_id=f"{self.root}/step-{step:08d}",
                               async_stager=self.stager, process_group=self.group)
         resp.staging_completion.result()
         self.pending = resp.upload_completion
         if self.rank == 0:
             self.pending.add_done_callback(lambda f, step=step: f.exception() is None and self._committed(step))
 
+    def _steps(self) -> list[int]:
+        if self.fs is None:
+            return _committed(self.root, ".metadata")
+        self.fs.invalidate_cache()
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)] if self.fs.exists(self.root) else []
+        return sorted(int(n[5:]) for n in names
+                      if n.startswith("step-") and self.fs.exists(f"{self.root}/{n}/.metadata"))
+
     def _committed(self, step: int) -> None:
         self.on_commit(step, self.tier)
+        if self.fs is not None:
+            for old in self._steps()[:-2]:
+                self.fs.rm(f"{self.root}/step-{old:08d}", recursive=True)
+            return
         for old in sorted(n for n in os.listdir(self.root) if n.startswith("step-"))[:-2]:
             shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
 
@@ -296,7 +330,7 @@ class Store:
         self.store.close()
 
 
-BACKENDS = {"torch.save": TorchSave, "dcp": Dcp, "ckptstore-local": Store, "ckptstore-full": Store}
+BACKENDS = {"torch.save": TorchSave, "dcp": Dcp, "dcp-s3": Dcp, "ckptstore-local": Store, "ckptstore-full": Store}
 
 
 def worker(cfg_path: str, rank: int) -> None:
@@ -584,7 +618,7 @@ class Supervisor:
         self.cfg = {"config": name, "dir": self.dir, "events": os.path.join(self.dir, "events.jsonl"),
                     "shared": os.path.join(self.dir, "shared"), "nodes": self.nodes, "job": f"e2e-{tag}",
                     "durable": (f"{args.durable.rstrip('/')}/e2e-{tag}" if args.durable else
-                                s3.url(f"e2e-{tag}") if s3 is not None and name.startswith("ckptstore") else None),
+                                s3.url(f"e2e-{tag}") if s3 is not None and uses_s3(name) else None),
                     "storage_options": (json.loads(args.storage_options) if args.durable else
                                         s3.storage_options if s3 is not None else None),
                     "width": args.width, "layers": args.layers, "batch": args.batch, "seed": args.seed,
@@ -833,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     results = {}
     zygote = Zygote() if args.launch == "fork" else None
-    needs_s3 = any(n.startswith("ckptstore") for n in names) and not args.durable
+    needs_s3 = any(uses_s3(n) for n in names) and not args.durable
     with object_store(needs_s3, args.s3_nice) as s3, contextlib.ExitStack() as stack:
         if zygote is not None:
             stack.callback(zygote.close)
