@@ -234,6 +234,10 @@ class Dcp:
             os.environ.update(AWS_ACCESS_KEY_ID=so["key"], AWS_SECRET_ACCESS_KEY=so["secret"],
                               AWS_ENDPOINT_URL=so["client_kwargs"]["endpoint_url"],
                               AWS_DEFAULT_REGION=so["client_kwargs"].get("region_name", "us-east-1"))
+            for name in ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):  # the options' own, or none
+                os.environ.pop(name, None)
+            if so.get("token"):
+                os.environ["AWS_SESSION_TOKEN"] = so["token"]
             self.fs, _ = fsspec.url_to_fs(cfg["durable"])
             self.root = cfg["durable"]
         else:
