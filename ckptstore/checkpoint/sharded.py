@@ -1633,8 +1633,8 @@ def _execute(job: _ReadJob, source: Source | None, memory: torch.Tensor | None, 
     if direct is not None and job.length:
         assert source is not None
         # Same layout on both sides: straight into the caller's tensor, hashed piece by piece.
-        transfer.fill_verified(source, job.file_start, direct, _checks(job), location=location, key=entry_key,
-                               memory=memory)
+        transfer.fill_verified(source, job.file_start, direct.reshape(-1).view(torch.uint8), _checks(job),
+                               location=location, key=entry_key, memory=memory)
         return
     entry = manifest.tensors[entry_key]
     dtype = dtype_from_name(entry.dtype, where=where)
