@@ -398,6 +398,7 @@ def install_counters() -> None:
         return real_read_targets(where, lambda rel: CountingSource(open_file(rel), rank), *args, **kwargs)
 
     _sharded.read_targets = read_targets  # load_manifest and the restore call it through the module
+    install_restore_phases()
     real_read_small = _sharded.Directory.read_small
 
     def read_small(self: Any, rel: str) -> bytes:
@@ -421,6 +422,37 @@ def install_counters() -> None:
 
         _coop.plan = plan
     install_counters.done = True  # type: ignore[attr-defined]
+
+
+RESTORE_PHASES = {  # Restorer's steps of a restore -> the figure their trainer-thread CPU goes to
+    "_held_steps": "restore_list_cpu_s",  # the steps every tier of every node holds
+    "_inventory": "restore_inventory_cpu_s",  # what this node holds of the step (documents parsed)
+    "get_manifest": "restore_plan_cpu_s",  # the manifest planned from the rank's own part
+    "chunks_needed": "restore_plan_cpu_s",  # the files the load reads, fetched where the node lacks them
+    "_load": "restore_load_cpu_s",  # the load: reads, checks and copies into the state
+}
+
+
+def install_restore_phases() -> None:
+    """Time each step of a restore on the thread that runs it (thread CPU, per rank), by wrapping
+    the Restorer's methods and the functions restore.py calls by name; a step a version of the code
+    lacks is left out."""
+    from ckptstore.engine import restore as _restore
+
+    def timed(fn: Callable[..., Any], figure: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                METER.add(current_rank(), **{figure: time.thread_time() - t})
+        return call
+
+    for name, figure in RESTORE_PHASES.items():
+        owner: Any = _restore.Restorer if hasattr(_restore.Restorer, name) else _restore
+        fn = getattr(owner, name, None)
+        if fn is not None:
+            setattr(owner, name, timed(fn, figure))
 
 
 # ------------------------------------------------------------------------------------------ states
@@ -536,6 +568,8 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
                 raise AssertionError(f"rank {rank}: the restore of step {saves} is not bitwise equal to what was saved")
             out["restore_cpu_s"] = c1 - c0 + b1 - b0 - (m1.get("overhead_cpu_s", 0) - m0.get("overhead_cpu_s", 0))
             out["restore_read_bytes"] = m1.get("read_bytes", 0) - m0.get("read_bytes", 0)
+            for figure in sorted(set(RESTORE_PHASES.values())):
+                out[figure] = m1.get(figure, 0.0) - m0.get(figure, 0.0)
             out["restore_meta_recv_bytes"] = m1.get("meta_recv_bytes", 0) - m0.get("meta_recv_bytes", 0)
             # Tensor collectives (flags, the restore's all_to_alls of box names and chunks): the
             # buffers handed to them, sent and received alike, so an upper bound on what was received.
@@ -930,6 +964,8 @@ PER_RANK_FIGURES = {  # (cell kind, figure, summary, must stay flat in world siz
     "store.ram_manifest_bytes": ("store", "ram_manifest_bytes", "median", True),
     "store.load_plan_cpu_s": ("store", "load_plan_cpu_s", "rank0", True),
     "store.restore_cpu_s": ("store", "restore_cpu_s", "median", True),
+    "store.restore_plan_cpu_s": ("store", "restore_plan_cpu_s", "median", True),
+    "store.restore_load_cpu_s": ("store", "restore_load_cpu_s", "median", True),
     "store.restore_meta_recv_bytes": ("store", "restore_meta_recv_bytes", "median", True),
     "store.restore_meta_tensor_bytes": ("store", "restore_meta_tensor_bytes", "median", True),
     "store.manifest_bytes": ("store", "manifest_bytes", None, False),
@@ -1169,6 +1205,10 @@ MARKDOWN_CELLS = [  # (column, cell kind, figure, summary, unit)
     ("manifest", "store", "manifest_bytes", None, "B"),
     ("RAM copy of the manifest per rank", "store", "ram_manifest_bytes", "median", "B"),
     ("restore per rank (CPU)", "store", "restore_cpu_s", "median", "s"),
+    ("restore: listing the steps held", "store", "restore_list_cpu_s", "median", "s"),
+    ("restore: the node's copies of the step", "store", "restore_inventory_cpu_s", "median", "s"),
+    ("restore: planning the load", "store", "restore_plan_cpu_s", "median", "s"),
+    ("restore: the load", "store", "restore_load_cpu_s", "median", "s"),
     ("restore: metadata received per rank (objects)", "store", "restore_meta_recv_bytes", "median", "B"),
     ("restore: tensor collectives' buffers per rank", "store", "restore_meta_tensor_bytes", "median", "B"),
     ("one rank's load plan (chunks_needed)", "store", "load_plan_cpu_s", "max", "s"),

@@ -296,32 +296,63 @@ def local_boxes(t: torch.Tensor, where: str) -> list[tuple[torch.Tensor, Box]]:
     """The pieces of leaf ``t`` this rank holds: a view of its local data per global box it covers
     (one box, except for strided layouts that leave a rank separate runs of some dimension)."""
     if _is_dtensor(t):
-        from torch.distributed.tensor import DTensor
-
-        assert isinstance(t, DTensor)
-        mesh = t.device_mesh
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            raise InvalidArgumentError(f"{where}: this rank is not part of the DTensor's device mesh")
-        boxes = shard_boxes(tuple(t.shape), tuple(mesh.shape), _placements(t, where), coordinate)
-        local = t.to_local()
-        held = tuple(max(lb[0][d] + lb[1][d] for lb, _ in boxes) for d in range(t.dim()))
-        if tuple(local.shape) != held:
-            raise UnsupportedObjectError(
-                f"{where}: the local shard has shape {tuple(local.shape)} but its placements {list(t.placements)} give "
-                f"{held} (a padded local shard); ckptstore stores unpadded shards: pass to_local()'s unpadded view"
-            )
-        out = []
-        for lbox, gbox in boxes:
-            view = local
-            for d, (o, n) in enumerate(zip(*lbox)):
-                if n != local.shape[d]:
-                    view = view.narrow(d, o, n)
-            out.append((view, gbox))
-        return out
+        local = t.to_local()  # type: ignore[attr-defined]
+        return _cut(local, _dtensor_boxes(t, tuple(local.shape), where))
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedObjectError(f"{where} is a tensor subclass {type(t).__qualname__}, which save_sharded cannot store")
     return [(t, ((0,) * t.dim(), tuple(t.shape)))]
+
+
+def _dtensor_boxes(t: Any, local_shape: tuple[int, ...], where: str) -> list[tuple[Box, Box]]:
+    """(box of the local tensor, box of the global tensor) of every piece DTensor ``t`` gives this
+    rank; raises where its local shard is not what its placements give (a padded shard)."""
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise InvalidArgumentError(f"{where}: this rank is not part of the DTensor's device mesh")
+    boxes = shard_boxes(tuple(t.shape), tuple(mesh.shape), _placements(t, where), coordinate)
+    held = tuple(max(lb[0][d] + lb[1][d] for lb, _ in boxes) for d in range(t.dim()))
+    if local_shape != held:
+        raise UnsupportedObjectError(
+            f"{where}: the local shard has shape {local_shape} but its placements {list(t.placements)} give "
+            f"{held} (a padded local shard); ckptstore stores unpadded shards: pass to_local()'s unpadded view"
+        )
+    return boxes
+
+
+def _cut(local: torch.Tensor, boxes: list[tuple[Box, Box]]) -> list[tuple[torch.Tensor, Box]]:
+    """A view of ``local`` per (local box, global box) pair, with its global box."""
+    out = []
+    for lbox, gbox in boxes:
+        view = local
+        for d, (o, n) in enumerate(zip(*lbox)):
+            if n != local.shape[d]:
+                view = view.narrow(d, o, n)
+        out.append((view, gbox))
+    return out
+
+
+def _held_boxes(t: torch.Tensor, path: list[Any], ctx: _LoadCtx) -> list[tuple[torch.Tensor, Box]]:
+    """:func:`local_boxes` of a load's target, with the boxes of each DTensor layout worked out once
+    per walk (``ctx.layouts``), not from the DTensor's properties at every tensor."""
+    if not _is_dtensor(t):
+        return local_boxes(t, format_path(path))
+    local = t.to_local()  # type: ignore[attr-defined]
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    try:
+        key = (id(mesh), tuple(t.placements), tuple(t.shape), tuple(local.shape))  # type: ignore[attr-defined]
+        layout = ctx.layouts.get(key)
+    except TypeError:  # a placement that does not hash
+        return local_boxes(t, format_path(path))
+    if layout is None:
+        # The mesh is held with its boxes, so that its id is not another mesh's while the walk lasts;
+        # a layout of one box that is the whole local tensor (most) needs no view made.
+        boxes = _dtensor_boxes(t, tuple(local.shape), format_path(path))
+        whole = boxes[0][1] if len(boxes) == 1 and boxes[0][0][1] == tuple(local.shape) else None
+        layout = ctx.layouts[key] = (mesh, boxes, whole)
+    if layout[2] is not None:
+        return [(local, layout[2])]
+    return _cut(local, layout[1])
 
 
 def local_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box]:
@@ -905,6 +936,11 @@ class _LoadCtx:
     # A planning walk (which chunks will a load read?) allocates nothing: an empty slot stays empty
     # and the load that follows allocates it, after checking what its files hold.
     plan_only: bool = False
+    state: Any = None  # the caller's state walked: a load reuses the walk only for the same object
+    # The boxes a DTensor layout gives this rank, by (mesh, placements, global and local shape):
+    # the tensors of one state share a few layouts, and working each out again from the DTensor's
+    # properties was most of a walk's time.
+    layouts: dict[Any, Any] = field(default_factory=dict)
 
     def check_extents(self, key: str, entry: TensorEntry) -> None:
         if self.open_file is None:
@@ -1122,19 +1158,42 @@ def load(
     )
 
 
-def chunks_needed(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, int, int]]:
-    """The (file, offset, length) of every chunk a load of ``state`` by ``rank`` of ``world`` will
-    read (whole chunks): the load's own planning walk, allocating nothing. Non-tensor leaves of
-    ``state`` are replaced by the saved values, as the load that follows does anyway."""
+def _walk(state: Any, manifest: Manifest, display: str) -> _LoadCtx:
+    """The planning walk of a load: ``state`` and ``manifest``'s tree together, allocating nothing
+    (an empty slot gets a placeholder the load replaces). Kept on ``manifest`` (its ``walk``) for
+    the load that follows: the tree and tensor table it reads are the ones the load reads, and a
+    planner only adds chunks to the table."""
     saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
-    ctx = _LoadCtx(manifest, plan_only=True)
+    ctx = _LoadCtx(manifest, plan_only=True, state=state)
     with torch.no_grad():
         _fill(state, saved, [], ctx, top=True)
+    manifest.walk = ctx
+    return ctx
+
+
+def _walked(state: Any, manifest: Manifest) -> _LoadCtx | None:
+    """The planning walk kept on ``manifest`` when it is one of ``state`` whose targets a load can
+    fill as they are (no placeholder of an empty slot in it)."""
+    ctx = manifest.walk
+    if not isinstance(ctx, _LoadCtx) or ctx.state is not state or ctx.manifest is not manifest or ctx.fresh:
+        return None
+    return ctx
+
+
+def chunks_needed(state: Any, manifest: Manifest, display: str, rank: int, world: int) -> list[tuple[str, int, int]]:
+    """The (file, offset, length) of every chunk a load of ``state`` by ``rank`` of ``world`` will
+    read (whole chunks): the load's own planning walk, allocating nothing (or the one a planner
+    made already, :func:`load_boxes`). Non-tensor leaves of ``state`` are replaced by the saved
+    values, as the load that follows does anyway."""
+    ctx = _walked(state, manifest) or _walk(state, manifest, display)
     out: set[tuple[str, int, int]] = set()
     for target in ctx.targets:
         entry = manifest.tensors[target.key]
         for c in entry.chunks:
-            if c.file is not None and (not c.sizes or intersect(target.box, (c.offsets, c.sizes)) is not None):
+            if c.file is None:
+                continue
+            if not c.sizes or (c.offsets == target.box[0] and c.sizes == target.box[1]) or intersect(
+                    target.box, (c.offsets, c.sizes)) is not None:
                 out.add((c.file, c.offset, c.length))
     if int(manifest.meta.get("world_size", 1)) == world:
         for _wrapper, key, _path in ctx.per_rank:
@@ -1150,11 +1209,9 @@ def load_boxes(state: Any, manifest: Manifest, display: str, rank: int, world: i
     """The (entry key, box) of every piece a load of ``state`` by ``rank`` of ``world`` fills: the
     walk of :func:`chunks_needed`, which needs of ``manifest`` its tree and tensor table only (no
     chunk), so a rank can learn what to read before it reads any chunk table (checkpoint/index.py).
-    ``missing`` receives the paths the state asks for that the tree lacks."""
-    saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
-    ctx = _LoadCtx(manifest, plan_only=True)
-    with torch.no_grad():
-        _fill(state, saved, [], ctx, top=True)
+    ``missing`` receives the paths the state asks for that the tree lacks. The walk stays on
+    ``manifest`` for :func:`chunks_needed` and :func:`load_manifest` of the same state."""
+    ctx = _walk(state, manifest, display)
     if missing is not None:
         missing.extend(ctx.missing)
     out = [(target.key, target.box) for target in ctx.targets]
@@ -1186,11 +1243,14 @@ def load_manifest(
     collective: for manifests that hold only what their own rank reads, where no chunk is needed
     by two ranks in part (a store's restore planned from its own part, engine/exchange.py)."""
     saved_world = int(manifest.meta.get("world_size", 1))
-    ctx = _LoadCtx(manifest, open_file=open_file, display=display)
+    walked, manifest.walk = _walked(state, manifest), None  # a walk is filled once
+    ctx = walked or _LoadCtx(manifest)
+    ctx.open_file, ctx.display = open_file, display
     try:
-        saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
-        with torch.no_grad():
-            _fill(state, saved, [], ctx, top=True)
+        if walked is None:
+            saved = Decoder(lambda tag, node: _SavedRef(tag, node[tag]), display).decode(manifest.tree)
+            with torch.no_grad():
+                _fill(state, saved, [], ctx, top=True)
         if ctx.missing and strict:
             shown = ", ".join(ctx.missing[:10]) + (f" and {len(ctx.missing) - 10} more" if len(ctx.missing) > 10 else "")
             raise CheckpointError(
@@ -1230,6 +1290,13 @@ def load_manifest(
 
 def _fill(caller: Any, saved: Any, path: list[Any], ctx: _LoadCtx, *, top: bool = False) -> Any:
     """Walk the caller's state and the saved tree together; returns the value for the caller's slot."""
+    if isinstance(saved, _SavedRef) and saved.tag == "$tensor" and isinstance(caller, torch.Tensor):
+        # The one leaf of a state of tens of thousands: its path is formatted only for an error.
+        entry = ctx.manifest.tensors.get(saved.key)
+        if entry is not None and tuple(caller.shape) == entry.shape and dtype_name(caller.dtype) == entry.dtype:
+            for local, box in _held_boxes(caller, path, ctx):
+                ctx.targets.append(ReadTarget(saved.key, path, local, box))
+            return caller
     where = format_path(path)
     if isinstance(caller, PerRank):
         if not isinstance(saved, _SavedRef) or saved.tag != "$per_rank":
@@ -1336,6 +1403,9 @@ class _ReadJob:
 
 
 def _jobs_for(target: ReadTarget, entry: TensorEntry, buffer_bytes: int, where: str) -> list[_ReadJob]:
+    whole = _whole_chunk(target, entry, buffer_bytes)
+    if whole is not None:
+        return [whole]
     boxes = [(c.offsets, c.sizes) for c in entry.chunks]
     reads, uncovered = read_plan(target.box, boxes)
     if uncovered:
@@ -1367,6 +1437,21 @@ def _jobs_for(target: ReadTarget, entry: TensorEntry, buffer_bytes: int, where: 
                 start, end, blocks = 0, c.length, []
             jobs.append(_ReadJob(target, c, c.offset + start, end - start, sub, lo - start, n, overlap, blocks))
     return jobs
+
+
+def _whole_chunk(target: ReadTarget, entry: TensorEntry, buffer_bytes: int) -> _ReadJob | None:
+    """The one job of a target that is exactly one raw chunk's box, read whole in one go (a load at
+    the layout it saved: every target of a restore from its own part); None for any other target,
+    which :func:`_jobs_for` plans from the overlaps. The same job as that plan makes, without it."""
+    box = target.box
+    for c in entry.chunks if len(entry.chunks) <= 4 else ():
+        if c.offsets != box[0] or c.sizes != box[1]:
+            continue
+        if (c.codec != "raw" or c.block_checksums is not None or not c.sizes or not c.length or not all(c.sizes)
+                or c.length > buffer_bytes):
+            return None
+        return _ReadJob(target, c, c.offset, c.length, 0, 0, c.sizes[0], box, [])
+    return None
 
 
 def _rows_per_job(row_bytes: int, block_size: int, buffer_bytes: int) -> int:
@@ -1439,9 +1524,11 @@ def read_targets(
         # looked up once here: a lookup is an fstat or a narrow of the caller's tensor, and asking
         # again in every worker for every job cost more than the first copy's wait.
         memory = {rel: s.memory() for rel, s in sources.items()}
+        sizes: dict[str, int] = {}  # element size by dtype name
         for job in host:
             if job.length:
-                es = element_size(dtype_from_name(manifest.tensors[job.target.key].dtype, where=where))
+                name = manifest.tensors[job.target.key].dtype
+                es = sizes.get(name) or sizes.setdefault(name, element_size(dtype_from_name(name, where=where)))
                 job.direct = _direct_destination(job, es)
                 job.staged = job.direct is None and memory[job.chunk.file] is None
         staged = [job for job in host if job.staged]
@@ -1510,6 +1597,9 @@ def _flat_destination(job: _ReadJob, es: int) -> torch.Tensor | None:
     c, t = job.chunk, job.target
     if c.codec != "raw" or not c.sizes or not job.nrows:
         return None
+    if job.overlap is t.box and not job.skip and c.sizes == t.box[1] and job.length == c.length:
+        # a whole chunk into its whole box (_whole_chunk)
+        return t.local if t.local.is_contiguous() else None
     if job.overlap[1][1:] != c.sizes[1:] or t.box[1][1:] != c.sizes[1:] or not t.local.is_contiguous():
         return None
     if job.skip + job.nrows * math.prod(c.sizes[1:]) * es > job.length:
@@ -1538,20 +1628,21 @@ def _execute(job: _ReadJob, source: Source | None, memory: torch.Tensor | None, 
     in this process) and verified, then placed into the caller's box; ``buf`` is staging memory of
     the job's length, None where ``job.staged`` says none is needed."""
     c, entry_key = job.chunk, job.target.key
+    location = f"{where}/{c.file}" if c.file else where
+    direct = job.direct
+    if direct is not None and job.length:
+        assert source is not None
+        # Same layout on both sides: straight into the caller's tensor, hashed piece by piece.
+        transfer.fill_verified(source, job.file_start, direct.reshape(-1).view(torch.uint8), _checks(job),
+                               location=location, key=entry_key, memory=memory)
+        return
     entry = manifest.tensors[entry_key]
     dtype = dtype_from_name(entry.dtype, where=where)
     es = element_size(dtype)
-    location = f"{where}/{c.file}" if c.file else where
     if not job.length:
         buf = alloc_bytes(0)
     else:
         assert source is not None
-        direct = job.direct
-        if direct is not None:
-            # Same layout on both sides: straight into the caller's tensor, hashed piece by piece.
-            transfer.fill_verified(source, job.file_start, direct.reshape(-1).view(torch.uint8), _checks(job),
-                                   location=location, key=entry_key, memory=memory)
-            return
         if memory is not None:
             buf = memory[job.file_start : job.file_start + job.length]
             transfer.verify_in_place(buf, _checks(job), location=location, key=entry_key)
