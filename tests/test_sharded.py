@@ -53,11 +53,13 @@ def test_round_trip_in_place(tmp_path):
 def test_layout_on_disk_and_manifest_written_last(tmp_path):
     ckptstore.save_sharded(_state(), tmp_path / "c")
     root = tmp_path / "c"
-    assert sorted(os.listdir(root)) == ["data", "index.json", "manifest.json", "parts"]
+    assert sorted(os.listdir(root)) == ["data", "manifest.json", "parts"]  # a 2.0 manifest is its own index
     assert os.listdir(root / "data") == ["rank-00000.bin"]
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["kind"] == "sharded" and manifest["meta"]["world_size"] == 1
-    w = manifest["tensors"]["model/w"]["chunks"][0]
+    assert manifest["format_version"] == "2.0" and manifest["tensors"]["model/w"]["writer"] == 0
+    assert [p[0] for p in manifest["parts"]] == ["parts/rank-00000.json"]
+    w = json.loads((root / "parts" / "rank-00000.json").read_text())["chunks"]["model/w"][0]
     assert w["file"] == "data/rank-00000.bin" and len(w["block_checksums"]) == 3  # 12 MB in 4 MiB blocks
     assert os.path.getmtime(root / "manifest.json") >= os.path.getmtime(root / "data" / "rank-00000.bin")
 
