@@ -112,6 +112,23 @@ def test_shape_or_dtype_mismatch_is_a_clear_error(tmp_path):
         ckptstore.load_sharded({"model": {"b": torch.zeros(7, dtype=torch.float64)}}, tmp_path / "c")
 
 
+def test_a_stale_index_of_an_uncommitted_checkpoint_is_removed(tmp_path):
+    # An overwrite of a 1.x checkpoint that crashed between removing its manifest and its index
+    # leaves the index; a new save there keeps the old data files (it names its own beside them),
+    # so a reader that trusted the index would load the old values, every checksum matching.
+    from v1_writer import downgrade
+
+    root = tmp_path / "c"
+    ckptstore.save_sharded({"w": torch.zeros(64)}, root)
+    downgrade(root, index=True)
+    (root / "manifest.json").unlink()
+    ckptstore.save_sharded({"w": torch.ones(64)}, root)
+    target = {"w": torch.full((64,), 5.0)}
+    ckptstore.load_sharded(target, root)
+    assert torch.equal(target["w"], torch.ones(64))  # not the zeros the stale index names
+    assert not (root / "index.json").exists()
+
+
 def test_flipped_byte_names_the_rank_file_and_the_key(tmp_path):
     ckptstore.save_sharded(_state(), tmp_path / "c")
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())

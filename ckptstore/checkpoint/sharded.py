@@ -667,8 +667,11 @@ def save(
                         "it, or save to a new directory"
                     )
                 directory.remove(MANIFEST)  # uncommit first: a crash mid-save must not leave old + new mixed
-                if directory.exists(INDEX):
-                    directory.remove(INDEX)  # it describes the old manifest
+            if directory.exists(INDEX):
+                # It describes an old 1.x manifest, perhaps one an overwrite uncommitted before it
+                # crashed; readers look for it first, and beside this save's manifest (its own
+                # index) it would send them to the old data files, still there under their names.
+                directory.remove(INDEX)
             directory.makedirs()
         except CheckpointError as exc:
             verdict = str(exc)
@@ -700,7 +703,8 @@ def save(
 
         try:
             part = _write_rank(directory, rank, group.world, local, mine, t0, t_plan, overwrite, written)
-            result: dict[str, Any] = {"ok": True, "part": part_summary(part)}
+            shapes = {k: v[1] for k, v in local.tensors.items()}
+            result: dict[str, Any] = {"ok": True, "part": part_summary(part, shapes)}
             if structure.representative:
                 result["shared"] = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
@@ -972,14 +976,20 @@ def read_manifest(directory: Directory) -> Manifest:
 # ------------------------------------------------------------------------------ format 2.0 manifests
 
 
-def part_summary(part: dict[str, Any]) -> dict[str, Any]:
+def part_summary(part: dict[str, Any], shapes: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the committer of a format 2.0 manifest needs of a rank's part (``part`` as its tier
     returned it, naming its ``part_file``, ``part_size`` and ``part_checksum``): no chunk table.
     ``origin`` lists the rank's chunks at the origin of their tensor (at most one per tensor in
     the whole job, as boxes are written once and do not overlap): those that are the whole tensor
     tell the committer this rank is its one writer. ``layout``: the digest of the rank's chunks
-    (None when it wrote none), from which the committer composes the step's layout digest."""
+    (None when it wrote none), from which the committer composes the step's layout digest.
+    ``shapes`` (key -> global shape, the rank's own tensors): ``whole`` then carries the chunks
+    of the tensors this rank wrote whole, which the manifest lists too, so that a rank loading a
+    replicated tensor another rank wrote reads no part but its own. Each tensor is written whole
+    by at most one rank in the job: what the committer receives grows with the tensors, not with
+    ranks x tensors."""
     origin: list[tuple[str, Any]] = []
+    whole: list[tuple[str, Any]] = []
     items: list[tuple[str, Any]] = []
     for alias, chunks in part["chunks"].items():
         key = _unalias(alias)
@@ -987,10 +997,13 @@ def part_summary(part: dict[str, Any]) -> dict[str, Any]:
             items.append((key, c))
             if not any(c["offsets"]):
                 origin.append((key, c["sizes"]))
+                if shapes is not None and key == alias and len(chunks) == 1 and list(shapes.get(key, ())) == list(c["sizes"]):
+                    whole.append((key, c))
     return {
         **{k: part[k] for k in ("rank", "host", "pid", "bytes", "timings", "part_file", "part_size", "part_checksum")},
         "origin": origin,
         "layout": chunk_digest(items) if items else None,
+        **({"whole": whole} if shapes is not None else {}),
     }
 
 
@@ -1002,6 +1015,7 @@ def parted_manifest(tree: Any, tensors_meta: dict[str, tuple[str, tuple[int, ...
     grows with the ranks plus the tensors, never with ranks x tensors (no chunk is seen)."""
     tensors: dict[str, TensorEntry] = {k: TensorEntry(dtype=d, shape=tuple(s)) for k, (d, s) in tensors_meta.items()}
     writers: dict[str, int] = {}
+    inline: dict[str, list[Any]] = {}
     parts: list[Any] = [None] * world
     digests: dict[int, str] = {}
     for summary in summaries:
@@ -1009,6 +1023,8 @@ def parted_manifest(tree: Any, tensors_meta: dict[str, tuple[str, tuple[int, ...
         parts[rank] = (summary["part_file"], summary["part_size"], summary["part_checksum"])
         if summary["layout"] is not None:
             digests[rank] = summary["layout"]
+        for key, chunk in summary.get("whole", ()):
+            inline[key] = [chunk]
         for key, sizes in summary["origin"]:
             entry = tensors.get(key)
             if entry is None:  # another rank's per-rank value: one uint8 chunk, its own
@@ -1029,7 +1045,8 @@ def parted_manifest(tree: Any, tensors_meta: dict[str, tuple[str, tuple[int, ...
         **({"layouts": {k: layouts[k] for k in sorted(layouts) if k in tensors}} if layouts else {}),
         **(meta or {}),
     })
-    return encode_parted(header, writers, parts, combine_digests(digests))
+    inline = {k: v for k, v in inline.items() if writers.get(k) is not None}
+    return encode_parted(header, writers, parts, combine_digests(digests), inline)
 
 
 def read_part(read: Callable[[str], bytes], parted_or_file: tuple[str, int | None, str], rank: int,
@@ -1079,6 +1096,10 @@ def assemble(parted: Parted, read: Callable[[str], bytes], display: str) -> Mani
     for key, entry in header.tensors.items():
         parsed = parse_entry(key, {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": raw[key]}, where)
         parsed.chunks.sort(key=lambda c: c.offsets)
+        if entry.chunks and entry.chunks != parsed.chunks:
+            raise CorruptCheckpointError(
+                f"{where}: the chunks the manifest lists for tensor {key!r} are not those of its writer's part "
+                f"file: the checkpoint is damaged; load another copy or an earlier step", location=where, key=key)
         tensors[key] = parsed
     check_byte_ranges(tensors, where)
     return Manifest(kind="sharded", tensors=tensors, tree=header.tree, pickled=[], meta=header.meta,
