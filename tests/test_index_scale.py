@@ -1,9 +1,9 @@
-"""Every durable step and every ``save_sharded`` checkpoint carries an index, so a rank loading the
-layout it saved reads the index and its own part file, never the whole world's manifest: steps the
-node agent committed for a dead trainer, ``save_sharded`` checkpoints on one rank and on several
-(real gloo processes), while a resharded load still reads every stored byte once and bitwise; a
-checkpoint without an index (written before indexes existed) loads through its manifest, and a
-damaged index falls back to it with a warning."""
+"""A rank loading the layout it saved reads what indexes the step and its own part file, never the
+whole world's chunk table: a 2.0 manifest (steps the node agent committed for a dead trainer,
+``save_sharded`` checkpoints on one rank and on several real gloo processes, replicated tensors
+included), or a 1.x manifest's index.json (checkpoints written before 2.0), while a resharded load
+still reads every stored byte once and bitwise; a 1.x checkpoint without an index loads through its
+manifest, and a damaged index falls back to it with a warning."""
 
 from __future__ import annotations
 
