@@ -67,6 +67,8 @@ FOOTER = struct.Struct("<QQQ8s")
 MAGIC, FOOTER_MAGIC = b"CKPTSTOR", b"CKPTFOOT"
 DATA_START = 4096
 SUPPORTED_MAJOR = 1
+SHARDED_MAJOR = 2  # 8.3: major 2 defines one more form of a sharded manifest (10.10), nothing else
+PART_RE = re.compile(r"^parts/[A-Za-z0-9._\-]{1,200}\.json$")
 MAX_BYTES = 2**60
 MAX_DIMS = 64
 CODECS = ("raw", "zstd", "shuffle+zstd")
@@ -182,14 +184,14 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _parse_version(doc: dict[str, Any]) -> tuple[int, int]:
+def _parse_version(doc: dict[str, Any], supported: int = SUPPORTED_MAJOR) -> tuple[int, int]:
     v = doc.get("format_version")
     m = re.fullmatch(r"(\d{1,6})\.(\d{1,6})", v) if isinstance(v, str) else None
     if m is None:
         raise FormatError(f"bad format_version {v!r}")
     major, minor = int(m.group(1)), int(m.group(2))
-    if major > SUPPORTED_MAJOR:
-        raise VersionError(f"format {v} is newer than {SUPPORTED_MAJOR}.x")
+    if major > supported:
+        raise VersionError(f"format {v} is newer than {supported}.x")
     if major < 1:
         raise FormatError(f"format_version {v} was never released")
     return major, minor
@@ -270,7 +272,7 @@ def _parse_manifest(body: bytes, kind: str) -> tuple[dict[str, Any], int]:
         raise FormatError(f"manifest is not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != "ckptstore":
         raise FormatError("not a ckptstore manifest")
-    major, _ = _parse_version(doc)
+    major, _ = _parse_version(doc, SHARDED_MAJOR if kind == "sharded" else SUPPORTED_MAJOR)
     if doc.get("byte_order", "little") != "little":
         raise FormatError("byte order")
     if doc.get("kind") != kind:
@@ -401,12 +403,79 @@ def _read_range(root: pathlib.Path, file: str | None, offset: int, length: int) 
 
 
 def open_sharded(root: pathlib.Path) -> tuple[dict[str, Any], dict[str, Entry]]:
-    """10.2-10.3: the committed manifest of directory ``root`` and its parsed entries."""
+    """10.2-10.3 and 10.10: the committed manifest of directory ``root`` and its parsed entries
+    (for a 2.0 manifest, ``tensors`` as the chunk table its part files make)."""
     path = root / "manifest.json"
     if not path.is_file():
         raise NotACheckpoint(f"{root} has no manifest.json: not a (committed) checkpoint")
-    doc, _ = _parse_manifest(path.read_bytes(), "sharded")
+    body = path.read_bytes()
+    doc, major = _parse_manifest(body, "sharded")
+    if major == 2:
+        doc = _assemble_parted(root, body, doc)
     return doc, {k: _parse_entry(k, v, "sharded") for k, v in doc["tensors"].items()}
+
+
+def _own_checksum(body: bytes, doc: dict[str, Any]) -> None:
+    """10.3: the last member, over the bytes before its comma with a "}" appended."""
+    tail = b',"checksum":"' + str(doc.get("checksum")).encode() + b'"}'
+    if not body.rstrip().endswith(tail):
+        raise FormatError("the checksum member is not the last member, compactly written")
+    if _xxh3(body.rstrip()[: -len(tail)] + b"}") != _checksum_string(doc["checksum"], "manifest"):
+        raise FormatError("manifest checksum mismatch")
+
+
+def _box_key(key: str) -> str:
+    """7.8/10.10: ``<key>#box<n>`` stands for ``<key>``."""
+    m = re.fullmatch(r"(.*)#box(\d+)", key)
+    return m.group(1) if m else key
+
+
+def _assemble_parted(root: pathlib.Path, body: bytes, doc: dict[str, Any]) -> dict[str, Any]:
+    """10.10 steps 1-4: check a 2.0 manifest, read every part file it names (checked against its
+    size and checksum), and return the manifest as 10.3 has it: every entry with its chunks."""
+    if "checksum" not in doc:
+        raise FormatError("a 2.0 manifest must carry its own checksum")
+    _own_checksum(body, doc)
+    world, parts = doc["meta"]["world_size"], doc.get("parts")
+    if not isinstance(parts, list) or len(parts) != world:
+        raise FormatError(f"parts must list {world} part files")
+    seen: set[str] = set()
+    for p in parts:
+        if (not isinstance(p, list) or len(p) != 3 or not isinstance(p[0], str) or not PART_RE.match(p[0])
+                or not FILE_RE.match(p[0]) or not _is_int(p[1]) or p[0] in seen):
+            raise FormatError(f"bad part entry {p!r}")
+        _checksum_string(p[2], p[0])
+        seen.add(p[0])
+    tensors: dict[str, Any] = {}
+    for key, e in doc["tensors"].items():
+        if not isinstance(e, dict) or "chunks" in e and "writer" not in e:
+            raise FormatError(f"{key}: a 2.0 entry lists chunks only beside its writer")
+        w = e.get("writer")
+        if w is not None and not _is_int(w, 0, world - 1):
+            raise FormatError(f"{key}: writer {w!r} is not a rank below {world}")
+        tensors[key] = {"dtype": e.get("dtype"), "shape": e.get("shape"), "chunks": []}
+    for rank, (file, size, check) in enumerate(parts):
+        path = _data_path(root, file)
+        if not path.is_file():
+            raise FormatError(f"part file {file} is missing")
+        data = path.read_bytes()
+        if len(data) != size or _xxh3(data) != check:
+            raise FormatError(f"part file {file} does not match its size and checksum in the manifest")
+        part = json.loads(data.decode("utf-8"), parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+        if not isinstance(part, dict) or part.get("rank") != rank or not isinstance(part.get("chunks"), dict):
+            raise FormatError(f"{file} is not the part of rank {rank}")
+        for name, chunks in part["chunks"].items():
+            key = _box_key(name)
+            if key not in tensors or not isinstance(chunks, list):
+                raise FormatError(f"{file}: entry {key!r} is not in the manifest")
+            if doc["tensors"][key].get("writer", rank) != rank:
+                raise FormatError(f"{file}: chunks of {key!r}, which another rank wrote whole")
+            tensors[key]["chunks"].extend(chunks)
+    for key, e in doc["tensors"].items():
+        # Chunks a 2.0 entry lists are a copy of its writer's: they must be the very same.
+        if "chunks" in e and sorted(map(json.dumps, e["chunks"])) != sorted(map(json.dumps, tensors[key]["chunks"])):
+            raise FormatError(f"{key}: the manifest's chunks differ from its writer's part")
+    return {**doc, "tensors": tensors}
 
 
 def read_sharded(root: pathlib.Path, *, verify: bool = True) -> Checkpoint:
@@ -1166,7 +1235,7 @@ def test_sharded_reader_recovers_everything(sharded: tuple[pathlib.Path, dict[st
     root, state = sharded
     ck = read_sharded(root)
     doc = ck.manifest
-    assert (doc["format"], doc["format_version"], doc["kind"]) == ("ckptstore", "1.1", "sharded")
+    assert (doc["format"], doc["format_version"], doc["kind"]) == ("ckptstore", "2.0", "sharded")  # 10.10
     assert doc["meta"]["world_size"] == 1 and doc["pickled"] == []
 
     # Every tensor assembled from its chunks in the data files, every chunk and block verified.
@@ -1200,10 +1269,19 @@ def test_sharded_reader_recovers_everything(sharded: tuple[pathlib.Path, dict[st
 
 
 def test_sharded_files_agree(sharded: tuple[pathlib.Path, dict[str, Any]]) -> None:
-    """10.4-10.5: the part file lists exactly the manifest's chunks; the data file layout (informative)."""
+    """10.4-10.5, 10.10: the part file is the chunk table, named by the manifest with its size and
+    checksum; chunks an entry lists are its writer's; the data file layout (informative)."""
     root, _ = sharded
-    doc = _json(root / "manifest.json")
+    header = _json(root / "manifest.json")
+    part_bytes = (root / "parts" / "rank-00000.json").read_bytes()
+    assert header["parts"] == [["parts/rank-00000.json", len(part_bytes), _xxh3(part_bytes)]]
     part = _json(root / "parts" / "rank-00000.json")
+    doc, _ = open_sharded(root)  # the manifest with its chunk table
+    for key, entry in header["tensors"].items():
+        assert set(entry) <= {"dtype", "shape", "writer", "chunks"}, key
+        # One process wrote every tensor whole: each that has a chunk names rank 0 and lists it.
+        chunks = doc["tensors"][key]["chunks"]
+        assert entry.get("writer") == (0 if chunks else None) and entry.get("chunks", []) == chunks, key
     assert (part["rank"], part["world_size"]) == (0, 1)
     assert isinstance(part["host"], str) and _is_int(part["pid"]) and set(part["timings"]) == {"plan_s", "write_s"}
     # Tensors with no elements need no chunk, so they appear in no part file.
@@ -1229,7 +1307,6 @@ def test_sharded_files_agree(sharded: tuple[pathlib.Path, dict[str, Any]]) -> No
     assert data[end:] == bytes(len(data) - end)
     assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == [
         "data/rank-00000.bin",
-        "index.json",
         "manifest.json",
         "parts/rank-00000.json",
     ]
@@ -1276,8 +1353,13 @@ def _rewrite_sharded(root: pathlib.Path, edit: Any) -> None:
 
 
 def test_sharded_reader_validates(tmp_path: pathlib.Path) -> None:
+    """A 1.x manifest listing every chunk, as save_sharded wrote before 2.0: still read, and refused
+    where it is wrong."""
+    from v1_writer import downgrade
+
     root = tmp_path / "ck"
     ckptstore.save_sharded({"w": torch.arange(8.0), "r": ckptstore.PerRank({"seed": 5})}, str(root))
+    downgrade(root, index=False)
     original = (root / "manifest.json").read_bytes()
     ck = read_sharded(root)
     assert ck.value["r"].by_rank[0].value == {"seed": 5}
@@ -1303,7 +1385,7 @@ def test_sharded_reader_validates(tmp_path: pathlib.Path) -> None:
     refused(lambda d: d["meta"].update(world_size="1"), "world_size")
     refused(lambda d: d["meta"].update(world_size=2), "missing entry 'r#rank00001'")
     refused(lambda d: d.update(pickled=["w"]), "pickled")
-    refused(lambda d: d.update(format_version="2.0"), "newer")
+    refused(lambda d: d.update(format_version="3.0"), "newer")
     for tag in ("$view", "$ndarray", "$npscalar", "$pickle"):
         refused(lambda d, tag=tag: d["tree"].update(w={tag: "w"}), "in a sharded manifest")
     # A newer minor with unknown members stays readable (section 8).
@@ -1316,6 +1398,63 @@ def test_sharded_reader_validates(tmp_path: pathlib.Path) -> None:
     assert (root / "data" / "rank-00000.bin").exists() and (root / "parts" / "rank-00000.json").exists()
     with pytest.raises(NotACheckpoint):
         read_sharded(root)
+
+
+def _rewrite_parted(root: pathlib.Path, edit: Any) -> None:
+    """A 2.0 manifest edited, its own checksum recomputed (10.3): a forgery, not damage."""
+    doc = json.loads((root / "manifest.json").read_bytes())
+    doc.pop("checksum")
+    edit(doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    (root / "manifest.json").write_bytes(body[:-1] + b',"checksum":"' + _xxh3(body).encode() + b'"}')
+
+
+def test_parted_reader_validates(tmp_path: pathlib.Path) -> None:
+    """10.10: what a 2.0 manifest and the part files it names must satisfy."""
+    root = tmp_path / "ck"
+    ckptstore.save_sharded({"w": torch.arange(8.0), "r": ckptstore.PerRank({"seed": 5})}, str(root))
+    original = (root / "manifest.json").read_bytes()
+    part_path = root / "parts" / "rank-00000.json"
+    part = part_path.read_bytes()
+    assert read_sharded(root).value["w"].data == torch_bytes(torch.arange(8.0))
+
+    def refused(edit: Any, match: str, part_edit: Any = None) -> None:
+        _rewrite_parted(root, edit)
+        if part_edit is not None:
+            part_edit()
+        try:
+            with pytest.raises(FormatError, match=match):
+                read_sharded(root)
+        finally:
+            (root / "manifest.json").write_bytes(original)
+            part_path.write_bytes(part)
+
+    def entry(d: dict[str, Any]) -> dict[str, Any]:
+        return d["tensors"]["w"]
+
+    refused(lambda d: d.update(format_version="3.0"), "newer")
+    refused(lambda d: d["parts"].append(d["parts"][0]), "parts must list 1")
+    refused(lambda d: d["parts"][0].__setitem__(0, "../parts/x.json"), "bad part entry")
+    refused(lambda d: d["parts"][0].__setitem__(0, "data/rank-00000.bin"), "bad part entry")
+    refused(lambda d: d["parts"][0].__setitem__(1, d["parts"][0][1] + 1), "does not match its size and checksum")
+    refused(lambda d: d["parts"][0].__setitem__(2, "xxh3_64:0000000000000000"), "does not match")
+    refused(lambda d: None, "missing", lambda: part_path.unlink())
+    refused(lambda d: None, "does not match", lambda: part_path.write_bytes(part.replace(b'"rank":0', b'"rank":1')))
+    refused(lambda d: d["tensors"].pop("w"), "not in the manifest")
+    refused(lambda d: entry(d).update(writer=3), "not a rank below 1")
+    refused(lambda d: entry(d).pop("writer"), "only beside its writer")
+    refused(lambda d: entry(d)["chunks"][0].update(offset=4096), "differ from its writer's part")
+    # The checksum member is required in 2.0, and must match.
+    body = original[: original.rindex(b',"checksum":')] + b"}"
+    (root / "manifest.json").write_bytes(body)
+    with pytest.raises(FormatError, match="must carry its own checksum"):
+        read_sharded(root)
+    (root / "manifest.json").write_bytes(original.replace(b'"step"', b'"stop"') if b'"step"' in original
+                                         else original.replace(b'"world_size":1', b'"world_size":1 '))
+    with pytest.raises(FormatError, match="checksum"):
+        read_sharded(root)
+    (root / "manifest.json").write_bytes(original)
+    assert read_sharded(root).value["r"].by_rank[0].value == {"seed": 5}
 
 
 def test_sharded_worked_example_is_true(tmp_path: pathlib.Path) -> None:
@@ -1342,6 +1481,12 @@ def test_sharded_worked_example_is_true(tmp_path: pathlib.Path) -> None:
         return doc
 
     doc, actual = documented("sharded-example-manifest"), _json(root / "manifest.json")
+    # The part's bytes hold its pid and timings, and the per-rank entry a meta: they change between runs.
+    part_bytes = (root / "parts" / "rank-00000.json").read_bytes()
+    assert actual["parts"] == [["parts/rank-00000.json", len(part_bytes), _xxh3(part_bytes)]]
+    for d in (doc, actual):
+        d["parts"][0][1:] = [None, None]
+        assert re.fullmatch(r"xxh3_64:[0-9a-f]{16}", d.pop("layout"))
     raw = (root / "manifest.json").read_bytes()
     # The manifest's own checksum (10.3) covers meta's times, so it differs between runs too.
     assert raw.endswith(b',"checksum":"' + actual["checksum"].encode() + b'"}')

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import container_layout, rewrite_manifest
+from v1_writer import downgrade
 
 import ckptstore
 from ckptstore import (
@@ -94,10 +96,61 @@ def _replace_single_manifest(tmp: str, body: bytes) -> str:
 def _sharded(tmp: str) -> str:
     root = os.path.join(tmp, "ck")
     ckptstore.save_sharded({**_state(), "rng": ckptstore.PerRank({"seed": 5})}, root)
-    # Without its index, as checkpoints written before the index are: a load then reads the manifest,
-    # whose refusals are what these cases test (the index's own are tested below).
-    os.unlink(os.path.join(root, "index.json"))
+    # A 1.x manifest listing every chunk, without an index, as save_sharded wrote before format 2.0
+    # and indexes: these cases test the refusals of that manifest (the index's and format 2.0's own
+    # are tested below); old checkpoints must keep being read, and refused, as they were.
+    downgrade(pathlib.Path(root), index=False)
     return root
+
+
+def _sharded2(tmp: str) -> str:
+    root = os.path.join(tmp, "ck")
+    ckptstore.save_sharded({**_state(), "rng": ckptstore.PerRank({"seed": 5})}, root)
+    return root
+
+
+def _edit_sharded2(tmp: str, edit: Callable[[dict], Any]) -> str:
+    """A format 2.0 checkpoint whose rank-0 part file was forged by ``edit`` and whose manifest was
+    made to agree with it (the part's size and checksum and the manifest's own checksum
+    recomputed): the damage is not caught by a checksum, so every other refusal must hold.
+    ``edit`` sees the same shape of document as a 1.x manifest's (``tensors.<key>.chunks``), the
+    chunks being the part file's and the rest the manifest's."""
+    from ckptstore.format.checksum import checksum
+
+    root = _sharded2(tmp)
+    path = os.path.join(root, "manifest.json")
+    with open(path, "rb") as fh:
+        doc = json.loads(fh.read())
+    assert doc["format_version"] == "2.0"
+    part_rel = doc["parts"][0][0]
+    part_path = os.path.join(root, part_rel)
+    with open(part_path, "rb") as fh:
+        part = json.loads(fh.read())
+    inline = {key for key, entry in doc["tensors"].items() if "chunks" in entry}
+    for key, entry in doc["tensors"].items():
+        entry["chunks"] = part["chunks"].setdefault(key, [])
+    edit(doc)
+    for key, entry in doc["tensors"].items():
+        # Where the manifest lists a tensor's chunks too (one rank wrote it whole), the forger
+        # changes both copies alike.
+        part["chunks"][key] = entry["chunks"] if key in inline else entry.pop("chunks")
+    part["chunks"] = {k: v for k, v in part["chunks"].items() if v}
+    body = json.dumps(part, separators=(",", ":")).encode()
+    with open(part_path, "wb") as fh:
+        fh.write(body)
+    doc["parts"][0] = [part_rel, len(body), checksum(body)]
+    doc.pop("checksum")
+    _write_parted(path, doc)
+    return root
+
+
+def _write_parted(path: str, doc: dict) -> None:
+    """A format 2.0 manifest ``doc`` with its own checksum (required there) recomputed: a forgery."""
+    from ckptstore.format.checksum import checksum
+
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    with open(path, "wb") as fh:
+        fh.write(body[:-1] + b',"checksum":"' + checksum(body).encode() + b'"}')
 
 
 def _edit_sharded(tmp: str, edit: Callable[[dict], Any]) -> str:
@@ -191,8 +244,8 @@ def _fifo_data(tmp: str) -> Callable[[], Any]:
     return _load_sharded_into(root)
 
 
-def _symlinked_data(tmp: str) -> Callable[[], Any]:
-    root = _sharded(tmp)
+def _symlinked_data(tmp: str, sharded: Callable[[str], str] = _sharded) -> Callable[[], Any]:
+    root = sharded(tmp)
     data = os.path.join(root, "data", "rank-00000.bin")
     outside = os.path.join(tmp, "outside.bin")
     os.replace(data, outside)  # the very bytes, so only the link's target is wrong
@@ -266,7 +319,7 @@ def _single_pickle_file(tmp: str, how: str) -> Callable[[], Any]:
     return _load_single(path)
 
 
-def _sharded_absurd(tmp: str, codec: str) -> Callable[[], Any]:
+def _sharded_absurd(tmp: str, codec: str, edit_sharded: Callable[..., str] = _edit_sharded) -> Callable[[], Any]:
     def edit(d: dict) -> None:
         e = d["tensors"]["a"]
         e["shape"] = [HUGE // 4]
@@ -277,15 +330,15 @@ def _sharded_absurd(tmp: str, codec: str) -> Callable[[], Any]:
         else:
             c["codec"] = "zstd"
 
-    return _load_sharded_fresh(_edit_sharded(tmp, edit))
+    return _load_sharded_fresh(edit_sharded(tmp, edit))
 
 
-def _sharded_offset_past_end(tmp: str, fresh: bool) -> Callable[[], Any]:
-    root = _edit_sharded(tmp, lambda d: _chunk(d).update(offset=HUGE))
+def _sharded_offset_past_end(tmp: str, fresh: bool, edit_sharded: Callable[..., str] = _edit_sharded) -> Callable[[], Any]:
+    root = edit_sharded(tmp, lambda d: _chunk(d).update(offset=HUGE))
     return _load_sharded_fresh(root) if fresh else _load_sharded_into(root)
 
 
-def _sharded_moderate_claim(tmp: str) -> Callable[[], Any]:
+def _sharded_moderate_claim(tmp: str, edit_sharded: Callable[..., str] = _edit_sharded) -> Callable[[], Any]:
     # 4 GiB claimed by a raw chunk in a data file of a few KiB: allocatable on many machines, so
     # only the extent check (before the allocation) stops it; the memory-limited run proves it.
     def edit(d: dict) -> None:
@@ -293,7 +346,7 @@ def _sharded_moderate_claim(tmp: str) -> Callable[[], Any]:
         e["shape"] = [1 << 30]
         e["chunks"][0].update(sizes=[1 << 30], length=4 << 30, block_size=None, block_checksums=None, offset=BEYOND)
 
-    return _load_sharded_fresh(_edit_sharded(tmp, edit))
+    return _load_sharded_fresh(edit_sharded(tmp, edit))
 
 
 def _single_moderate_zstd(tmp: str) -> Callable[[], Any]:
@@ -305,7 +358,7 @@ def _single_moderate_zstd(tmp: str) -> Callable[[], Any]:
     return _load_single(_edit_single(tmp, edit))
 
 
-def _overlapping_bytes(tmp: str, sharded: bool) -> Callable[[], Any]:
+def _overlapping_bytes(tmp: str, sharded: bool, edit_sharded: Callable[..., str] = _edit_sharded) -> Callable[[], Any]:
     def edit(d: dict) -> None:
         # "b" claims the first 256 bytes of "a"'s bytes (its own length, so every other rule holds).
         _chunk(d, "b")["offset"] = _chunk(d, "a")["offset"]
@@ -313,7 +366,7 @@ def _overlapping_bytes(tmp: str, sharded: bool) -> Callable[[], Any]:
             _chunk(d, "b")["file"] = _chunk(d, "a")["file"]
 
     if sharded:
-        return _load_sharded_fresh(_edit_sharded(tmp, edit))
+        return _load_sharded_fresh(edit_sharded(tmp, edit))
     return _load_single(_edit_single(tmp, edit))
 
 
@@ -518,6 +571,81 @@ CASES = [
 ]
 
 
+def _forged_part(tmp: str) -> Callable[[], Any]:
+    # A part changed after the commit (a's chunk claims another checksum) with the manifest left
+    # as it was: what the manifest names it by no longer matches, and that alone refuses it.
+    root = _sharded2(tmp)
+    path = os.path.join(root, "parts", "rank-00000.json")
+    with open(path, "rb") as fh:
+        part = json.loads(fh.read())
+    part["chunks"]["a"][0]["checksum"] = part["chunks"]["b"][0]["checksum"]
+    with open(path, "wb") as fh:
+        fh.write(json.dumps(part, separators=(",", ":")).encode())
+    return _load_sharded_into(root)
+
+
+def _part_replaced(tmp: str, data: bytes | None) -> Callable[[], Any]:
+    root = _sharded2(tmp)
+    path = os.path.join(root, "parts", "rank-00000.json")
+    os.unlink(path)
+    if data is not None:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    return _load_sharded_into(root)
+
+
+def _parted_header(tmp: str, edit: Callable[[dict], Any]) -> str:
+    root = _sharded2(tmp)
+    path = os.path.join(root, "manifest.json")
+    with open(path, "rb") as fh:
+        doc = json.loads(fh.read())
+    doc.pop("checksum")
+    edit(doc)
+    _write_parted(path, doc)
+    return root
+
+
+# The forgeries above in save_sharded's own format, 2.0: the chunks are in the part file, which
+# the forger made agree with the manifest's size and checksum of it (and the manifest with its
+# own checksum); and what only a 2.0 checkpoint can suffer: a part that does not match the
+# manifest, a missing one, a pickle where a part should be.
+CASES += [
+    Case("sharded2-chunk-file-dotdot", "escape the root", lambda t: _load_sharded_fresh(
+        _edit_sharded2(t, lambda d: _chunk(d).update(file="../outside.bin"))), CorruptCheckpointError,
+        ("../outside.bin", "not a safe relative path")),
+    Case("sharded2-chunk-file-absolute", "escape the root", lambda t: _load_sharded_into(
+        _edit_sharded2(t, lambda d: _chunk(d).update(file="/etc/passwd"))), CorruptCheckpointError,
+        ("/etc/passwd", "not a safe relative path")),
+    Case("sharded2-chunk-file-nul", "escape the root", lambda t: _load_sharded_fresh(
+        _edit_sharded2(t, lambda d: _chunk(d).update(file="data/rank-00000.bin\x00.txt"))), CorruptCheckpointError,
+        ("not a safe relative path",)),
+    Case("sharded2-data-symlink-outside", "escape the root", lambda t: _symlinked_data(t, _sharded2),
+         CorruptCheckpointError, ("outside the checkpoint directory", "symbolic link")),
+    Case("sharded2-negative-offset", "bad offsets", lambda t: _load_sharded_fresh(
+        _edit_sharded2(t, lambda d: _chunk(d).update(offset=-1))), CorruptCheckpointError, ("offset",)),
+    Case("sharded2-offset-past-end-fresh", "bad offsets", lambda t: _sharded_offset_past_end(t, True, _edit_sharded2),
+         CorruptCheckpointError, ("rank-00000.bin is truncated", "'a'")),
+    Case("sharded2-offset-past-end-into", "bad offsets", lambda t: _sharded_offset_past_end(t, False, _edit_sharded2),
+         CorruptCheckpointError, ("rank-00000.bin is truncated", "'a'")),
+    Case("sharded2-overlapping-bytes", "bad offsets", lambda t: _overlapping_bytes(t, True, _edit_sharded2),
+         CorruptCheckpointError, ("overlapping bytes",)),
+    Case("sharded2-shape-huge-raw", "absurd shapes", lambda t: _sharded_absurd(t, "raw", _edit_sharded2),
+         CorruptCheckpointError, ("is truncated",)),
+    Case("sharded2-4gib-claim", "absurd shapes", lambda t: _sharded_moderate_claim(t, _edit_sharded2),
+         CorruptCheckpointError, ("is truncated",)),
+    Case("sharded2-major-3", "unknown format version", lambda t: _load_sharded_fresh(_parted_header(
+        t, lambda d: d.update(format_version="3.0"))), UnsupportedFormatVersionError, ("3.0", "Upgrade ckptstore")),
+    Case("sharded2-pickle-node", "pickle payload", lambda t: _load_sharded_fresh(_parted_header(
+        t, lambda d: d["tree"].update(a={"$pickle": "a"}))), CheckpointError, ("$pickle",)),
+    Case("sharded2-pickle-as-part", "pickle payload", lambda t: _part_replaced(t, _pickle_bytes()),
+         CorruptCheckpointError, ("parts/rank-00000.json", "does not match")),
+    Case("sharded2-part-not-the-manifests", "damaged part", _forged_part, CorruptCheckpointError,
+         ("parts/rank-00000.json", "does not match")),
+    Case("sharded2-part-missing", "damaged part", lambda t: _part_replaced(t, None), CorruptCheckpointError,
+         ("parts/rank-00000.json", "missing")),
+]
+
+
 def _snapshot(tmp: str) -> dict[str, tuple[int, int]]:
     """Every file under ``tmp`` with its size and mtime (symlinks not followed)."""
     out = {}
@@ -594,6 +722,15 @@ def test_cases_are_valid_checkpoints_before_they_are_damaged(tmp_path):
     state = {"a": torch.zeros(1000), "b": torch.zeros(4, 8, dtype=torch.float64)}
     ckptstore.load_sharded(state, _sharded(str(tmp_path / "s")), strict=False)
     assert torch.equal(state["a"], _state()["a"])
+    # The format 2.0 forgeries start from a sound checkpoint too, and a forger's rewrite that
+    # changes nothing (the part and manifest re-encoded, their checksums recomputed) loads.
+    for i, build in enumerate((_sharded2, lambda t: _edit_sharded2(t, lambda d: None),
+                               lambda t: _parted_header(t, lambda d: None))):
+        tmp = tmp_path / f"v2-{i}"
+        tmp.mkdir()
+        state = {"a": torch.zeros(1000), "b": torch.zeros(4, 8, dtype=torch.float64)}
+        ckptstore.load_sharded(state, build(str(tmp)), strict=False)
+        assert torch.equal(state["a"], _state()["a"]) and torch.equal(state["b"], _state()["b"])
 
 
 def test_a_tree_just_deep_enough_for_json_is_refused_or_loaded(tmp_path):
@@ -985,6 +1122,7 @@ def test_a_forged_index_is_refused_or_passed_over_for_the_manifest(name, fresh, 
     state = _state()
     root = str(tmp_path / "ck")
     ckptstore.save_sharded(state, root)
+    downgrade(pathlib.Path(root), index=True)  # an index lives beside a 1.x manifest only
     path = os.path.join(root, "index.json")
     with open(path, "rb") as fh:
         doc = json.loads(fh.read())
@@ -1026,14 +1164,18 @@ _PARTED_EDITS: dict[str, Callable[[str, dict], Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def parted_step(tmp_path_factory):
-    """A store's durable step, whose manifest is format 2.0 (it names its part files)."""
+@pytest.fixture(scope="module", params=["store", "save_sharded"])
+def parted_step(tmp_path_factory, request):
+    """A format 2.0 checkpoint (its manifest names its part files): a store's durable step, and
+    what save_sharded commits."""
     import uuid
 
     from conftest import wipe_ram
 
     tmp = tmp_path_factory.mktemp("parted")
+    if request.param == "save_sharded":
+        ckptstore.save_sharded(_state(), str(tmp / "ck"))
+        return tmp / "ck"
     job = f"hostile-{uuid.uuid4().hex[:10]}"
     ram = tmp / "shm"
     ram.mkdir()

@@ -1,9 +1,9 @@
-"""Every durable step and every ``save_sharded`` checkpoint carries an index, so a rank loading the
-layout it saved reads the index and its own part file, never the whole world's manifest: steps the
-node agent committed for a dead trainer, ``save_sharded`` checkpoints on one rank and on several
-(real gloo processes), while a resharded load still reads every stored byte once and bitwise; a
-checkpoint without an index (written before indexes existed) loads through its manifest, and a
-damaged index falls back to it with a warning."""
+"""A rank loading the layout it saved reads what indexes the step and its own part file, never the
+whole world's chunk table: a 2.0 manifest (steps the node agent committed for a dead trainer,
+``save_sharded`` checkpoints on one rank and on several real gloo processes, replicated tensors
+included), or a 1.x manifest's index.json (checkpoints written before 2.0), while a resharded load
+still reads every stored byte once and bitwise; a 1.x checkpoint without an index loads through its
+manifest, and a damaged index falls back to it with a warning."""
 
 from __future__ import annotations
 
@@ -78,18 +78,26 @@ def test_a_step_the_agent_promoted_restores_through_its_index(tmp_path, job, mon
     assert "index" not in caplog.text
 
 
-def test_save_sharded_writes_an_index_a_load_plans_from(tmp_path, monkeypatch, caplog):
-    """One rank: the load reads the index alone (it holds every chunk one rank wrote); without an index (a checkpoint written
-    before indexes existed) the manifest, silently; with a damaged one the manifest, with a warning;
-    every load bitwise."""
+def test_save_sharded_commits_a_manifest_that_is_its_own_index(tmp_path, monkeypatch, caplog):
+    """One rank: save_sharded commits format 2.0, and a load reads the manifest and its own part
+    file (index.json is only looked for). A 1.x checkpoint (as save_sharded wrote before 2.0)
+    still loads: through its index alone; without an index (written before indexes existed)
+    through its manifest, silently; with a damaged one through its manifest, with a warning.
+    Replacing a 1.x checkpoint removes its index. Every load bitwise."""
+    from v1_writer import downgrade
+
     url = tmp_path / "ckpt"
     save_sharded(_state(3), str(url))
-    assert (url / INDEX).exists()
-    for case in ("sound", "absent", "damaged"):
-        if case == "absent":
+    assert json.loads((url / MANIFEST).read_bytes())["format_version"] == "2.0"
+    assert not (url / INDEX).exists()
+    part = "parts/rank-00000.json"
+    for case in ("2.0", "1.x", "1.x-absent", "1.x-damaged"):
+        if case == "1.x":
+            downgrade(url, index=True)
+        elif case == "1.x-absent":
             body = (url / INDEX).read_bytes()
             (url / INDEX).unlink()
-        elif case == "damaged":
+        elif case == "1.x-damaged":
             (url / INDEX).write_bytes(body[:-30] + b"x" * 30)
         reads = _Reads(monkeypatch)
         caplog.clear()
@@ -98,24 +106,28 @@ def test_save_sharded_writes_an_index_a_load_plans_from(tmp_path, monkeypatch, c
             load_sharded(target, str(url))
         for k, v in _state(3).items():
             assert torch.equal(target[k], v), (case, k)
-        if case == "sound":
+        if case == "2.0":
+            assert set(reads.names) == {INDEX, MANIFEST, part}, reads.names
+        elif case == "1.x":
             assert set(reads.names) == {INDEX}, reads.names  # one writer: every chunk is in the index
         else:
             assert MANIFEST in reads.names, (case, reads.names)
-        assert ("cannot plan the load" in caplog.text) == (case == "damaged"), (case, caplog.text)
-    # Replacing the checkpoint replaces its index: the new one describes the new manifest.
+        assert ("cannot plan the load" in caplog.text) == (case == "1.x-damaged"), (case, caplog.text)
+    # Replacing the checkpoint removes the old index, which described the old manifest.
     save_sharded(_state(4), str(url), overwrite=True)
+    assert not (url / INDEX).exists()
     reads = _Reads(monkeypatch)
     target = {k: torch.zeros_like(v) for k, v in _state(4).items()}
     load_sharded(target, str(url))
-    assert set(reads.names) == {INDEX}, reads.names
+    assert set(reads.names) == {INDEX, MANIFEST, part}, reads.names
     assert all(torch.equal(target[k], v) for k, v in _state(4).items())
 
 
 def sharded_index_job(rank: int, world: int, url: str) -> None:
     """Each rank saves a Shard(0) slice of every tensor with save_sharded; loaded at the layout it
-    saved, each rank reads the index and its own part only; loaded into Shard(1), every rank reads
-    the manifest (the cooperative read plans from it), and both loads are bitwise."""
+    saved, each rank reads the manifest (its header: format 2.0) and its own part only; loaded into
+    Shard(1), every rank reads the manifest and every part (the cooperative read plans from the
+    whole table), and both loads are bitwise."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -141,9 +153,9 @@ def sharded_index_job(rank: int, world: int, url: str) -> None:
                 assert torch.equal(target[k].full_tensor(), v), (placement, k)
             assert torch.equal(target["b"], full["w0"][0])
             if placement == Shard(0):
-                assert set(reads) == {INDEX, f"parts/rank-{rank:05d}.json"}, reads
+                assert set(reads) == {INDEX, MANIFEST, f"parts/rank-{rank:05d}.json"}, reads
             else:
-                assert MANIFEST in reads, reads
+                assert set(reads) == {INDEX, MANIFEST} | {f"parts/rank-{r:05d}.json" for r in range(world)}, reads
     finally:
         Directory.read_small = real  # type: ignore[method-assign]
 

@@ -53,11 +53,13 @@ def test_round_trip_in_place(tmp_path):
 def test_layout_on_disk_and_manifest_written_last(tmp_path):
     ckptstore.save_sharded(_state(), tmp_path / "c")
     root = tmp_path / "c"
-    assert sorted(os.listdir(root)) == ["data", "index.json", "manifest.json", "parts"]
+    assert sorted(os.listdir(root)) == ["data", "manifest.json", "parts"]  # a 2.0 manifest is its own index
     assert os.listdir(root / "data") == ["rank-00000.bin"]
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["kind"] == "sharded" and manifest["meta"]["world_size"] == 1
-    w = manifest["tensors"]["model/w"]["chunks"][0]
+    assert manifest["format_version"] == "2.0" and manifest["tensors"]["model/w"]["writer"] == 0
+    assert [p[0] for p in manifest["parts"]] == ["parts/rank-00000.json"]
+    w = json.loads((root / "parts" / "rank-00000.json").read_text())["chunks"]["model/w"][0]
     assert w["file"] == "data/rank-00000.bin" and len(w["block_checksums"]) == 3  # 12 MB in 4 MiB blocks
     assert os.path.getmtime(root / "manifest.json") >= os.path.getmtime(root / "data" / "rank-00000.bin")
 
@@ -108,6 +110,23 @@ def test_shape_or_dtype_mismatch_is_a_clear_error(tmp_path):
     ckptstore.save_sharded(_state(), tmp_path / "c")
     with pytest.raises(ckptstore.CheckpointError, match=r"holds float32 \[7\] but the state dict has float64 \[7\]"):
         ckptstore.load_sharded({"model": {"b": torch.zeros(7, dtype=torch.float64)}}, tmp_path / "c")
+
+
+def test_a_stale_index_of_an_uncommitted_checkpoint_is_removed(tmp_path):
+    # An overwrite of a 1.x checkpoint that crashed between removing its manifest and its index
+    # leaves the index; a new save there keeps the old data files (it names its own beside them),
+    # so a reader that trusted the index would load the old values, every checksum matching.
+    from v1_writer import downgrade
+
+    root = tmp_path / "c"
+    ckptstore.save_sharded({"w": torch.zeros(64)}, root)
+    downgrade(root, index=True)
+    (root / "manifest.json").unlink()
+    ckptstore.save_sharded({"w": torch.ones(64)}, root)
+    target = {"w": torch.full((64,), 5.0)}
+    ckptstore.load_sharded(target, root)
+    assert torch.equal(target["w"], torch.ones(64))  # not the zeros the stale index names
+    assert not (root / "index.json").exists()
 
 
 def test_flipped_byte_names_the_rank_file_and_the_key(tmp_path):

@@ -37,7 +37,6 @@ def save_sharded(
         storage_options=storage_options,
         overwrite=overwrite,
         encode_per_rank=encode_value,
-        write_index=_index.write_index,
     )
 
 

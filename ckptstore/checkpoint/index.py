@@ -248,8 +248,10 @@ def index_of(parted: Parted) -> Index:
     of any other may be in any rank's part (a rank reads its own first, and every part only
     when its own does not cover what it loads: a resharded load)."""
     everyone = [(0, parted.world - 1)]
+    # A tensor whose entry lists its chunks (its one writer's, copied into the manifest) is like
+    # an index's inline tensor: no part is read for it.
     sharded = {key: ([(w, w)] if (w := parted.writers.get(key)) is not None else everyone)
-               for key in parted.header.tensors}
+               for key, entry in parted.header.tensors.items() if not entry.chunks}
     parts = {r: (rel, check) for r, (rel, _size, check) in enumerate(parted.parts)}
     sizes = {r: size for r, (_rel, size, _check) in enumerate(parted.parts)}
     return Index(parted.header, sharded, parts, parted.layout, sizes)

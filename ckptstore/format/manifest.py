@@ -482,14 +482,20 @@ class Parted:
         return len(self.parts)
 
 
-def encode_parted(header: Manifest, writers: dict[str, int], parts: list[tuple[str, int, str]], layout: str) -> bytes:
-    """The bytes of a format 2.0 manifest (see :class:`Parted`); ``header.tensors`` have no chunks."""
+def encode_parted(header: Manifest, writers: dict[str, int], parts: list[tuple[str, int, str]], layout: str,
+                  inline: dict[str, list[Any]] | None = None) -> bytes:
+    """The bytes of a format 2.0 manifest (see :class:`Parted`); ``header.tensors`` have no chunks.
+    ``inline``: the chunks (JSON objects) of tensors one rank wrote whole, by key, listed in their
+    entries as well as in the writer's part."""
     tensors: dict[str, Any] = {}
+    inline = inline or {}
     for key, entry in header.tensors.items():
         doc: dict[str, Any] = {"dtype": entry.dtype, "shape": entry.shape}
         writer = writers.get(key)
         if writer is not None:
             doc["writer"] = writer
+            if key in inline:
+                doc["chunks"] = inline[key]
         tensors[key] = doc
     body = json.dumps({
         "format": FORMAT_NAME,
@@ -560,6 +566,17 @@ def _parse_parted(doc: dict[str, Any], where: str) -> Parted:
                 raise CorruptCheckpointError(f"{where}: tensor {key!r}: writer {writer!r} is not a rank below {world}",
                                              location=where, key=key)
             writers[key] = writer
+        if "chunks" in value:
+            # A tensor one rank wrote whole may list its chunks here too (a copy of its writer's):
+            # a rank loading it then needs no other rank's part. Checked as a 1.x entry is.
+            if "writer" not in value:
+                raise CorruptCheckpointError(f"{where}: tensor {key!r} lists chunks but names no writer",
+                                             location=where, key=key)
+            tensors[key] = _parse_entry(key, value, where)
+            if any(c.file is None for c in tensors[key].chunks):
+                raise CorruptCheckpointError(f"{where}: tensor {key!r} has a chunk with no file", location=where, key=key)
+            tensors[key].chunks.sort(key=lambda c: c.offsets)
+    check_byte_ranges({k: e for k, e in tensors.items() if e.chunks}, where)
     header = Manifest(kind="sharded", tensors=tensors, tree=doc["tree"], pickled=[], meta=meta,
                       format_version=doc["format_version"], writer=str(doc.get("writer", "")))
     return Parted(header, writers, table, layout)
