@@ -419,3 +419,57 @@ def test_a_start_does_not_wait_for_the_durable_listing_and_the_restore_still_hon
             store.save(5, _state(5))
         store.save(6, _state(6)).wait("durable")
         store.close()
+
+
+def test_a_restart_looks_up_no_durable_step_older_than_its_nodes_newest(job, shm, tmp_path, s3):
+    """The durable tier holds steps 1-3 and this node holds step 3. Every request for step 1's
+    manifest is held at the server: the restart's start and restore look up the durable tier only
+    from the node's newest step on (on an object store each step's manifest is a request of its
+    own, hundreds of them for a job that keeps every durable step), so the restore returns step 3,
+    bit for bit, while they are held (the background sweep of crashed saves still looks at every
+    step). When the node's only copy of step 3 is then damaged and the durable tier lacks it,
+    the restore lists every durable step and falls back to step 2 there."""
+    url, opts = _url(s3, job), s3["storage_options"]
+    local = tmp_path / "local"
+    with CheckpointStore(job, local=local, durable=url, storage_options=opts, durable_every=1,
+                         ram_dir=str(shm)) as store:
+        for step in (1, 2, 3):
+            store.save(step, _state(step)).wait("durable")
+        store.close(keep_ram=True)
+    with FaultProxy(s3["endpoint_url"]) as proxy:
+        proxy.add("hold", "HeadObject", where="step-000000000001/")
+        through = dict(opts, client_kwargs=dict(opts["client_kwargs"], endpoint_url=proxy.endpoint_url))
+        found: list[int | None] = []
+        made: list[CheckpointStore] = []
+        out = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+
+        def restart() -> None:
+            store = CheckpointStore(job, local=local, durable=url, storage_options=through, durable_every=1,
+                                    ram_dir=str(shm))
+            made.append(store)
+            found.append(store.restore(out))
+
+        thread = threading.Thread(target=restart)
+        thread.start()
+        thread.join(60)
+        try:
+            assert found == [3], "the restore waited for an older durable step's manifest"
+            assert_same(out, _state(3))
+        finally:
+            proxy.clear()
+            thread.join(60)
+            for store in made:
+                store.close(keep_ram=False)  # the RAM copy of step 3 goes
+    s3_client, bucket = s3["client"], s3["bucket"]
+    for key in [o["Key"] for o in s3_client.list_objects_v2(
+            Bucket=bucket, Prefix=f"{s3['prefix']}/{job}/step-000000000003/").get("Contents", [])]:
+        s3_client.delete_object(Bucket=bucket, Key=key)
+    for step in (1, 2):
+        shutil.rmtree(local / f"step-{step:012d}")
+    for path in (local / "step-000000000003").rglob("*.bin"):
+        with open(path, "r+b") as fh:
+            fh.write(b"\xff" * 64)
+    with CheckpointStore(job, local=local, durable=url, storage_options=opts, ram_dir=str(shm)) as store:
+        out = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        assert store.restore(out) == 2
+        assert_same(out, _state(2))
