@@ -94,9 +94,9 @@ def _instrument(spans: dict[str, float]) -> None:
 
     real_start = CheckpointStore._start_durable
 
-    def start_durable(self: Any) -> Any:
+    def start_durable(self: Any, *a: Any, **k: Any) -> Any:
         t = time.perf_counter()
-        listed = real_start(self)
+        listed = real_start(self, *a, **k)
         listed.add_done_callback(lambda _f: spans.__setitem__("listing.ready", time.perf_counter() - t))
         return listed
 
