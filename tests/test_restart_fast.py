@@ -42,6 +42,7 @@ from ckptstore.names import segment
 from ckptstore.tiers import ram
 
 job, ram_dir, local, mode = sys.argv[1:5]
+local = local or None  # "": no local tier, the RAM tier holds the only copy of each step
 
 def state(step, extra=False):
     g = torch.Generator().manual_seed(step)
@@ -90,6 +91,12 @@ if mode == "first":
     store = CheckpointStore(job, ram_dir=ram_dir, local=local)
     for step in (1, 2):
         store.save(step, state(step)).wait("local")
+    die()
+
+if mode == "first_ram_only":
+    store = CheckpointStore(job, ram_dir=ram_dir)
+    for step in (1, 2):
+        store.save(step, state(step)).wait("ram")
     die()
 
 if mode == "restart":
@@ -146,6 +153,43 @@ if mode == "uncommitted":
     report(step=step)
     die()
 
+# Save `first` and `first + 1` back to back, the second called before the first's RAM commit
+# (held until the second save waits for its slot), and die once the second starts copying into
+# its slot (the slot's document is gone by then): what survives is what the second did not pick.
+def back_to_back(store, first):
+    import threading
+    from ckptstore.engine import pipeline
+    waiting, last = threading.Event(), []
+    real_wait, real_commit, real_slot = pipeline.Pipeline._wait_for_slot, ram.RamTier.commit, ram.RamTier._slot
+    def wait_for_slot(self, *a, **k):
+        if last:
+            waiting.set()
+        return real_wait(self, *a, **k)
+    async def commit(self, step, *a, **k):
+        if step == first:
+            await asyncio.to_thread(waiting.wait)
+        return await real_commit(self, step, *a, **k)
+    def slot(self, *a, **k):
+        if last and threading.current_thread() is threading.main_thread():
+            die()
+        return real_slot(self, *a, **k)
+    pipeline.Pipeline._wait_for_slot, ram.RamTier.commit, ram.RamTier._slot = wait_for_slot, commit, slot
+    store.save(first, state(first))
+    last.append(True)
+    store.save(first + 1, state(first + 1))
+    report(error="the second save returned")
+
+if mode == "back_to_back":
+    store = CheckpointStore(job, ram_dir=ram_dir, local=local)
+    store.save(1, state(1)).wait("ram")
+    back_to_back(store, 2)
+
+if mode == "back_to_back_restarted":
+    store = CheckpointStore(job, ram_dir=ram_dir, local=local)
+    target = blank()
+    step = store.restore(target)
+    back_to_back(store, step + 1)
+
 if mode == "restore":
     store = CheckpointStore(job, ram_dir=ram_dir, local=local)
     target = blank()
@@ -165,8 +209,8 @@ def shm():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _run(job: str, shm: Path, local: Path, mode: str, *, killed: bool = True) -> dict[str, Any]:
-    out = warm_python.run(["-c", _WORKER, job, str(shm), str(local), mode], timeout=180)
+def _run(job: str, shm: Path, local: Path | None, mode: str, *, killed: bool = True) -> dict[str, Any]:
+    out = warm_python.run(["-c", _WORKER, job, str(shm), "" if local is None else str(local), mode], timeout=180)
     if killed:
         assert out.returncode == -signal.SIGKILL, (out.returncode, out.stderr[-3000:])
     else:
@@ -265,6 +309,24 @@ def test_the_newest_steps_slot_is_left_whole_until_a_newer_step_is_committed(job
     assert any("restored step 2 from the ram tier" in m for m in again["messages"]), again["messages"]
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["steady", "restarted"])
+def test_a_save_called_before_the_last_ones_ram_commit_never_overwrites_the_newest_committed_step(
+        job, shm, restarted):
+    """No local tier: each step's only copy is its RAM slot. Two saves are called back to back,
+    the second before the first's RAM commit, and the process is killed while the second copies
+    into its slot. The second save must take the slot of the step before the first (committed,
+    and no longer the newest once the first commits), never the first's own: the next process
+    restores the first of the two from RAM, bit for bit. After a restart the slots hold steps no
+    save of the new process made, and the first save passes over the restored step's slot."""
+    if restarted:
+        _run(job, shm, None, "first_ram_only")
+    _run(job, shm, None, "back_to_back_restarted" if restarted else "back_to_back")
+    newest = 3 if restarted else 2
+    again = _run(job, shm, None, "restore", killed=False)
+    assert again["step"] == newest and again["equal"], again
+    assert any(f"restored step {newest} from the ram tier" in m for m in again["messages"]), again["messages"]
+
+
 def _maps() -> set[str]:
     with open("/proc/self/maps") as fh:
         return {line.split()[-1] for line in fh if "/dev/shm/" in line}
@@ -357,3 +419,57 @@ def test_a_start_does_not_wait_for_the_durable_listing_and_the_restore_still_hon
             store.save(5, _state(5))
         store.save(6, _state(6)).wait("durable")
         store.close()
+
+
+def test_a_restart_looks_up_no_durable_step_older_than_its_nodes_newest(job, shm, tmp_path, s3):
+    """The durable tier holds steps 1-3 and this node holds step 3. Every request for step 1's
+    manifest is held at the server: the restart's start and restore look up the durable tier only
+    from the node's newest step on (on an object store each step's manifest is a request of its
+    own, hundreds of them for a job that keeps every durable step), so the restore returns step 3,
+    bit for bit, while they are held (the background sweep of crashed saves still looks at every
+    step). When the node's only copy of step 3 is then damaged and the durable tier lacks it,
+    the restore lists every durable step and falls back to step 2 there."""
+    url, opts = _url(s3, job), s3["storage_options"]
+    local = tmp_path / "local"
+    with CheckpointStore(job, local=local, durable=url, storage_options=opts, durable_every=1,
+                         ram_dir=str(shm)) as store:
+        for step in (1, 2, 3):
+            store.save(step, _state(step)).wait("durable")
+        store.close(keep_ram=True)
+    with FaultProxy(s3["endpoint_url"]) as proxy:
+        proxy.add("hold", "HeadObject", where="step-000000000001/")
+        through = dict(opts, client_kwargs=dict(opts["client_kwargs"], endpoint_url=proxy.endpoint_url))
+        found: list[int | None] = []
+        made: list[CheckpointStore] = []
+        out = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+
+        def restart() -> None:
+            store = CheckpointStore(job, local=local, durable=url, storage_options=through, durable_every=1,
+                                    ram_dir=str(shm))
+            made.append(store)
+            found.append(store.restore(out))
+
+        thread = threading.Thread(target=restart)
+        thread.start()
+        thread.join(60)
+        try:
+            assert found == [3], "the restore waited for an older durable step's manifest"
+            assert_same(out, _state(3))
+        finally:
+            proxy.clear()
+            thread.join(60)
+            for store in made:
+                store.close(keep_ram=False)  # the RAM copy of step 3 goes
+    s3_client, bucket = s3["client"], s3["bucket"]
+    for key in [o["Key"] for o in s3_client.list_objects_v2(
+            Bucket=bucket, Prefix=f"{s3['prefix']}/{job}/step-000000000003/").get("Contents", [])]:
+        s3_client.delete_object(Bucket=bucket, Key=key)
+    for step in (1, 2):
+        shutil.rmtree(local / f"step-{step:012d}")
+    for path in (local / "step-000000000003").rglob("*.bin"):
+        with open(path, "r+b") as fh:
+            fh.write(b"\xff" * 64)
+    with CheckpointStore(job, local=local, durable=url, storage_options=opts, ram_dir=str(shm)) as store:
+        out = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        assert store.restore(out) == 2
+        assert_same(out, _state(2))

@@ -274,11 +274,11 @@ class Pipeline:
         items: list[tuple[str, Any]] = []
         frozen_count = 0
         breaks: frozenset[int] = frozenset()
-        slot = self.ram.next_slot
         try:
             items, frozen_count, breaks = self._collect(job, state)
-            slot = self.ram.next_slot  # the number of slots is known now
-            busy = not self._slot_free(slot)
+            # The slot as things stand (the number of slots is known now): with the previous save's
+            # RAM commit still out, that is its slot, busy; the slot staged into is chosen after it.
+            busy = not self._slot_free(self.ram.next_slot)
         except Exception as exc:  # noqa: BLE001 - in a group every rank must reach the vote first
             error = exc
         busy, plan, digests = self._vote(step, error, busy, plan, pending, job.digest)
@@ -291,7 +291,6 @@ class Pipeline:
             self._structure = (digests, structure)
             try:
                 items, frozen_count, breaks = self._plan(job, self._local, structure)
-                slot = self.ram.next_slot
             except Exception as exc:  # noqa: BLE001 - the step fails on every rank through the fast lane
                 job.error = exc
         self._local = None
@@ -302,7 +301,7 @@ class Pipeline:
             log.warning("ckptstore: step %d skipped: the previous snapshots are still being persisted", step)
             self.tracker.event("skip", step=step)
             return SaveHandle(step, {}, skipped=True)
-        waited = self._wait_for_slot(slot)
+        slot, waited = self._wait_for_slot()
         if job.error is None:
             self._stage(job, slot, items, frozen_count, breaks)
         elif self.world == 1:
@@ -545,16 +544,23 @@ class Pipeline:
         reader = self._busy.get(slot)
         return reader is None or reader.done()
 
-    def _wait_for_slot(self, slot: int) -> float:
-        """Restaging a slot destroys the snapshot in it: first, the slot's own step must be done with
-        it, and the previous snapshot must be committed in RAM (in another slot), so that a crash
-        while staging always leaves the newest committed snapshot behind. The second wait matters
-        after a restart, when the slots hold snapshots no step of ours tracks."""
+    def _wait_for_slot(self) -> tuple[int, float]:
+        """The slot this save stages into, once it is free, and the seconds waited. Restaging a
+        slot destroys the snapshot in it, so a crash while staging must leave the newest committed
+        snapshot behind: the previous save's RAM commit is waited for first, and only then is the
+        slot chosen (the RAM tier passes over the one holding the newest committed snapshot, which
+        that commit may have just become: chosen before it, the slot of two saves called back to
+        back was the first one's, overwritten as soon as it was committed, while the slot of the
+        step before it stayed untouched); then the step that last used the chosen slot must be done
+        with it (written to the other tiers, or promoted from it after a restart)."""
         t0 = time.perf_counter()
-        holders = [f for f in (self._busy.get(slot), self._last_ram) if f is not None]
-        if holders:
-            concurrent.futures.wait(holders)
-        return time.perf_counter() - t0
+        if self._last_ram is not None:
+            concurrent.futures.wait([self._last_ram])
+        slot = self.ram.next_slot
+        reader = self._busy.get(slot)
+        if reader is not None:
+            concurrent.futures.wait([reader])
+        return slot, time.perf_counter() - t0
 
     def _stage(self, job: StepJob, slot: int, items: list[tuple[str, Any]], frozen_count: int,
                breaks: frozenset[int]) -> None:

@@ -66,6 +66,21 @@ _ATTEMPTS = 3
 _MISSING, _DAMAGED, _OTHER = "missing", "damaged", "other"
 
 
+@dataclass(frozen=True)
+class Listing:
+    """The durable tier's committed steps from step ``since`` on (None: all of them). The start's
+    listing looks only from the newest step rank 0's node holds: what a restart asks of it is
+    whether the durable tier holds anything at least that new, and on an object store each older
+    step would cost a request of its own (a job that keeps every durable step lists hundreds)."""
+
+    steps: frozenset[int]
+    since: int | None = None
+
+    def covers(self, oldest: int | None) -> bool:
+        """Whether it answers for every step from ``oldest`` on (None: for every step)."""
+        return self.since is None or (oldest is not None and oldest >= self.since)
+
+
 @dataclass
 class Found:
     """What :meth:`Restorer.newest` found: the step loaded (None: none) and the tiers it came from;
@@ -86,18 +101,18 @@ class Restorer:
 
     def __init__(self, job: str, groups: StoreGroups, node_tiers: Sequence[Tier], durable: Tier | None,
                  check: ReplicaCheck, peer_timeout_s: float,
-                 durable_listing: concurrent.futures.Future[set[int] | None] | None = None) -> None:
+                 durable_listing: concurrent.futures.Future[Listing | None] | None = None) -> None:
         self.job, self.groups, self.node_tiers, self.durable = job, groups, list(node_tiers), durable
         # Rank 0 lists the durable tier for every rank (one listing per question, shared through the
         # gather each question makes anyway: every rank decides on the same listing). The store's
         # start lists it in the background while it builds the rest; the first question takes that.
         self._prelisted = durable_listing
-        self._last_listed: set[int] | None = None
+        self._last_listed: Listing | None = None
         # The start's listing, taken again by the first question after it unless a save came
         # between (forget_listing): a restart restores and asks for the newest step held (in
         # either order), and nothing of this job can have reached the durable tier in between but
         # a node agent's commit of a step the nodes hold anyway (a candidate through them).
-        self._reusable: set[int] | None = None
+        self._reusable: Listing | None = None
         self.check, self.peer_timeout_s = check, peer_timeout_s
         self.rank, self.world = groups.rank, groups.world
         self.buffer_bytes = RESTORE_BUFFER  # the restore's read budget (store.restore(buffer_bytes=))
@@ -109,30 +124,37 @@ class Restorer:
         # A body that changed is other bytes, parsed anew; only the newest step's are kept.
         self._known: tuple[int | None, dict[bytes, tuple[str, Manifest]]] = (None, {})
 
-    def _durable_steps(self) -> set[int]:
+    def _durable_steps(self, oldest: int | None = None) -> set[int]:
         """Rank 0's listing of the durable tier's committed steps (an empty set elsewhere, and when
-        it cannot be listed); :meth:`_shared` hands it to every rank."""
-        listed = self._listed_durable() if self.rank == 0 else None
+        it cannot be listed); :meth:`_shared` hands it to every rank. ``oldest`` (rank 0's): the
+        oldest step the caller asks about; the listing may leave out older ones (None: none)."""
+        listed = self._listed_durable(oldest) if self.rank == 0 else None
         return set() if listed is None else listed
 
-    def _listed_durable(self) -> set[int] | None:
-        """The durable tier's committed steps; None when it cannot be listed (an outage)."""
+    def _listed_durable(self, oldest: int | None = None) -> set[int] | None:
+        """The durable tier's committed steps, every one from ``oldest`` on (None: all of them);
+        None when it cannot be listed (an outage)."""
         if self.durable is None:
             return set()
         prelisted, self._prelisted = self._prelisted, None
         reusable, self._reusable = self._reusable, None
+        listing = reusable
         if prelisted is not None:
-            listed = self._reusable = prelisted.result()
-        elif reusable is not None:
-            listed = reusable
-        else:
+            listing = self._reusable = prelisted.result()
+            if listing is None:  # the start could not list it
+                self._last_listed = None
+                return None
+        if listing is None or not listing.covers(oldest):
+            # A question about steps the start's listing left out (a restore falling back past the
+            # node's newest step): every step, listed now.
             try:
-                listed = set(self.durable.steps_sync())
+                listing = Listing(frozenset(self.durable.steps_sync()))
             except (CheckpointError, OSError) as exc:
                 log.warning("ckptstore: cannot list the durable tier: %s", exc)
-                listed = None
-        self._last_listed = listed
-        return listed
+                self._last_listed = None
+                return None
+        self._last_listed = listing
+        return set(listing.steps)
 
     def forget_listing(self) -> None:
         """A save is under way: the next question lists the durable tier afresh."""
@@ -152,11 +174,12 @@ class Restorer:
         receives is the listing, whatever the number of ranks)."""
         return set(self.groups.trainer.broadcast(sorted(listed) if self.rank == 0 else None) or ())
 
-    def _held_steps(self) -> tuple[set[int], set[int]]:
-        """The steps any rank's node holds something of, and the durable tier's (collective). The
-        ranks usually hold the same steps: one all-reduce of a hash of each rank's list says so,
-        and only when the lists differ does every rank gather every rank's."""
-        listed = self._durable_steps()
+    def _held_steps(self, oldest: int | None = None) -> tuple[set[int], set[int]]:
+        """The steps any rank's node holds something of, and the durable tier's (collective; from
+        step ``oldest`` on, rank 0's, where the caller needs no older ones). The ranks usually hold
+        the same steps: one all-reduce of a hash of each rank's list says so, and only when the
+        lists differ does every rank gather every rank's."""
+        listed = self._durable_steps(oldest)
         union = self._node_union()
         return union, (self._listing(listed) if self.world > 1 else listed)
 
@@ -177,23 +200,24 @@ class Restorer:
         holds any step, or when every step held is incomplete and none damaged (a warning says so:
         the job starts fresh). Raises CorruptCheckpointError, listing what was tried, when steps
         exist but none has a sound copy for every rank and some were damaged (or unreadable)."""
-        # While the start's listing of the durable tier is under way (rank 0 lists), the node tiers'
-        # newest step is loaded meanwhile; it stands only if the listing then shows no newer step (_early).
+        # The node tiers' newest step first, with a listing of the durable tier from that step on
+        # (_early); when the durable tier holds a newer step, or that step cannot be loaded, every
+        # step any tier holds is a candidate, newest first, with the whole listing.
         pending = self._listing_pending()
         if self.world > 1:
             pending = bool(self.groups.trainer.max_int64([int(pending)])[0])
-        if pending:
-            node = self._node_union()
-            found, durable = self._early(state, per_rank, node)
-            if found is not None:
-                return found
-        else:
-            node, durable = self._held_steps()
+        found, failed = self._early(state, per_rank, self._node_union(), pending)
+        if found is not None:
+            return found
+        node, durable = self._held_steps()
         candidates = sorted(node | durable, reverse=True)
         tried: list[str] = []
         verdicts: dict[int, str] = {}
         for step in candidates:
-            ok, detail, verdict = self._attempt(state, step, step in durable, per_rank)
+            if failed is not None and failed[:2] == (step, step in durable):
+                ok, detail, verdict = False, failed[2], failed[3]  # tried alike already: not again
+            else:
+                ok, detail, verdict = self._attempt(state, step, step in durable, per_rank)
             if ok:
                 return self._found(step, detail, verdicts, durable, candidates)
             if verdict == _MISSING:
@@ -210,20 +234,33 @@ class Restorer:
             raise CorruptCheckpointError("no sound copy of any checkpoint of this job: " + "; ".join(tried))
         return Found(None)
 
-    def _early(self, state: Any, per_rank: str, held: set[int]) -> tuple[Found | None, set[int]]:
-        """Load the newest step the nodes hold while rank 0's listing of the durable tier finishes,
-        then take the listing (collective). Returns what the restore found when that step loaded
-        and the durable tier holds nothing newer (what trying the candidates newest first would
-        have found), else None, and the durable tier's steps for the candidates' full list."""
+    def _early(self, state: Any, per_rank: str, held: set[int],
+               pending: bool) -> tuple[Found | None, tuple[int, bool, str, str] | None]:
+        """The newest step the nodes hold, loaded, when the durable tier holds nothing newer (what
+        trying the candidates newest first would find), else None (collective). ``pending``: rank
+        0's listing of the durable tier, started with the store, is still under way: the step is
+        loaded meanwhile and the listing taken after; otherwise the listing comes first, and a
+        newer durable step costs no load of the nodes' one. Only steps from the nodes' newest on
+        are looked up in the durable tier (the start's listing looks no further back). The second
+        value: the step's failed attempt when it was made knowing the listing (not made again)."""
         step = max(held, default=None)
-        # Not in the durable tier as far as this attempt knows: a part the nodes lack fails it,
-        # and the candidates are then tried with the listing, this step first again.
-        ok, detail = (False, "") if step is None else self._attempt(state, step, False, per_rank)[:2]
-        listed = self._durable_steps()
+        if step is None:
+            return None, None
+        ok, detail = True, ""
+        if pending:
+            # Not in the durable tier as far as this attempt knows: a part the nodes lack fails it,
+            # and the candidates are then tried with the listing, this step first again.
+            ok, detail = self._attempt(state, step, False, per_rank)[:2]
+        listed = self._durable_steps(step)
         durable = self._listing(listed) if self.world > 1 else listed
-        if step is None or not ok or any(s > step for s in durable):
-            return None, durable
-        return self._found(step, detail, {}, durable, sorted(held | durable, reverse=True)), durable
+        if not ok or any(s > step for s in durable):
+            return None, None
+        if not pending:
+            in_durable = step in durable
+            ok, detail, verdict = self._attempt(state, step, in_durable, per_rank)
+            if not ok:
+                return None, (step, in_durable, detail, verdict)
+        return self._found(step, detail, {}, durable, sorted(held | durable, reverse=True)), None
 
     @staticmethod
     def _found(step: int | None, tiers: str, verdicts: dict[int, str], durable: set[int],
@@ -240,7 +277,7 @@ class Restorer:
         """Load exactly ``step`` into ``state``, never another one; returns the tiers it came from.
         Raises CheckpointNotFoundError when no tier of any rank holds the step, CorruptCheckpointError
         when no sound copy of it is left."""
-        listed = self._durable_steps()
+        listed = self._durable_steps(step)
         mine = step in self._node_steps()
         held = bool(self.groups.trainer.max_int64([int(mine)])[0]) if self.world > 1 else mine
         durable = self._listing(listed) if self.world > 1 else listed
@@ -254,7 +291,8 @@ class Restorer:
 
     def latest(self) -> int | None:
         """The newest step any tier of any rank holds committed (collective)."""
-        node, durable = self._held_steps()
+        # Rank 0's node's newest step bounds the answer from below: older durable steps cannot be it.
+        node, durable = self._held_steps(max(self._node_steps(), default=None) if self.rank == 0 else None)
         steps = node | durable
         return max(steps) if steps else None
 
@@ -267,8 +305,11 @@ class Restorer:
         tiers' answer alone, without waiting for it; the second value says so (the same on every
         rank), and the caller asks again (waiting) before it relies on the answer."""
         pending = not wait and self._listing_pending()
-        listed = set() if pending else self._durable_steps()  # rank 0's: the others learn it from the gather
-        newest = max(self._node_steps() | listed, default=None)
+        node = self._node_steps()
+        # Rank 0's: the others learn it from the gather; from rank 0's node's newest step on, as
+        # the newest step held is at least that one.
+        listed = set() if pending else self._durable_steps(max(node, default=None))
+        newest = max(node | listed, default=None)
         mine = None if newest is None else (newest, self._meta(newest, newest in listed))
         gathered = self.groups.trainer.all_gather((mine, sorted(listed) if self.rank == 0 else None, pending))
         answers, durable = self._shared([(m, held) for m, held, _pending in gathered])
@@ -289,7 +330,8 @@ class Restorer:
             # A step the restore's own listing showed is still there (only this job's retention
             # removes durable steps, and it runs after saves); any other is listed afresh.
             known = self._last_listed
-            listed = known if known is not None and step in known else self._listed_durable()
+            listed = (set(known.steps) if known is not None and step in known.steps
+                      else self._listed_durable(step))
             durable = listed is not None and step in listed
             mine = (self._meta(step, durable), durable, listed is not None)
         # Rank 0's answer alone travels: a gather would hand every rank a padded copy per rank.

@@ -42,7 +42,7 @@ from .exchange import transfers_ended
 from .options import StoreOptions
 from .pipeline import Pipeline, SaveHandle
 from .replicas import ReplicaCheck
-from .restore import Restorer
+from .restore import Listing, Restorer
 
 log = logging.getLogger("ckptstore")
 
@@ -176,15 +176,20 @@ class CheckpointStore:
                                       codec=opts.durable.compression, manifest_writer=self.rank == 0, tuning=opts.tuning)
                         if opts.durable.url else None)
         self._loop = LoopThread(nice=opts.background_nice)
+        self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2, fallback=opts.ram_fallback,
+                           lower={"local": opts.local, "durable": opts.durable.url})
         # Rank 0 lists and sweeps the durable tier in the background while the rest starts (see
         # _start_durable); on the other ranks the durable client is built at its first request.
-        listing = self._start_durable() if self.durable is not None and self.rank == 0 else None
+        listing = None
+        if self.durable is not None and self.rank == 0:
+            # From the newest step this node holds: the restore asks whether the durable tier holds
+            # one at least as new, and no rank's node can hold an older newest step than this one.
+            held = self.ram.node_steps() | (committed_steps(opts.local) if opts.local else set())
+            listing = self._start_durable(max(held, default=None))
         if self.durable is not None and self.rank != 0:
             # Built meanwhile, by a thread at the trainer's priority: a restored step's promotion
             # or the first one due would otherwise wait for it (s3fs's imports and its client).
             threading.Thread(target=self.durable.warm, name="ckptstore-durable-client", daemon=True).start()
-        self.ram = RamTier(opts.job, self.rank, ram_dir=opts.ram_dir, slots=2, fallback=opts.ram_fallback,
-                           lower={"local": opts.local, "durable": opts.durable.url})
         # Recorded with every committed snapshot: what the node agent persists when this process dies.
         self.ram.store_info = {"local": opts.local is not None, "durable": opts.durable.url is not None,
                                "durable_compression": opts.durable.compression}
@@ -275,11 +280,11 @@ class CheckpointStore:
         if self.local is not None and local_owner:
             self.local.sweep_sync()
 
-    def _start_durable(self) -> concurrent.futures.Future[set[int] | None]:
-        """List the durable tier's committed steps, then sweep what crashed saves left there, in the
-        background (rank 0, which sweeps the shared URL): a start no longer waits for an object
-        store's client, listing and deletions. Returns the listing (None when it cannot be made),
-        which the start's choice of the newest step held waits for.
+    def _start_durable(self, since: int | None) -> concurrent.futures.Future[Listing | None]:
+        """List the durable tier's committed steps (from step ``since`` on), then sweep what crashed
+        saves left there, in the background (rank 0, which sweeps the shared URL): a start no
+        longer waits for an object store's client, listing and deletions. Returns the listing
+        (None when it cannot be made), which the restore and the newest step held wait for.
 
         What the sweep removes lies in step directories listed before this store wrote anything,
         and a step of this run may reuse one of their numbers (after a rollback), so nothing of this
@@ -295,12 +300,12 @@ class CheckpointStore:
             import fsspec.asyn
 
             fsspec.asyn.get_loop()
-        listed: concurrent.futures.Future[set[int] | None] = concurrent.futures.Future()
+        listed: concurrent.futures.Future[Listing | None] = concurrent.futures.Future()
 
         async def run() -> None:
             try:
                 try:
-                    listed.set_result(set(await durable.steps()))
+                    listed.set_result(Listing(frozenset(await durable.steps(since=since)), since))
                 except (CheckpointError, OSError) as exc:
                     log.warning("ckptstore: cannot list the durable tier: %s", exc)
                     listed.set_result(None)

@@ -342,20 +342,22 @@ class DirectoryTier(Tier):
             raise storage_error(exc, "list", self._base.display) from None
         return [(step, name) for name in names if (step := parse_step_dir(name)) is not None]
 
-    async def steps(self) -> list[int]:
+    async def steps(self, *, since: int | None = None) -> list[int]:
+        """The committed steps; ``since``: only those from that step on (the older ones are not
+        looked at: on an object store each step's manifest is a request of its own)."""
         try:
-            return sorted(step for step, committed in await self._listing() if committed)
+            return sorted(step for step, committed in await self._listing(since) if committed)
         except FileNotFoundError:
             return []
         except transport_errors() as exc:
             raise storage_error(exc, "list", self._base.display) from None
 
-    async def _listing(self) -> list[tuple[int, bool]]:
-        """Every step directory under the root and whether its manifest is there. On an object store
-        each manifest is a request of its own: they go out together (a few at a time), not one
-        after another, so listing a tier that holds many steps costs about one round trip more
-        than listing one that holds a single step."""
-        names = await self._step_names()
+    async def _listing(self, since: int | None = None) -> list[tuple[int, bool]]:
+        """Every step directory under the root (from step ``since`` on) and whether its manifest is
+        there. On an object store each manifest is a request of its own: they go out together (a
+        few at a time), not one after another, so listing a tier that holds many steps costs about
+        one round trip more than listing one that holds a single step."""
+        names = [(step, name) for step, name in await self._step_names() if since is None or step >= since]
         limit = asyncio.Semaphore(_LISTING_CONCURRENCY)
 
         async def committed(name: str) -> bool:
