@@ -209,8 +209,7 @@ class Slot:
         # For one layout: which of its non-empty entries copy_small copies by address and which by
         # torch, and the first ones' addresses in the slot and sizes.
         self._addresses: tuple[Layout, list[int], list[int], list[int], list[int]] | None = None
-        # copy_small's sources' addresses at its last copy, and its gather while they hold.
-        self._pointers: list[int] | None = None
+        # copy_small's gather, while its sources' addresses hold.
         self._gather: _Gather | None = None
         if self.identity is not None:
             _mapped[self.identity] = self
@@ -234,16 +233,18 @@ class Slot:
         self._views = (layout, views)
         return views
 
-    def copy_small(self, layout: Layout, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    def copy_small(self, layout: Layout, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+                   seen: list[list[int] | None] | None = None) -> None:
         """``dsts[i].copy_(srcs[i])`` for views of this slot in ``layout``'s order, of sources that are
         contiguous CPU tensors of their entry's dtype and shape (the caller's word): those under 64
         KiB from their address (half the per-tensor cost of torch's grouped copy), which copies the
         rest (spreading a large one over torch's threads).
 
         The copies from addresses are one memmove each, until the sources are found at the same
-        addresses as at this slot's last copy: from then on the smallest of them (a state of
-        thousands of tiny tensors: norms, biases, optimizer steps) are copied by one numpy gather
-        (:class:`_Gather`), for as long as their addresses hold."""
+        addresses as at the last copy (``seen[0]``, which the tier's slots share, and this call
+        updates): from then on the smallest of them (a state of thousands of tiny tensors: norms,
+        biases, optimizer steps) are copied by one numpy gather (:class:`_Gather`), for as long as
+        their addresses hold."""
         addresses = self._addresses
         if addresses is None or addresses[0] is not layout:
             base = self.buffer.data_ptr()
@@ -258,11 +259,13 @@ class Slot:
         sources = srcs if not large else [srcs[i] for i in small]
         pointers = list(map(_data_ptr, sources))
         gather = self._gather
+        if seen is None:
+            seen = [None]
         if gather is None or gather.pointers != pointers:
             gather = self._gather = None
-            if pointers == self._pointers:  # the same sources twice: worth an index
+            if pointers == seen[0]:  # the same sources twice: worth an index
                 gather = self._gather = _Gather.of(self.buffer, pointers, targets, sizes)
-            self._pointers = pointers
+        seen[0] = pointers
         if gather is None:
             list(map(ctypes.memmove, targets, pointers, sizes))
         else:
@@ -290,7 +293,6 @@ class Slot:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._views = None
         self._addresses = None
-        self._pointers = None
         self._gather = None
 
 
@@ -423,6 +425,9 @@ class RamTier(Tier):
         # (storage pointer, version counter, shape, strides, dtype) -- the basis of skipping.
         self._layout_sig: dict[int, str] = {}
         self._sources: dict[int, dict[str, tuple]] = {}
+        # The sources' addresses at the last Slot.copy_small of any slot: a slot gathers from its
+        # first copy on when they are the same (steady saves alternate between slots).
+        self._copied_from: list[list[int] | None] = [None]
         # What the store that owns these slots does with a snapshot after RAM (its "store" member
         # in each committed document): a node agent that finds the owner dead persists exactly that.
         self.store_info: dict[str, Any] | None = None
@@ -615,7 +620,7 @@ class RamTier(Tier):
                 else:
                     dsts, srcs = views, [src for _, src in items]
                 if plain:
-                    segment.copy_small(layout, dsts, srcs)
+                    segment.copy_small(layout, dsts, srcs, self._copied_from)
                 elif dsts:
                     copy_grouped(dsts, srcs)
             copied = layout.total_bytes
