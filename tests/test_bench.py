@@ -87,8 +87,10 @@ def test_bench_peer_compares_replication_with_raw_gloo(tmp_path):
 
 
 def test_bench_help_and_bad_size(capsys):
-    res = subprocess.run([sys.executable, "-m", "ckptstore.cli", "bench", "--help"], capture_output=True, text=True)
-    assert res.returncode == 0 and "--state-size" in res.stdout
+    # In-process: tests/test_cli.py's help test starts the one interpreter that proves `python -m ckptstore.cli` runs.
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0 and "--state-size" in capsys.readouterr().out
     assert main(["bench", "--size", "lots"]) == 2
     assert "cannot read 'lots' as a size" in capsys.readouterr().err
 

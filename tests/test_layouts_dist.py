@@ -239,9 +239,13 @@ def _spawn_killed(world: int, job: str, tmp_path, **args) -> None:
     assert [p.exitcode for p in procs] == [-signal.SIGKILL] * world
 
 
-def test_three_d_train_state_through_the_store_restores_after_sigkill_into_other_layouts(tmp_path, job):
+# The default run restores the 2x2x2 save once, into a layout that changes all three dims (stages
+# merged, dp 2 -> 4, tp 2 -> 1) on 4 ranks; -m slow restores into one that changes each part alone.
+@pytest.mark.parametrize("layouts", [[(1, 4, 1)], pytest.param([(1, 2, 2), (2, 4, 1)], marks=pytest.mark.slow)],
+                         ids=["all-dims-changed", "stages-then-dp-tp"])
+def test_three_d_train_state_through_the_store_restores_after_sigkill_into_other_layouts(tmp_path, job, layouts):
     local, ref = str(tmp_path / "local"), str(tmp_path / "ref.pt")
     _spawn_killed(8, "layout_workers:three_d_save", tmp_path, name=job, local=local, ref=ref, pp=2, dp=2, tp=2)
-    for pp, dp, tp in [(1, 2, 2), (2, 4, 1)]:
+    for pp, dp, tp in layouts:
         wipe_ram(job)  # another layout: from the local tier, which every rank of this node sees
         _spawn(pp * dp * tp, "layout_workers:three_d_restore", tmp_path, name=job, local=local, ref=ref, pp=pp, dp=dp, tp=tp)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+import warm_python
 from conftest import assert_same, s3_pending_uploads, wipe_ram
 
 import ckptstore
@@ -81,21 +81,22 @@ def _race(backends: list[tuple[str, dict | None]], job: str, trials: int, sync_d
     """Per backend, per trial: both writers' outcomes."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                        os.environ.get("PYTHONPATH", "")]))
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(w), job, json.dumps(backends), str(trials), str(sync_dir)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        for w in (0, 1)
-    ]
+    # Processes of their own, forked from the warm forkserver (tests/warm_python.py): what races is
+    # the two stores' commits, not two interpreters importing torch.
+    files = [(sync_dir / f"writer-{w}.out", sync_dir / f"writer-{w}.err") for w in (0, 1)]
+    for pair in files:
+        for path in pair:
+            path.touch()
+    procs = [warm_python.start([__file__, str(w), job, json.dumps(backends), str(trials), str(sync_dir)],
+                               env=env, stdout=files[w][0], stderr=files[w][1]) for w in (0, 1)]
     outs = []
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=600)
-            assert p.returncode == 0, stderr.decode()[-3000:]
-            outs.append([json.loads(line) for line in stdout.decode().splitlines() if line.startswith("{")])
+        for p, (out, err) in zip(procs, files):
+            assert p.wait(timeout=600) == 0, err.read_text()[-3000:]
+            outs.append([json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")])
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            p.kill()
         for index in range(len(backends)):
             for w in (0, 1):
                 wipe_ram(f"{job}-{index}-{w}")
