@@ -236,6 +236,7 @@ def _suite(tmp_path, *only: str) -> dict:
         return json.load(fh)
 
 
+@pytest.mark.slow  # 19 s: the benchmark runner and bench_scale are harness, not engine; -m slow runs them
 def test_benchmark_suite_quick_smoke(tmp_path):
     suite = _suite(tmp_path, "scale")
     assert suite["mode"] == "quick" and suite["parts"]["scale"]["status"] == "ok"

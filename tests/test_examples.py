@@ -19,7 +19,14 @@ def test_every_adapter_has_an_example():
     assert {p.name for p in EXAMPLES} >= {"dcp_tiers.py", "lightning_resume.py", "hf_trainer.py"}
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+# The Lightning and Hugging Face examples spend most of their 13-16 s importing those frameworks in a
+# fresh interpreter; their adapters' behaviour is tested by default in test_adapters_lightning.py and
+# test_adapters_hf.py, so the scripts themselves run under -m slow (dcp_tiers.py stays by default).
+SLOW = {"lightning_resume.py", "hf_trainer.py"}
+
+
+@pytest.mark.parametrize("script", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p for p in EXAMPLES],
+                         ids=[p.name for p in EXAMPLES])
 def test_example_runs(script: Path, tmp_path):
     if script.name in NEEDS:
         pytest.importorskip(NEEDS[script.name])
