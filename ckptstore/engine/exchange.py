@@ -39,7 +39,7 @@ import mmap
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -421,6 +421,7 @@ class _Channel:
         self.timeout_s, self.display = timeout_s, display
         self.lock = threading.Lock()
         self.failed: PeerUnavailable | None = None
+        self.last: _Waiter | None = None  # the newest request; close() sends "done" only after it
 
     def read(self, name: str, offset: int, out: memoryview) -> None:
         with self.lock:
@@ -430,9 +431,17 @@ class _Channel:
             assert pg is not None  # a plan names other ranks only in a group
             request = torch.tensor([self.names.index(name), offset, len(out)], dtype=torch.int64)
             header = torch.zeros(2, dtype=torch.int64)
-            sent = pg.send([request], self.owner, self.tags[0])
-            answer = _Waiter(pg.recv([header], self.owner, self.tags[1]), keep=request, sent=sent,
-                             drain=(pg, self.owner, self.tags[1], header))
+            owner, tags = self.owner, self.tags
+
+            # Posted in the waiting thread, not here: on a lazily connected gloo group the first
+            # send to a peer blocks until the pair connects, and when this side is the passive one
+            # (gloo picks by port) that is when the owner first touches the pair. An owner hung
+            # before its first receive held this call for up to timeout_s, outside the bound.
+            def post() -> tuple[Any, Any]:
+                sent = pg.send([request], owner, tags[0])
+                return pg.recv([header], owner, tags[1]), sent
+
+            answer = self.last = _Waiter(post=post, keep=request, drain=(pg, owner, tags[1], header))
             if not answer.done.wait(self.timeout_s):
                 answer.abandon()
                 self.failed = PeerUnavailable(
@@ -443,7 +452,7 @@ class _Channel:
                                 self.owner, n, self.timeout_s)
                 raise self.failed
             if answer.error is not None:
-                raise answer.error
+                raise self._broken(name, answer.error)
             status = int(header[0])
             if status == _GONE:
                 raise PeerUnavailable(
@@ -460,14 +469,33 @@ class _Channel:
                     f"{self.timeout_s:g} s", file=name, owner=self.owner, names=self.names)
                 raise self.failed
             if data.error is not None:
-                raise data.error
+                raise self._broken(name, data.error)
+
+    def _broken(self, name: str, exc: Exception) -> PeerUnavailable:
+        # The transport gave up on this owner (its connection timed out or closed): like an owner
+        # that does not answer, its copies are not used for this step, and another copy is.
+        self.failed = PeerUnavailable(
+            f"{self.display}/{name}: the connection to rank {self.owner} failed ({exc}); its copies are not used "
+            "for this step", file=name, owner=self.owner, names=self.names)
+        log.warning("ckptstore: the connection to rank %d failed while reading %s: %s; trying another copy",
+                    self.owner, name, exc)
+        return self.failed
 
     def close(self) -> None:
-        """Tell the owner this rank asks nothing more (its serving thread ends)."""
+        """Tell the owner this rank asks nothing more (its serving thread ends). Never blocks: the
+        "done" goes out from a thread of its own once the newest request was posted (both use the
+        request tag, and the owner must see them in that order)."""
         pg = self.p2p.pg
         assert pg is not None
         done = torch.tensor([-1, 0, 0], dtype=torch.int64)
-        _Waiter(pg.send([done], self.owner, self.tags[0]), keep=done)
+        owner, tag, last = self.owner, self.tags[0], self.last
+
+        def post() -> tuple[Any, Any]:
+            if last is not None:
+                last.posted.wait()
+            return pg.send([done], owner, tag), None
+
+        _Waiter(post=post, keep=done)
 
 
 class RemoteSource(Source):
@@ -607,18 +635,24 @@ def transfers_ended(timeout_s: float) -> bool:
 class _Waiter:
     """Waits for a gloo work in a thread of its own: a gloo wait that times out closes the
     connection to that peer, and the group with it, so bounded waits are waits on this thread.
-    ``keep`` stays referenced until the work is done (gloo reads from it until then). ``drain``
-    (group, owner, tag, header): once abandoned, a late "served" answer is followed by its bytes,
-    which are received into scratch memory so that the owner's send completes and its serving
-    thread goes on to the next request."""
+    ``post`` (instead of ``work``): called in that thread, it starts the work and returns it and
+    a send to wait for first; posting can itself block (a lazily connected pair connects at its
+    first message), so it never runs in the thread that waits with a bound. ``posted`` is set once
+    it returned (or failed). ``keep`` stays referenced until the work is done (gloo reads from it
+    until then). ``drain`` (group, owner, tag, header): once abandoned, a late "served" answer is
+    followed by its bytes, which are received into scratch memory so that the owner's send
+    completes and its serving thread goes on to the next request."""
 
-    def __init__(self, work: Any, *, keep: Any = None, sent: Any = None,
-                 drain: tuple[Any, int, int, torch.Tensor] | None = None) -> None:
+    def __init__(self, work: Any = None, *, post: Callable[[], tuple[Any, Any]] | None = None, keep: Any = None,
+                 sent: Any = None, drain: tuple[Any, int, int, torch.Tensor] | None = None) -> None:
         self.done = threading.Event()
+        self.posted = threading.Event()
         self.error: Exception | None = None
         self._lock = threading.Lock()
         self._abandoned = self._finished = False
-        self._keep, self._drain = keep, drain
+        self._keep, self._drain, self._post = keep, drain, post
+        if post is None:
+            self.posted.set()
         _start(threading.Thread(target=self._run, args=(work, sent), daemon=True, name="ckptstore-recv"))
 
     def abandon(self) -> None:
@@ -630,6 +664,11 @@ class _Waiter:
 
     def _run(self, work: Any, sent: Any) -> None:
         try:
+            if self._post is not None:
+                try:
+                    work, sent = self._post()
+                finally:
+                    self.posted.set()
             if sent is not None:
                 sent.wait()
             if work is not None:
