@@ -417,35 +417,101 @@ def peer_hang_job(rank: int, world: int, name: str, ram_root: str, local_root: s
     store.close()
 
 
-def peer_restore_hang_job(rank: int, world: int, name: str, ram_root: str, local_root: str) -> None:
-    """Node 1 (rank 1) was lost; rank 2 holds a replica of it but hangs serving it: rank 1 must
-    fall back to rank 0's replica within peer_timeout_s instead of waiting."""
+_HANG_CAP_S = 120.0  # a hung peer's hang ends here at the latest: far past any bound the test allows
+
+
+def _hang_until(release: str) -> bool:
+    """Hang until the file ``release`` exists (a peer stuck until the test lets it go); whether it
+    was let go, not timed out at _HANG_CAP_S."""
     import time
 
+    deadline = time.monotonic() + _HANG_CAP_S
+    while time.monotonic() < deadline:
+        if os.path.exists(release):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def peer_restore_hang_job(rank: int, world: int, name: str, ram_root: str, local_root: str, path: str,
+                          peer_timeout_s: float, release: str, out: str) -> None:
+    """Node 1 (rank 1) was lost; ranks 0 and 2 hold replicas of its part and its data file. One peer
+    hangs on one path a restore takes to it, until rank 1's restore returned (the file ``release``):
+
+    - ``serve``: rank 2, which rank 1 asks for its data file first (candidates [0, 2], 1 % 2),
+      hangs serving it before it touches the transfer pair, so rank 1's first send also waits for
+      the lazy connection when gloo makes rank 1 the passive side; ``serve-connected``: the same,
+      with the pair connected beforehand, so the wait is for the answer itself. Rank 1 must give
+      rank 2 up after peer_timeout_s and read rank 0's copy, while rank 2 is still hung.
+    - ``send_bytes``: rank 0, the lowest holder of rank 1's part, answers it through a collective
+      of every rank (Group.send_bytes); its main thread hangs there for 3 x peer_timeout_s. No
+      rank can skip a collective, so every rank waits for it, peer_timeout_s does not break the
+      restore, and nothing is skipped (the hang's bound on this path is the group's timeout_s).
+
+    Every rank checks its tensors bitwise; ``out`` gets each rank's timings as JSON."""
+    import json
+    import time
+
+    from ckptstore import collective
     from ckptstore.engine import exchange
 
-    if rank == 2:
+    hang = {"released": None, "calls": 0}
+    if path.startswith("serve") and rank == 2:
         real = exchange._serve
 
         def stuck(*args):
-            time.sleep(8)  # serving others hangs; rank 2's own loading does not
+            hang["calls"] += 1
+            hang["released"] = _hang_until(release)  # serving others hangs; rank 2's own loading does not
             return real(*args)
 
         exchange._serve = stuck
+    if path == "send_bytes" and rank == 0:
+        real_send = collective.Group.send_bytes
+
+        def slow(self, messages):
+            if 1 in messages and not hang["calls"]:
+                hang["calls"] += 1
+                time.sleep(3 * peer_timeout_s)
+            return real_send(self, messages)
+
+        collective.Group.send_bytes = slow  # type: ignore[method-assign]
     records = _ckptstore_log()
     os.makedirs(os.path.join(ram_root, f"node{rank}"), exist_ok=True)
     store = ckptstore.CheckpointStore(name, local=os.path.join(local_root, f"node{rank}"),
                                       ram_dir=os.path.join(ram_root, f"node{rank}"), peer_replicas=2, node=rank,
-                                      peer_timeout_s=2)
+                                      peer_timeout_s=peer_timeout_s)
+    if path == "serve-connected" and rank in (1, 2):
+        pg = store._groups.transfer.pg
+        hello = torch.zeros(1)
+        tag = 1 << 20  # far above the tags the restore's rounds use
+        (pg.send([hello], 2, tag) if rank == 1 else pg.recv([hello], 1, tag)).wait()
     state = _scaled_state([world], _SHARD0, 0, per_rank=True)
-    t0 = time.perf_counter()
-    assert store.restore(state) == 2
-    elapsed = time.perf_counter() - t0
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    got = store.restore(state)
+    elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    if rank == 1 and path.startswith("serve"):
+        open(release, "w").close()  # rank 1 is done: the hung peer may go on
+    assert got == 2, (got, records)
     _check_scaled(state, 2, per_rank=True)
-    if rank == 1:
+    skipped = [m for m in records if "did not send" in m]  # what the rank that gave a peer up says
+    if path.startswith("serve"):
+        # Every rank's log says which peer was skipped, and why, in the attempt's outcome.
+        assert any("rank 2 did not answer within peer_timeout_s" in m for m in records), records
+    else:
+        assert not any("did not" in m for m in records), records
+    if path.startswith("serve") and rank == 1:
         assert any("rank 2 did not send data/rank-00001.bin" in m for m in records), records
-        assert elapsed < 7, elapsed  # the 2 s bound, not the 8 s hang
-    time.sleep(7)  # let the stuck owner's late send land before the groups go away
+        assert elapsed >= peer_timeout_s, (elapsed, records)  # it did wait for rank 2, up to the bound
+    else:
+        assert not skipped, records
+    if path.startswith("serve") and rank == 2:
+        assert hang["calls"] == 1 and hang["released"], hang  # still hung when rank 1 had restored
+    if path == "send_bytes" and rank == 0:
+        assert hang["calls"] == 1, hang
+    if path == "send_bytes":
+        assert elapsed >= 3 * peer_timeout_s, elapsed  # every rank waited for the collective's answer
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as fh:
+        json.dump({"rank": rank, "elapsed_s": elapsed, "cpu_s": cpu, "skipped": skipped}, fh)
     store.close()
 
 

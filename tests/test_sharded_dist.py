@@ -212,18 +212,35 @@ def test_replicas_kept_on_local_disk_survive_a_reboot_of_every_node(tmp_path, jo
     _spawn(4, "peer_restore_job", tmp_path, expect=2, expect_log="restored step 2 from the local+peer tier", **args)
 
 
-# Slow, and a known gap: the worker hangs `exchange._serve`, which a restore planned from each rank's
-# own part reaches only on some runs (others fetch the lost node's part through `Group.send_bytes`,
-# and the expected "did not send" never happens: it failed so in a quiet clean-clone CI run). The
-# bound on that second path has no test yet; until one exists this case stays out of the default run.
-@pytest.mark.slow
 def test_a_peer_that_hangs_during_restore_is_skipped_within_its_bound(tmp_path, job, ram_root):
-    # Three nodes of one rank, two replicas each; node 1 is lost. Rank 1 asks rank 2 first
-    # (candidates [0, 2], index 1 % 2), which hangs for 8 s: after peer_timeout_s=2 it uses rank 0.
-    args = dict(name=job, ram_root=ram_root, local_root=str(tmp_path / "local"))
+    # Three nodes of one rank, two replicas each; node 1 is lost. One save, then one restore per
+    # path a restore takes to a peer, each from a fresh copy of the nodes' tiers (see the worker).
+    # No wall-clock bound: the hung peer hangs until rank 1's restore returned, so a restore that
+    # waited for it would hang to the worker's cap and fail there.
+    import json
+    import shutil
+
+    local = tmp_path / "local"
+    args = dict(name=job, ram_root=ram_root, local_root=str(local))
     _spawn(3, "peer_save_job", tmp_path, steps=[1, 2], per_node=1, replicas=2, **args)
-    _lose_node(ram_root, str(tmp_path / "local"), 1)
-    _spawn(3, "peer_restore_hang_job", tmp_path, **args)
+    _lose_node(ram_root, str(local), 1)
+    shutil.copytree(ram_root, f"{ram_root}-saved")
+    shutil.copytree(local, tmp_path / "local-saved")
+    try:
+        for path in ("serve", "serve-connected", "send_bytes"):
+            shutil.rmtree(ram_root)
+            shutil.rmtree(local)
+            shutil.copytree(f"{ram_root}-saved", ram_root)
+            shutil.copytree(tmp_path / "local-saved", local)
+            out = tmp_path / f"out-{path}"
+            out.mkdir()
+            _spawn(3, "peer_restore_hang_job", tmp_path, path=path, peer_timeout_s=1.0,
+                   release=str(tmp_path / f"release-{path}"), out=str(out), **args)
+            ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(3)]
+            assert [bool(r["skipped"]) for r in ranks] == ([False, True, False] if path != "send_bytes" else
+                                                           [False, False, False]), (path, ranks)
+    finally:
+        shutil.rmtree(f"{ram_root}-saved", ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- bounded peer restores
