@@ -51,7 +51,7 @@ import ckptstore
 from ckptstore.engine.store import CheckpointStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, prime_page_cache, pyplot  # noqa: E402 - shared by the benchmark scripts
+from common import JOB_PREFIX, machine, prime_page_cache, pyplot  # noqa: E402 - shared by the benchmark scripts
 
 VARIANTS = ("torch_save_fsync", "ckptstore_save", "torch_load", "ckptstore_load", "memcpy_floor", "store_save_blocking")
 
@@ -82,7 +82,7 @@ def measure(total: int, count: int, repeats: int, work: str, ram_dir: str, with_
     nbytes = sum(t.numel() * 4 for t in state.values())
     floor = {k: torch.empty_like(v) for k, v in state.items()} if with_async else {}
     tpath, cpath = os.path.join(work, "t.pt"), os.path.join(work, "c.ckpt")
-    job = f"bench-scale-{uuid.uuid4().hex[:8]}"
+    job = f"{JOB_PREFIX}-scale-{uuid.uuid4().hex[:8]}"
     # One slot: the store is drained between rounds, so a second one would only hold memory.
     store = CheckpointStore(job, local=os.path.join(work, "local"), keep_local=1, ram_dir=ram_dir,
                             ram_budget_bytes=nbytes + (count + 1) * 4096 + (1 << 20)) if with_async else None
@@ -192,7 +192,7 @@ def measure_blocking(total: int, count: int, repeats: int, work: str, ram_dir: s
     nbytes = sum(t.numel() * 4 for t in tensors.values())
     floor = {k: torch.empty_like(v) for k, v in tensors.items()}
     flat_src, flat_dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    jobs = {name: f"bench-block-{uuid.uuid4().hex[:8]}" for name in ("store_ram", "store_ram_local")}
+    jobs = {name: f"{JOB_PREFIX}-block-{uuid.uuid4().hex[:8]}" for name in ("store_ram", "store_ram_local")}
     # The default two slots, both touched by the warm-up: a budget of many slots would time
     # first-touch page faults of a fresh slot at every round instead of the steady state.
     stores = {

@@ -31,6 +31,12 @@ def prime_page_cache(path: str) -> None:
             pass
 
 
+# What the benchmarks' job names start with (their RAM segments are ckptstore-<job>-...): a caller
+# that runs them beside other benchmarks (tests/test_bench.py) picks a prefix of its own and counts
+# only its own run's segments. It must start with "bench".
+JOB_PREFIX = os.environ.get("CKPTSTORE_BENCH_JOB_PREFIX", "bench")
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
