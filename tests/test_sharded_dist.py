@@ -212,7 +212,13 @@ def test_replicas_kept_on_local_disk_survive_a_reboot_of_every_node(tmp_path, jo
     _spawn(4, "peer_restore_job", tmp_path, expect=2, expect_log="restored step 2 from the local+peer tier", **args)
 
 
-def test_a_peer_that_hangs_during_restore_is_skipped_within_its_bound(tmp_path, job, ram_root):
+@pytest.mark.parametrize("paths", [
+    pytest.param(("serve",), id="serve"),
+    # The same restore with the transfer pair connected beforehand (the wait is then always for the
+    # answer, never for the lazy connection), and the hang on the collective path: -m slow.
+    pytest.param(("serve", "serve-connected", "send_bytes"), marks=pytest.mark.slow, id="every-path"),
+])
+def test_a_peer_that_hangs_during_restore_is_skipped_within_its_bound(tmp_path, job, ram_root, paths):
     # Three nodes of one rank, two replicas each; node 1 is lost. One save, then one restore per
     # path a restore takes to a peer, each from a fresh copy of the nodes' tiers (see the worker).
     # No wall-clock bound: the hung peer hangs until rank 1's restore returned, so a restore that
@@ -227,7 +233,7 @@ def test_a_peer_that_hangs_during_restore_is_skipped_within_its_bound(tmp_path, 
     shutil.copytree(ram_root, f"{ram_root}-saved")
     shutil.copytree(local, tmp_path / "local-saved")
     try:
-        for path in ("serve", "serve-connected", "send_bytes"):
+        for path in paths:
             shutil.rmtree(ram_root)
             shutil.rmtree(local)
             shutil.copytree(f"{ram_root}-saved", ram_root)
