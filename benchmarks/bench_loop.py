@@ -64,7 +64,7 @@ import torch
 from ckptstore.engine.store import CheckpointStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import pyplot, report  # noqa: E402 - shared by the benchmark scripts
+from common import JOB_PREFIX, pyplot, report  # noqa: E402 - shared by the benchmark scripts
 
 CASES = {
     "a": (1, "1 training thread (a core left free, as in a GPU-bound loop)"),
@@ -268,7 +268,7 @@ def main() -> None:
     torch.set_num_threads(CASES[args.cases[0]][0])
     trainer = Trainer(args.layers, args.batch)
     nbytes = trainer.nbytes()
-    job = f"bench-loop-{uuid.uuid4().hex[:8]}"
+    job = f"{JOB_PREFIX}-loop-{uuid.uuid4().hex[:8]}"
     store = None
     next_step = 0
     cases: dict[str, Any] = {}

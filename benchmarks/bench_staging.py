@@ -28,7 +28,7 @@ from ckptstore.engine.store import CheckpointStore
 from ckptstore.tiers.ram import RamTier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import make_state, report  # noqa: E402 - shared by the benchmark scripts
+from common import JOB_PREFIX, make_state, report  # noqa: E402 - shared by the benchmark scripts
 
 
 def _tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
@@ -61,7 +61,7 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + os.getpid() % 300))
     dist.init_process_group("gloo", rank=0, world_size=1)
     work = tempfile.mkdtemp(dir=args.dir)
-    job = f"bench-{uuid.uuid4().hex[:8]}"
+    job = f"{JOB_PREFIX}-{uuid.uuid4().hex[:8]}"
     tier = RamTier(job, ram_dir=args.ram_dir, slots=2)
 
     def stager() -> DefaultStager:

@@ -266,7 +266,8 @@ def test_benchmark_suite_quick_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_suite_quick_runs_every_part(tmp_path):
-    suite = _suite(tmp_path)
+    # Every part that makes a store (async, scale, loop) names its jobs from the prefix.
+    suite = _suite(tmp_path, prefix=f"bench-t{uuid.uuid4().hex[:8]}")
     assert {p: b["status"] for p, b in suite["parts"].items()} == {
         p: "ok" for p in ("dropin", "sharded", "async", "scale", "loop")}
     assert "safetensors" in json.dumps(suite["parts"]["dropin"]["ratios"])
