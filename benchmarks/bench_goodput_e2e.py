@@ -889,7 +889,12 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(sup: Supervisor) -> None:
             results[sup.name] = sup.run(failures, args.window)
-            print(f"{sup.name}: every {sup.every} steps, {results[sup.name]['attempts']} runs", flush=True)
+            # What every restart must hold to (a committed step never lost, the accounting adding
+            # up; bitwise resumes with --verify), checked on the log of the run just measured.
+            problems = check(os.path.join(args.out, sup.name))
+            results[sup.name]["problems"] = problems
+            print(f"{sup.name}: every {sup.every} steps, {results[sup.name]['attempts']} runs"
+                  + "".join(f"\n  PROBLEM: {p}" for p in problems), flush=True)
 
         if args.parallel:  # the same schedule at the same instants: each sees the others' load
             with concurrent.futures.ThreadPoolExecutor(len(supervisors)) as pool:
