@@ -548,7 +548,8 @@ def _print_account(doc: dict[str, Any], acc: Any, human: Any) -> None:
     if sim:
         sf = sim["fractions"]
         tiers = ", ".join(f"{t['name']} (+{t['latency_s']:.3g} s, read {t['read_s']:.3g} s)" for t in sim["tiers"])
-        print(f"  simulator, replaying these {sim['failures']} failure(s) with interval {sim['interval_s']:.3g} s, "
+        first = f" (a run's first {sim['first_s']:.3g} s)" if sim.get("first_s") is not None else ""
+        print(f"  simulator, replaying these {sim['failures']} failure(s) with interval {sim['interval_s']:.3g} s{first}, "
               f"cost {sim['cost_s']:.3g} s, restart {sim['restart_s']:.3g} s, tiers {tiers}:")
         print(f"    productive {sf['useful'] * 100:.1f}% (measured {fr['productive'] * 100:.1f}%)  "
               + "  ".join(f"{p} {sf[p] * 100:.1f}% ({fr[p] * 100:.1f}%)" for p in _PARTS))

@@ -113,3 +113,32 @@ def local_fails_job(rank: int, world: int, name: str, ram_root: str, local_root:
         store.close()
     except ckptstore.CheckpointError:
         pass  # step 2's local failure, raised once more by close
+
+
+def saves_then_dies_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
+                        steps: list[int], restore: int | None = None, **kw) -> None:
+    """Restore ``restore`` (when given), save ``steps``, each on every tier it goes to, then die by
+    SIGKILL with nothing in flight: a crash between two saves."""
+    import signal
+
+    store = _store(name, rank, ram_root, local_root, replicas, **kw)
+    if restore is not None:
+        state = _empty(rank)
+        assert store.restore(state) == restore
+        assert _same(state, _state(rank, restore)), state
+    for step in steps:
+        handle = store.save(step, _state(rank, step))
+        handle.wait("local")
+        handle.wait("peer")
+    store._drain()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def restores_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
+                 expect: int | None, **kw) -> None:
+    store = _store(name, rank, ram_root, local_root, replicas, **kw)
+    state = _empty(rank)
+    assert store.restore(state) == expect
+    if expect is not None:
+        assert _same(state, _state(rank, expect)), state
+    store.close()

@@ -53,19 +53,17 @@ def _durable_steps(durable: str) -> list[int]:
 @pytest.mark.parametrize("restore", [pytest.param(False, marks=pytest.mark.slow), True], ids=["counting-on", "restoring"])
 def test_a_job_killed_every_three_saves_still_reaches_the_durable_tier(job, tmp_path, restore):
     """Five runs of three saves each, every run SIGKILLed, durable_every=4: a per-process count never
-    reached 4. Counting on from the newest step's manifest promotes every fourth save across runs; a
-    restore also promotes the step it loaded when the durable tier lacks it."""
+    reached 4. Counting on from the newest step's manifest promotes every fourth save across runs,
+    with or without a restore: a restored step that was not due in the durable tier is not uploaded
+    again at the restart (only one whose promotion the dead process owed is)."""
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
     runs = [_run(job, local, durable, every=4, saves=3, restore=restore) for _ in range(5)]
     saved = [s for r in runs for s in r["saved"]]
     assert saved == list(range(1, 16)), runs  # steps only grew, across every restart
     if restore:
         assert [r["restored"] for r in runs] == [None, 3, 6, 9, 12]
-        # Each restored step was promoted (the durable tier lacked it), and the cadence counted on from it:
-        # run 2 promoted 3 (restored), then 4 saves later... 3 saves per run never reach 4 again.
-        assert _durable_steps(durable) == [3, 6, 9, 12]
-    else:
-        assert _durable_steps(durable) == [4, 8, 12]
+    # The same cadence either way: no restored step was due there (none of 3, 6, 9, 12 is a 4th save).
+    assert _durable_steps(durable) == [4, 8, 12]
     wipe_ram(job)
     newest = max(_durable_steps(durable))
     shutil.rmtree(local)  # the node is gone: the durable tier alone restores
@@ -75,19 +73,27 @@ def test_a_job_killed_every_three_saves_still_reaches_the_durable_tier(job, tmp_
         assert target["step"] == newest and torch.equal(target["w"], torch.full((1000,), float(newest)))
 
 
-def test_a_restored_step_the_durable_tier_lacks_is_promoted_from_the_local_files(job, tmp_path):
+@pytest.mark.parametrize("due", [True, False], ids=["due", "not-due"])
+def test_a_restored_step_the_durable_tier_lacks_is_promoted_from_the_local_files_when_it_was_due(job, tmp_path, due):
+    """Step 2 was due in the durable tier (durable_every=2) and its upload never finished (removed
+    here): the restore promotes it, from the local files. A step that was not due (durable_every=100;
+    close() uploaded it as the last) is left to the cadence: no upload at the restart."""
+    every = 2 if due else 100
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
     frozen = torch.randn(100_000)  # 400 KB: the local tier keeps it in a file of its own
-    with CheckpointStore(job, local=local, durable=durable, durable_every=100,
+    with CheckpointStore(job, local=local, durable=durable, durable_every=every,
                          frozen=lambda k: k.startswith("frozen")) as store:
         for step in (1, 2):
             store.save(step, {"frozen": frozen, "w": torch.full((10,), float(step))}).wait("local")
-    # close() promoted step 2 (the last); remove it from durable to see a restore promote it.
+    # Step 2 reached the durable tier; remove it, as a process killed during its upload leaves it.
     shutil.rmtree(os.path.join(durable, "step-000000000002"))
     wipe_ram(job)
-    with CheckpointStore(job, local=local, durable=durable, durable_every=100) as store:
+    with CheckpointStore(job, local=local, durable=durable, durable_every=every) as store:
         target = {"frozen": torch.zeros(100_000), "w": torch.zeros(10)}
         assert store.restore(target) == 2
+    if not due:
+        assert _durable_steps(durable) == []
+        return
     assert _durable_steps(durable) == [2]
     got = {"frozen": torch.zeros(100_000), "w": torch.zeros(10)}
     ckptstore.load_sharded(got, os.path.join(durable, "step-000000000002"))
@@ -101,7 +107,7 @@ def test_a_restored_step_another_writer_makes_durable_meanwhile_does_not_fail_th
     from ckptstore.tiers.directory import DirectoryTier
 
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
-    with CheckpointStore(job, local=local, durable=durable, durable_every=100) as store:
+    with CheckpointStore(job, local=local, durable=durable, durable_every=2) as store:  # step 2 is due there
         for step in (1, 2):
             store.save(step, {"w": torch.full((10,), float(step))}).wait("local")
     step_2 = os.path.join(durable, "step-000000000002")
@@ -117,7 +123,7 @@ def test_a_restored_step_another_writer_makes_durable_meanwhile_does_not_fail_th
         return await put(self, snap)
 
     monkeypatch.setattr(DirectoryTier, "put", another_writer_first)
-    with CheckpointStore(job, local=local, durable=durable, durable_every=100) as store:
+    with CheckpointStore(job, local=local, durable=durable, durable_every=2) as store:
         assert store.restore({"w": torch.zeros(10)}) == 2
         store.save(3, {"w": torch.full((10,), 3.0)}).wait("local")
     assert _durable_steps(durable) == [2, 3]

@@ -190,6 +190,25 @@ def test_accounting_of_a_supervised_crash_loop_knows_failure_instants_and_rollba
     sim = ev.predicted(events, acc)
     assert sum(sim["split_s"].values()) == pytest.approx(acc.wall) and sim["failures"] == 2
     assert sim["interval_s"] == pytest.approx(4.5) and sim["cost_s"] == 0.5
+    assert sim["first_s"] == pytest.approx(4.5)  # run 1: training from its restore (2.0) to its first save (6.5)
+
+
+def test_replay_puts_a_runs_first_checkpoint_after_its_first_interval():
+    """interval 10 s, cost 1 s, a run's first checkpoint 15 s into its training (a restarted process
+    warming up), no restart time; a crash at 30 s, the job ends at 50 s. Checkpoints end at 15 and
+    25 s: the crash loses 5 s (25 -> 30); the second run trains 20 s, its first checkpoint at 15 s.
+    Without the first interval the replay would put one at 30 s and lose nothing."""
+    durable = (simulate.TierSpec("durable", frozenset("*")),)
+    late = simulate.Config("late", 10.0, 1.0, 0.0, durable, first=15.0)
+    split = simulate.replay(late, [(30.0, "crash")], 50.0)
+    assert split == pytest.approx({"useful": 23.0 + 19.0, "checkpoint": 3.0, "lost": 5.0, "restart": 0.0,
+                                   "reload": 0.0})
+    plain = simulate.Config("plain", 10.0, 1.0, 0.0, durable)
+    assert simulate.replay(plain, [(30.0, "crash")], 50.0) == simulate.replay(
+        simulate.Config("same", 10.0, 1.0, 0.0, durable, first=10.0), [(30.0, "crash")], 50.0)
+    assert simulate.replay(plain, [(30.0, "crash")], 50.0)["lost"] == 0.0
+    with pytest.raises(ckptstore.InvalidArgumentError, match="first interval"):
+        simulate.Config("bad", 10.0, 1.0, 0.0, durable, first=1.0)
 
 
 def test_event_log_that_cannot_be_written_warns_and_never_raises(tmp_path, caplog):

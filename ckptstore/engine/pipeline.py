@@ -242,6 +242,11 @@ class Pipeline:
         # replicas of the others' parts, still finds every part of that step on the nodes left.
         self._replicated: int | None = None
         self._replicating: set[int] = set()
+        # A restarted process did not replicate anything yet, but the replicas its node holds say
+        # which step the peers have: their replication was committed by every rank together, so
+        # this rank's part of that step is what a loss of another node needs from this one. Read
+        # once, at the first retention (off the save's path).
+        self._inherited = options.peer.replicas == 0
         # Saves since the newest promoted and the newest replicated one. They travel in every step's
         # manifest (meta.cadence), so a restarted process counts on from its newest step instead of
         # from zero: a job that crashes every few saves still promotes every durable_every-th.
@@ -690,6 +695,11 @@ class Pipeline:
             if job.promote:
                 self._owed = job.step
             assert self.local_retention is not None
+            if not self._inherited:
+                self._inherited = True
+                held = await asyncio.to_thread(self.peer.node_steps)
+                self._replicated = max([*held, *([self._replicated] if self._replicated is not None else [])],
+                                       default=None)
             keep = {s for s in (self._owed, self._replicated) if s is not None} | self._replicating
             await self.local_retention.apply(frozenset(keep))
         if job.sdc and self.check.mode == "raise":

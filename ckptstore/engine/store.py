@@ -434,9 +434,13 @@ class CheckpointStore:
         self._tracker.event("restore", step=found, tier=tiers, seconds=seconds)
         meta, in_durable = self._restorer.meta_of(found)
         self._pipeline.resume(meta, durable_holds_it=bool(in_durable))
-        # Only when the durable tier was listed and lacks the step: during an outage nothing is known,
-        # and the next regular promotion goes on from the restored step's cadence.
-        if self.durable is not None and in_durable is False:
+        # Only a promotion the dead process owed: the step was due in the durable tier by its cadence
+        # and the tier lacks it (the process died during its upload). A step that was not due waits
+        # for the cadence, which counts on from its manifest, as it would have without the failure:
+        # uploading every restored step made each restart of a crash loop pay a whole extra upload
+        # (an object store's CPU on the trainers' cores, when the next steps need them most). During
+        # an outage (not listed) nothing is known, and the next regular promotion goes on.
+        if self.durable is not None and in_durable is False and _owed_promotion(meta):
             self._swept()
             self._pipeline.promote_restored(found, meta)
         return found
@@ -655,3 +659,14 @@ def _node_identity(node: Any, rank: int) -> Any:
     if local.isdigit() and int(local) > 0:
         return rank // int(local)
     return socket.gethostname()
+
+
+def _owed_promotion(meta: dict[str, Any]) -> bool:
+    """Whether a step's manifest says it was due in the durable tier: its cadence counted no save
+    since the last promotion (the step was that promotion). A manifest without a cadence (an older
+    writer) cannot say, and is promoted as before."""
+    cadence = meta.get("cadence")
+    if not isinstance(cadence, dict):
+        return True
+    count = cadence.get("durable")
+    return not isinstance(count, int) or isinstance(count, bool) or count == 0

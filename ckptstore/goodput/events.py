@@ -304,10 +304,13 @@ def _progress(runs: list[Run]) -> tuple[int | None, float | None]:
 
 def predicted(events: list[dict[str, Any]], acc: Account | None = None) -> dict[str, Any]:
     """The simulator's replay of a log: its failures at the times and of the classes they happened,
-    under a configuration measured from the log itself (the median blocking cost, wall time from one
-    save to the next, restart and reload time; per tier, the median time from a save to its
-    ``commit`` there and the median reload from it). Tiers and what they survive come from the log's
+    under a configuration measured from the log itself: the mean blocking cost, wall time from one
+    save to the next and from a run's start of training to its first save, restart and reload time
+    (means: what the replay adds up is their totals, which a median of a skewed few misses); per
+    tier, the median time from a save to its ``commit`` there (a threshold: which save a failure
+    finds there) and the mean reload from it. Tiers and what they survive come from the log's
     ``setup`` record (one durable tier that survives everything without one)."""
+    from statistics import fmean as mean
     from statistics import median
 
     from .simulate import Config, TierSpec, replay, tier_from_spec
@@ -335,14 +338,20 @@ def predicted(events: list[dict[str, Any]], acc: Account | None = None) -> dict[
         t = tier_from_spec(spec)
         lat, read = latency.get(t.name), reads.get(t.name) or any_read
         tiers.append(TierSpec(t.name, t.survives, t.every, median(lat) if lat else t.latency,
-                              median(read) if read else t.read))
+                              mean(read) if read else t.read))
     restarts = [r.restart for r in runs if r.resumed_at is not None]
-    config = Config(str(setup.get("config", "measured")), median(gaps), median(costs),
-                    median(restarts) if restarts else 0.0, tuple(tiers))
+    # A run's first checkpoint comes later than the interval when its first steps are slower (a
+    # restarted process warming up beside the work its failure left): measured from each run's
+    # training start (its restore's end) to its first save, the replay's first cycle.
+    firsts = [r.saves[0]["t"] - r.resumed_at for r in runs if r.resumed_at is not None and r.saves]
+    interval, cost = mean(gaps), mean(costs)
+    first = max(mean(firsts), cost * 1.001 + 1e-9) if firsts else None
+    config = Config(str(setup.get("config", "measured")), interval, cost,
+                    mean(restarts) if restarts else 0.0, tuple(tiers), first=first)
     t0 = runs[0].start
     failures = [(r.last - t0, r.failure_class) for r in runs if r.failed]
     split = replay(config, failures, acc.wall)
-    return {"interval_s": config.interval, "cost_s": config.cost, "restart_s": config.restart,
+    return {"interval_s": config.interval, "first_s": config.first, "cost_s": config.cost, "restart_s": config.restart,
             "tiers": [{"name": t.name, "every": t.every, "latency_s": t.latency, "read_s": t.read,
                        "survives": sorted(t.survives)} for t in tiers],
             "failures": len(failures), "split_s": split,

@@ -51,6 +51,10 @@ class Config:
     cost: float  # seconds each checkpoint blocks training
     restart: float  # seconds from a failure to training again, before reading the checkpoint
     tiers: tuple[TierSpec, ...] = (TierSpec("durable", frozenset("*")),)
+    # Seconds from training again (after a restart and its read) to the end of the run's first
+    # checkpoint, where that differs from ``interval``: the first steps of a restarted process are
+    # slower (caches, the background work a failure leaves). Used by :func:`replay`; None: interval.
+    first: float | None = None
 
     def __post_init__(self) -> None:
         if not self.cost >= 0 or not self.interval > self.cost:
@@ -58,6 +62,9 @@ class Config:
                                        f"cost ({self.cost} s)")
         if not self.tiers:
             raise InvalidArgumentError(f"{self.name}: a configuration needs at least one tier")
+        if self.first is not None and not self.first > self.cost:
+            raise InvalidArgumentError(f"{self.name}: the first interval ({self.first} s) must exceed the checkpoint "
+                                       f"cost ({self.cost} s)")
         for t in self.tiers:
             if t.every < 1 or t.latency < 0 or t.read < 0:
                 raise InvalidArgumentError(f"{self.name}: tier {t.name}: every >= 1, latency and read >= 0")
@@ -172,6 +179,15 @@ def replay(config: Config, failures: list[tuple[float, str]], horizon: float) ->
     are known, such as a measured crash loop."""
     tiers, period, cost = config.tiers, config.interval, config.cost
     tau = period - cost
+    first = config.first if config.first is not None else period  # each run's first cycle
+    tau1 = first - cost
+
+    def count(t: float) -> int:  # checkpoints a run has ended by t seconds of training
+        return 0 if t < first else 1 + math.floor((t - first) / period)
+
+    def work(k: int) -> float:  # progress a run's k-th checkpoint holds
+        return tau1 + (k - 1) * tau if k > 0 else 0.0
+
     held = [-math.inf] * len(tiers)
     out = dict.fromkeys(("useful", "checkpoint", "lost", "restart", "reload"), 0.0)
     progress, restart, read, t = 0.0, config.restart, 0.0, 0.0
@@ -180,16 +196,16 @@ def replay(config: Config, failures: list[tuple[float, str]], horizon: float) ->
         out["restart"] += min(x, restart)
         out["reload"] += min(max(x - restart, 0.0), read)
         run = max(x - restart - read, 0.0)
-        cycles = math.floor(run / period)
-        rem = run - cycles * period
-        computed = cycles * tau + min(rem, tau)
-        out["checkpoint"] += cycles * cost + max(rem - tau, 0.0)
+        done = count(run)
+        rem = run - (first + (done - 1) * period if done else 0.0)  # into the cycle under way
+        computed = work(done) + min(rem, tau if done else tau1)
+        out["checkpoint"] += done * cost + max(rem - (tau if done else tau1), 0.0)
         if not cls:
             progress += computed
             break
         for j, tier in enumerate(tiers):
-            usable = math.floor(math.floor(max(run - tier.latency, 0.0) / period) / tier.every) * tier.every
-            made = progress + usable * tau if usable > 0 else -math.inf
+            usable = count(max(run - tier.latency, 0.0)) // tier.every * tier.every
+            made = progress + work(usable) if usable > 0 else -math.inf
             held[j] = max(held[j], made) if tier.keeps(cls) and cls != START_OVER else -math.inf
         best = max(held)
         restored = best if math.isfinite(best) else 0.0
