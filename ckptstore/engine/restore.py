@@ -46,6 +46,7 @@ from ..names import MANIFEST, data_file_rank
 from ..storage.targets import Source
 from ..tiers.base import PartsMissing, Tier
 from .exchange import (
+    _FIRST_TIERS,
     DURABLE_PREFERENCE,
     Inventory,
     NodeInventory,
@@ -338,13 +339,19 @@ class Restorer:
         first = self.groups.trainer.broadcast(mine)
         return first[0], (first[1] if first[2] else None)
 
-    def _inventory(self, step: int) -> NodeInventory:
+    def _inventory(self, step: int, tiers: Sequence[Tier] | None = None) -> NodeInventory:
         if self._known[0] != step:
             self._known = (step, {})
-        return NodeInventory.of(self.node_tiers, step, self._known[1])
+        return NodeInventory.of(self.node_tiers if tiers is None else tiers, step, self._known[1])
 
     def _meta(self, step: int, in_durable: bool) -> dict[str, Any]:
-        first = self._inventory(step).first()
+        # The layout a restore tries first is one the RAM tiers hold whenever they hold one (the
+        # others rank after it): only otherwise is the local tier inventoried, which in a
+        # single-node job parses the step's whole manifest, every rank's chunks.
+        first_tiers = [t for t in self.node_tiers if t.name in _FIRST_TIERS]
+        first = self._inventory(step, first_tiers).first() if first_tiers else None
+        if first is None or first.preference != 0:
+            first = self._inventory(step).first()
         if first is not None and first.parsed is not None:
             return dict(first.parsed.meta)
         if first is not None and first.meta is not None:  # a copy of parts: each carries the step's meta

@@ -1096,13 +1096,15 @@ def _spliced(skeleton: Any, fills: list[list[bytes]]) -> list[bytes] | None:
 # A document's members of a rank's size, in the order written: each holds an entry per tensor (a
 # whole manifest: an entry per tensor of the job). Every other member is small.
 _BODY = ("layout", "checksums", "extra")
-# A document begins with its format and then its head: ``"<H>:<N>:<xxh3>"``, H (10 digits) the
-# length of the text of its small members (from the opening brace, up to the comma before the first
-# member of _BODY), N (12 digits) the length of the whole file, and the xxh3 (16 hex digits) of the
-# text from H on. Fixed width, so the writer fills it in after the rest is encoded.
+# A document begins with its format and then its head, ``"<H>:<N>:<xxh3>:<L>:<C>:<E>"``: H (10
+# digits) the length of the text of its small members (from the opening brace, up to the comma
+# before the first member of _BODY), N (12 digits) the length of the whole file, the xxh3 (16 hex
+# digits) of the text from H on, and where the members of _BODY begin (12 digits each, at the comma
+# before the member's name; 0 for one the document lacks). Fixed width, so the writer fills it in
+# after the rest is encoded, and a reader finds any one member without parsing the others.
 _HEAD_START = b'{"format":' + json.dumps(RAM_FORMAT).encode() + b',"head":"'
-_HEAD_WIDTH = 10 + 1 + 12 + 1 + 16
-_HEAD_BLANK = "0" * 10 + ":" + "0" * 12 + ":" + "0" * 16
+_HEAD_WIDTH = 10 + 1 + 12 + 1 + 16 + 13 * len(_BODY)
+_HEAD_BLANK = "0" * _HEAD_WIDTH
 # How much of a document a listing reads first; a longer head is read on to its end, up to the cap.
 _HEAD_READ = 4096
 _HEAD_MAX = 1 << 20
@@ -1110,14 +1112,16 @@ _HEAD_MAX = 1 << 20
 
 def _document(small: dict[str, Any], body: list[tuple[str, list[bytes]]]) -> list[bytes]:
     """The text of a RAM-tier document, in pieces: the compact JSON of ``small`` (``format`` first,
-    then the head) followed by the members of ``body`` (name, JSON text in pieces). The text is
-    ``_compact`` of the document's object, byte for byte; only the head's values depend on the rest.
-    A listing parses the small members alone (:func:`_read_head`): every rank of a node lists every
-    document of the node, and parsing whole documents of 10,000 tensors was most of a restore."""
+    then the head) followed by the members of ``body`` (name, JSON text in pieces; names of _BODY,
+    in its order). The text is ``_compact`` of the document's object, byte for byte; only the
+    head's values depend on the rest. A listing parses the small members alone, and a restore the
+    one member it needs (:class:`LazyDoc`): every rank of a node lists every document of the node,
+    and parsing whole documents of 10,000 tensors was most of a restore."""
     members = {"format": small.get("format"), "head": _HEAD_BLANK,
                **{k: v for k, v in small.items() if k not in ("format", "head")}}
     text = _compact(members).encode()
-    if not text.startswith(_HEAD_START) or not body:
+    names = [key for key, _fill in body]
+    if not text.startswith(_HEAD_START) or not body or names != [k for k in _BODY if k in names]:
         # Not a document of this format (or nothing to leave out): no head, read whole.
         del members["head"]
         pieces = [_compact(members).encode()[:-1]]
@@ -1127,15 +1131,20 @@ def _document(small: dict[str, Any], body: list[tuple[str, list[bytes]]]) -> lis
         return pieces + [b"}"]
     prefix = text[:-1]
     rest: list[bytes] = []
+    at = len(prefix)
+    starts = dict.fromkeys(_BODY, 0)
     for key, fill in body:
+        starts[key] = at
         rest.append(b"," + _string(key).encode() + b":")
         rest += fill
+        at += len(rest[-1 - len(fill)]) + sum(map(len, fill))
     rest.append(b"}")
     hasher = xxhash.xxh3_64()
     for piece in rest:
         hasher.update(piece)
-    total = len(prefix) + sum(map(len, rest))
-    head = f"{len(prefix):010d}:{total:012d}:{hasher.hexdigest()}".encode()
+    total = at + 1
+    head = (f"{len(prefix):010d}:{total:012d}:{hasher.hexdigest()}" + "".join(f":{starts[k]:012d}" for k in _BODY)).encode()
+    assert len(head) == _HEAD_WIDTH
     start = len(_HEAD_START)
     return [prefix[:start] + head + prefix[start + _HEAD_WIDTH :], *rest]
 
@@ -1248,9 +1257,6 @@ class _Template:
 # inode, size and modification time holds the same bytes; every save and restore lists the
 # segments several times.
 _parsed_docs: dict[str, tuple[tuple[int, int, int, int], dict[str, Any]]] = {}
-# Whole documents parsed in this process (a count the tests read: a restore parses its own
-# rank's, never every rank's of its node).
-whole_parses = 0
 
 
 def read_doc(path: str, *, cached: bool = False) -> dict[str, Any]:
@@ -1292,13 +1298,40 @@ def _read_all(fd: int, size: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+# Bytes of RAM-tier documents handed to the JSON parser in this process (whole documents read the
+# old way, and members of documents read through their head): what a restore's reading of documents
+# costs, which the tests hold to the rank's own document as the node's ranks and steps grow.
+parsed_bytes = 0
+
+
 def _parse_whole(data: bytes, path: str) -> dict[str, Any]:
-    global whole_parses
-    whole_parses += 1
+    global parsed_bytes
+    parsed_bytes += len(data)
     doc = load_json(data, where=path, what="RAM-tier document")
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path}: a RAM-tier document must be a JSON object", location=path)
     return doc
+
+
+def _parse_member(text: bytes, path: str) -> Any:
+    """One member's value from a document whose bytes matched its head's checksum. The writer's
+    text is compact JSON as json.dumps makes it: parsed by the C decoder and encoded back, it is
+    the same text exactly when it holds no duplicate member names (a duplicate would be lost) and
+    no NaN or Infinity (refused by the parse); a text that is not (edited by hand, or by another
+    writer) is parsed with every rule of load_json, whose per-object check costs twice the parse."""
+    global parsed_bytes
+    parsed_bytes += len(text)
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+        if _compact(value).encode() == text:
+            return value
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        pass
+    return load_json(text, where=path, what="RAM-tier document")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
 
 
 def _read_head(fd: int, size: int, path: str, identity: tuple[int, int, int, int]) -> LazyDoc | None:
@@ -1308,18 +1341,26 @@ def _read_head(fd: int, size: int, path: str, identity: tuple[int, int, int, int
     start = len(_HEAD_START)
     if not first.startswith(_HEAD_START) or first[start + _HEAD_WIDTH : start + _HEAD_WIDTH + 1] != b'"':
         return None
-    head = first[start : start + _HEAD_WIDTH]
+    raw = first[start : start + _HEAD_WIDTH]
     try:
-        text = head.decode("ascii")
-        length, total, digest = text[:10], text[11:23], text[24:]
-        ok = (text[10] == text[23] == ":" and length.isdigit() and total.isdigit()
-              and len(digest) == 16 and all(c in "0123456789abcdef" for c in digest))
-    except (UnicodeDecodeError, IndexError):
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
         return None
-    end = int(length) if ok else 0
+    fields = text.split(":")
+    widths = [10, 12, 16] + [12] * len(_BODY)
+    if [len(f) for f in fields] != widths or not all(f.isdigit() for i, f in enumerate(fields) if i != 2):
+        return None
+    if any(c not in "0123456789abcdef" for c in fields[2]):
+        return None
+    end, total, starts = int(fields[0]), int(fields[1]), [int(f) for f in fields[3:]]
     # A file of another length than its head says (cut short, or grown) is parsed whole, and found
     # damaged there: never taken as committed on the strength of its head.
-    if not ok or int(total) != size or not start + _HEAD_WIDTH < end < size or end > _HEAD_MAX:
+    if total != size or not start + _HEAD_WIDTH < end < size or end > _HEAD_MAX:
+        return None
+    present = [(k, at) for k, at in zip(_BODY, starts) if at]
+    if not present or present[0][1] != end or any(a >= b for (_k, a), (_l, b) in zip(present, present[1:])):
+        return None
+    if present[-1][1] >= size - 1:
         return None
     prefix = first[:end] if end <= len(first) else first + _read_all(fd, end, len(first))
     if len(prefix) != end or os.pread(fd, 2, end) != b',"':
@@ -1330,26 +1371,26 @@ def _read_head(fd: int, size: int, path: str, identity: tuple[int, int, int, int
         return None
     if not isinstance(small, dict) or small.get("head") != text or any(k in small for k in _BODY):
         return None
-    return LazyDoc(small, path, identity, end, f"{ALGORITHM}:{digest}")
+    spans = {k: (at, nxt) for (k, at), nxt in zip(present, [at for _k, at in present[1:]] + [size - 1])}
+    return LazyDoc(small, path, identity, end, f"{ALGORITHM}:{fields[2]}", spans)
 
 
 class LazyDoc(dict):  # type: ignore[type-arg]
     """A RAM-tier document of which only the small members are read (step, slot, size, owner,
-    meta, ...): the members of a rank's size (``layout``, ``checksums``, ``extra``) are read,
-    checked against the head's checksum and parsed on first use of any of them, which raises
-    CorruptCheckpointError when the file no longer holds the bytes its head describes (damaged,
-    or replaced since it was listed). Read-only, like every document read_doc hands out."""
+    meta, ...): each member of a rank's size (``layout``, ``checksums``, ``extra``) is read, checked
+    against the head's checksum and parsed on its first use, which raises CorruptCheckpointError
+    when the file no longer holds the bytes its head describes (damaged, or replaced since it was
+    listed). Read-only, like every document read_doc hands out; ``whole`` once every member is."""
 
     def __init__(self, small: dict[str, Any], path: str, identity: tuple[int, int, int, int], end: int,
-                 checksum: str) -> None:
+                 checksum: str, spans: dict[str, tuple[int, int]]) -> None:
         super().__init__(small)
-        self.path, self.identity, self.end, self.checksum = path, identity, end, checksum
-        self.whole = False  # the rest read and parsed
+        self.path, self.identity, self.end, self.checksum, self.spans = path, identity, end, checksum, spans
+        self.whole = False
         self.part: NodePart | None = None  # doc_part's, once checked
 
-    def load(self) -> None:
-        if self.whole:
-            return
+    def _body(self) -> bytes:
+        """The document's bytes, as its head describes them."""
         path = self.path
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
@@ -1360,56 +1401,65 @@ class LazyDoc(dict):  # type: ignore[type-arg]
             data = _read_all(fd, st.st_size, 0)
         finally:
             os.close(fd)
-        if len(data) != self.identity[2] or f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(memoryview(data)[self.end:])}" != self.checksum:
+        digest = f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(memoryview(data)[self.end:])}"
+        if len(data) != self.identity[2] or digest != self.checksum:
             raise CorruptCheckpointError(f"{path}: the RAM-tier document does not match its checksum (its head's)",
                                          location=path)
-        doc = _parse_whole(data, path)
-        if any(doc.get(k) != v for k, v in dict.items(self)):
-            raise CorruptCheckpointError(f"{path}: the RAM-tier document's members differ from its head's", location=path)
-        dict.update(self, doc)
-        self.whole = True
+        return data
+
+    def read(self, *keys: str) -> None:
+        """Read and parse the members ``keys`` of _BODY (all of them: none given) not read yet."""
+        todo = [k for k in (keys or _BODY) if k in self.spans and not dict.__contains__(self, k)]
+        if todo:
+            data = self._body()
+            for key in todo:
+                a, b = self.spans[key]
+                name = b"," + _string(key).encode() + b":"
+                if data[a : a + len(name)] != name:
+                    raise CorruptCheckpointError(f"{self.path}: the RAM-tier document's member {key!r} is not where its "
+                                                 "head says", location=self.path)
+                dict.__setitem__(self, key, _parse_member(data[a + len(name) : b], self.path))
+        self.whole = all(dict.__contains__(self, k) for k in self.spans)
 
     def __missing__(self, key: str) -> Any:
-        if key in _BODY and not self.whole:
-            self.load()
+        if key in self.spans:
+            self.read(key)
             return dict.__getitem__(self, key)
         raise KeyError(key)
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        if key in _BODY and not self.whole:
-            self.load()
+        if key in self.spans:
+            self.read(key)
         return dict.get(self, key, default)
 
     def __contains__(self, key: object) -> bool:
-        if key in _BODY and not self.whole:
-            self.load()
-        return dict.__contains__(self, key)
-
-    def __iter__(self) -> Any:
-        self.load()
-        return dict.__iter__(self)
+        return key in self.spans or dict.__contains__(self, key)
 
     def __bool__(self) -> bool:
         return True  # never empty: its head is read
 
+    def __iter__(self) -> Any:
+        self.read()
+        return dict.__iter__(self)
+
     def __len__(self) -> int:
-        self.load()
+        self.read()
         return dict.__len__(self)
 
     def keys(self) -> Any:
-        self.load()
+        self.read()
         return dict.keys(self)
 
     def items(self) -> Any:
-        self.load()
+        self.read()
         return dict.items(self)
 
     def values(self) -> Any:
-        self.load()
+        self.read()
         return dict.values(self)
 
     def copy(self) -> dict[str, Any]:
-        self.load()
+        self.read()
         return dict(dict.items(self))
 
 
@@ -1421,7 +1471,7 @@ def usable_doc(doc: dict[str, Any]) -> bool:
             and type(doc.get("size")) is int and doc["size"] >= 0):
         return False
     minor = doc.get("minor", 0)
-    if isinstance(doc, LazyDoc) and not doc.whole:
+    if isinstance(doc, LazyDoc) and not dict.__contains__(doc, "extra"):
         # Its head vouches for the rest, as the writer encoded it (checked when it is read): the
         # small members are what a listing relies on.
         meta = doc.get("meta")
@@ -1484,7 +1534,7 @@ def doc_part(doc: dict[str, Any], where: str) -> NodePart | None:
     extra = doc["extra"]  # a LazyDoc reads the rest here, checked against its head's checksum
     # A document read through its head matched the checksum of the very text its extra checksum
     # was computed over: re-encoding a part of 10,000 tensors to check it again would add nothing.
-    if not (lazy and doc.whole) and doc.get("extra_checksum") != extra_checksum(extra):
+    if not lazy and doc.get("extra_checksum") != extra_checksum(extra):
         raise CorruptCheckpointError(f"{where}: the part this RAM-tier document holds does not match its checksum",
                                      location=where)
     if lazy and not usable_doc(doc):
@@ -1561,7 +1611,7 @@ def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool, rank:
         if (seg.src is not None) != replicas or doc["step"] != step:
             continue
         bin_path = path[:-5] + ".bin"
-        if (isinstance(doc, LazyDoc) and not doc.whole and doc.get("minor", 0) == RAM_MINOR
+        if (isinstance(doc, LazyDoc) and doc.part is None and doc.get("minor", 0) == RAM_MINOR
                 and (replicas or seg.rank != rank)):
             held.files.append(Held(data_file(seg.owner), bin_path, tier, _opener(bin_path), manifest=path))
             meta = doc.get("meta")
