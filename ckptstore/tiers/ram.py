@@ -1525,26 +1525,26 @@ def doc_part(doc: dict[str, Any], where: str) -> NodePart | None:
     CorruptCheckpointError when it does not match its checksum."""
     if doc.get("minor", 0) == 0:
         return None
-    lazy = isinstance(doc, LazyDoc)
-    if lazy and doc.part is not None and doc.part.where == where:
-        return doc.part
+    lazy = doc if isinstance(doc, LazyDoc) else None
+    if lazy is not None and lazy.part is not None and lazy.part.where == where:
+        return lazy.part
     checked = _checked_parts.get(id(doc))
-    if not lazy and checked is not None and checked[0] is doc and checked[1] == where:
+    if lazy is None and checked is not None and checked[0] is doc and checked[1] == where:
         return checked[2]
     extra = doc["extra"]  # a LazyDoc reads the rest here, checked against its head's checksum
     # A document read through its head matched the checksum of the very text its extra checksum
     # was computed over: re-encoding a part of 10,000 tensors to check it again would add nothing.
-    if not lazy and doc.get("extra_checksum") != extra_checksum(extra):
+    if lazy is None and doc.get("extra_checksum") != extra_checksum(extra):
         raise CorruptCheckpointError(f"{where}: the part this RAM-tier document holds does not match its checksum",
                                      location=where)
-    if lazy and not usable_doc(doc):
+    if lazy is not None and not usable_doc(doc):
         raise CorruptCheckpointError(f"{where}: this RAM-tier document lacks what a restore relies on", location=where)
-    if lazy and "meta" in doc and doc["meta"] != extra["meta"]:
+    if lazy is not None and "meta" in doc and doc["meta"] != extra["meta"]:
         raise CorruptCheckpointError(f"{where}: the meta of this RAM-tier document's head differs from its part's",
                                      location=where)
     part = NodePart(extra["part"]["rank"], extra["part"], extra["meta"], extra.get("header"), where)
-    if lazy:
-        doc.part = part
+    if lazy is not None:
+        lazy.part = part
         return part
     if len(_checked_parts) > 2 * len(_parsed_docs) + 16:  # keep only documents still listed
         live = {id(d) for _identity, d in list(_parsed_docs.values())}
@@ -1640,6 +1640,9 @@ class LazyPart(NodePart):
     head's copy) at hand, its chunk table and header read from the document on first use. Raises
     CorruptCheckpointError there when the document is damaged, replaced, or holds another rank's
     part (what a listing that parsed it whole would have found at once)."""
+
+    _doc: LazyDoc
+    _meta: dict[str, Any] | None
 
     def __init__(self, rank: int, doc: LazyDoc, where: str, meta: dict[str, Any] | None) -> None:
         object.__setattr__(self, "rank", rank)
