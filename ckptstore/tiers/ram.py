@@ -46,6 +46,7 @@ import xxhash
 
 from .._aio import run_sync
 from .._buffers import copy_grouped
+from .._gc import paused
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -1307,7 +1308,8 @@ parsed_bytes = 0
 def _parse_whole(data: bytes, path: str) -> dict[str, Any]:
     global parsed_bytes
     parsed_bytes += len(data)
-    doc = load_json(data, where=path, what="RAM-tier document")
+    with paused():  # its objects would set off collections that walk every live object
+        doc = load_json(data, where=path, what="RAM-tier document")
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path}: a RAM-tier document must be a JSON object", location=path)
     return doc
@@ -1321,13 +1323,14 @@ def _parse_member(text: bytes, path: str) -> Any:
     writer) is parsed with every rule of load_json, whose per-object check costs twice the parse."""
     global parsed_bytes
     parsed_bytes += len(text)
-    try:
-        value = json.loads(text, parse_constant=_refuse_constant)
-        if _compact(value).encode() == text:
-            return value
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        pass
-    return load_json(text, where=path, what="RAM-tier document")
+    with paused():  # its objects would set off collections that walk every live object
+        try:
+            value = json.loads(text, parse_constant=_refuse_constant)
+            if _compact(value).encode() == text:
+                return value
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            pass
+        return load_json(text, where=path, what="RAM-tier document")
 
 
 def _refuse_constant(name: str) -> Any:
