@@ -197,18 +197,24 @@ def _restore_from_ram(job: str, local: str, mesh: Any, like: dict[str, Any], ste
     return found, target
 
 
-@pytest.mark.parametrize("older", ["minor 0: the whole manifest", "minor 1: encoded by another writer"])
+@pytest.mark.parametrize("older", ["minor 0: the whole manifest", "minor 1: encoded by another writer",
+                                   "minor 1: compact, without a head"])
 def test_documents_as_older_stores_wrote_them_still_restore(tmp_path, job, mesh, older):
-    """A document of minor version 0 (the step's whole manifest, what stores wrote before minor 1)
-    and one of minor version 1 in another JSON layout (spaces, indentation: its extra checksum is
-    over the compact encoding of the parsed member, not over the bytes of the file) restore bitwise."""
+    """A document of minor version 0 (the step's whole manifest, what stores wrote before minor 1),
+    one of minor version 1 in another JSON layout (spaces, indentation: its extra checksum is over
+    the compact encoding of the parsed member, not over the bytes of the file), and one as stores
+    wrote it before documents had a head (compact, no ``head`` or ``meta`` member: what a job
+    upgraded in place finds in /dev/shm) restore bitwise, parsed whole."""
     local, states = _two_steps(tmp_path, job, mesh)
     path, _raw, doc = _doc_of(job, 2)
     if older.startswith("minor 0"):
         doc = whole_manifest_doc(doc, manifest_of_parts([doc_part(doc, path)], path))
         assert "minor" not in doc and "manifest" in doc["extra"]
     with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
+        if older.endswith("without a head"):
+            fh.write(_compact({k: v for k, v in doc.items() if k not in ("head", "meta")}).decode())
+        else:
+            json.dump(doc, fh, indent=1)
     found, target = _restore_from_ram(job, local, mesh, states[1])
     assert found == 2
     assert_same(_plain(target), _plain(states[1]), f"step 2 from a document of {older}")

@@ -210,10 +210,22 @@ def assemble_manifest(group: Group, inv: Inventory, where: str) -> Manifest | No
             owner.setdefault(q, r)
     if not owner:
         return None
-    sent = [(q, p.part, p.meta, p.header, p.where) for q in mine if owner[q] == group.rank for p in [inv.parts[q]]]
+    sent = [(q, *fields) for q in mine if owner[q] == group.rank
+            for fields in [_part_fields(inv.parts[q])] if fields is not None]
     got = group.all_gather(sent) if group.world > 1 else [sent]
     parts = [NodePart(q, part, meta, header, at) for batch in got for q, part, meta, header, at in batch]
     return manifest_of_parts(parts, where)
+
+
+def _part_fields(p: NodePart) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None, str] | None:
+    """A part's members to send to another rank; None when its copy turns out damaged now that it
+    is read (a node copy listed by its head alone): the part is then not sent, as if not held, and
+    the receivers find it missing alike (raised here, it would leave them waiting)."""
+    try:
+        return p.part, p.meta, p.header, p.where
+    except CheckpointError as exc:
+        log.warning("ckptstore: ignoring a damaged copy of a part: %s", exc)
+        return None
 
 
 _NONE = -(1 << 63)  # the MAX identity of an int64 all-reduce
@@ -267,8 +279,8 @@ def own_manifest(group: Group, inv: Inventory, state: Any, where: str, *, layout
         if missing:
             raise PartsMissing(f"{where}: no node holds the parts of ranks {ranks_shown(missing)}", ranks=missing)
         serving = {q: inv.parts[q] for q, r in holder.items() if r == me}
-        sent = group.send_bytes({q: _encode([p.part, p.meta, p.header, p.where]) for q, p in serving.items()
-                                 if q != me})
+        sent = group.send_bytes({q: _encode(list(fields)) for q, p in serving.items()
+                                 if q != me for fields in [_part_fields(p)] if fields is not None})
     # Whatever goes wrong from here on this rank is a flag in the next all-reduce, never an
     # exception that would leave the other ranks waiting in a collective this one skipped.
     plan = None

@@ -46,6 +46,7 @@ from ..names import MANIFEST, data_file_rank
 from ..storage.targets import Source
 from ..tiers.base import PartsMissing, Tier
 from .exchange import (
+    _FIRST_TIERS,
     DURABLE_PREFERENCE,
     Inventory,
     NodeInventory,
@@ -338,13 +339,19 @@ class Restorer:
         first = self.groups.trainer.broadcast(mine)
         return first[0], (first[1] if first[2] else None)
 
-    def _inventory(self, step: int) -> NodeInventory:
+    def _inventory(self, step: int, tiers: Sequence[Tier] | None = None) -> NodeInventory:
         if self._known[0] != step:
             self._known = (step, {})
-        return NodeInventory.of(self.node_tiers, step, self._known[1])
+        return NodeInventory.of(self.node_tiers if tiers is None else tiers, step, self._known[1])
 
     def _meta(self, step: int, in_durable: bool) -> dict[str, Any]:
-        first = self._inventory(step).first()
+        # The layout a restore tries first is one the RAM tiers hold whenever they hold one (the
+        # others rank after it): only otherwise is the local tier inventoried, which in a
+        # single-node job parses the step's whole manifest, every rank's chunks.
+        first_tiers = [t for t in self.node_tiers if t.name in _FIRST_TIERS]
+        first = self._inventory(step, first_tiers).first() if first_tiers else None
+        if first is None or first.preference != 0:
+            first = self._inventory(step).first()
         if first is not None and first.parsed is not None:
             return dict(first.parsed.meta)
         if first is not None and first.meta is not None:  # a copy of parts: each carries the step's meta
@@ -407,45 +414,80 @@ class Restorer:
         nodes hold, in the order every rank agrees on (the staged slot's, then the local tier's),
         then the durable tier's own when it differs from all of them. Returns whether it loaded,
         the tiers it came from or what went wrong, and (on failure) why: ``_MISSING`` when every
-        problem was a part no node holds, ``_DAMAGED`` when some bytes were not sound."""
+        problem was a part no node holds, ``_DAMAGED`` when some bytes were not sound.
+
+        The usual restart finds every rank's own copy in the RAM tiers, whose layouts come first:
+        then the other node tiers are not inventoried until those layouts fail (the local tier
+        reads every node rank's part, or in a single-node job the step's whole manifest, which
+        grows with the node's ranks, not with this rank's bytes). Their copies join the layouts
+        then, and a layout tried already is tried again only when some rank's node holds more
+        copies of it than the first inventory listed."""
         fg = self.groups.trainer
-        node = self._inventory(step)
-        mine = sorted((inv.preference, d) for d, inv in node.layouts.items())
-        said = (mine, node.holds_any(), node.own)
-        # The usual restart: every node holds the step's layouts alike, copies of its own ranks'
-        # among them. One all-reduce says so; only otherwise does every rank gather every rank's.
-        alike = self.world > 1 and _same_everywhere(fg, [said], flags=[not node.holds_any(), not node.own])
-        gathered = [said] * self.world if alike else fg.all_gather(said) if self.world > 1 else [said]
-        bare = frozenset(r for r, (_listed, holds, _own) in enumerate(gathered) if not holds)
-        # Ranks whose node holds no copy of its own of the step (nothing at all, or only other
-        # nodes' replicas): their own copies went with a lost node or to retention, so a part
-        # only they wrote that no other node holds never got out of reach; it is missing, not
-        # damaged. A file lacking from a copy the writer's node still holds is damage.
-        ownless = frozenset(r for r, (_listed, _holds, own) in enumerate(gathered) if not own)
-        preference: dict[str, int] = {}
-        for listed, _holds, _own in gathered:
-            for p, d in listed:
-                preference[d] = min(preference.get(d, p), p)
-        ranked = sorted(preference, key=lambda d: (preference[d], d))
-        order: list[str | None] = list(ranked)
+        first_tiers = [t for t in self.node_tiers if t.name in _FIRST_TIERS]
+        quick = None
+        if first_tiers and len(first_tiers) < len(self.node_tiers):
+            quick = self._inventory(step, first_tiers)
+            if not (quick.layouts and quick.own and not quick.damaged and quick.unsupported is None
+                    and min(inv.preference for inv in quick.layouts.values()) == 0):
+                quick = None
+        node = quick if quick is not None else self._inventory(step)
+        said = _said(node)
+        if self.world == 1:
+            gathered = [said]
+        else:
+            # One all-reduce, as before: the ranks' lists alike (of the RAM tiers on every rank, or
+            # of every tier on every rank), and whether every rank, or none, took the RAM tiers alone.
+            h = xxhash.xxh3_64_intdigest(json.dumps([said], separators=(",", ":")).encode()) >> 2
+            got = fg.max_int64([h, -h, int(not node.holds_any()), int(not node.own), int(quick is not None),
+                                int(quick is None)])
+            if got[4] and got[5]:  # some ranks took the RAM tiers alone, others could not: every tier
+                if quick is not None:
+                    node, quick = self._inventory(step), None
+                    said = _said(node)
+                gathered = fg.all_gather(said)
+            elif got[0] == -got[1] and not got[2] and not got[3]:
+                gathered = [said] * self.world
+            else:
+                gathered = fg.all_gather(said)
         excluded: set[str] = set()  # damaged copies, by where they lie: never read again in this step
         kinds: set[str] = set()  # what went wrong in every attempt so far (the same on every rank)
         details: list[str] = []
-        if in_durable:
-            own = self._durable_layout(step)
-            known = own is not None and own in preference
-            if (fg.max_int64([int(not known)])[0] if self.world > 1 else not known):
-                order.append(_DURABLE)
-        if not order:
-            order = [None]  # nothing readable anywhere: one attempt says why (or that a newer reader is needed)
-        for digest in order:
-            ok, detail = self._attempt_layout(state, step, node, digest, in_durable, excluded, per_rank, bare, kinds,
-                                              ownless)
-            if ok:
-                return True, detail, ""
-            details.append(detail)
-            if digest != order[-1]:
-                log.warning("ckptstore: %s; trying the next copy of the step laid out differently", detail)
+        tried: dict[str, Inventory] = {}  # the layouts tried with the RAM tiers' copies alone
+        while True:
+            bare, ownless, preference = _agreed(gathered)
+            order: list[str | None] = [d for d in sorted(preference, key=lambda d: (preference[d], d))]
+            if tried:
+                grown = [int(_grown(tried[d], node.layout(d))) for d in order if d in tried]
+                if grown and self.world > 1:
+                    grown = fg.max_int64(grown)
+                again = {d for d, flag in zip([d for d in order if d in tried], grown) if flag}
+                order = [d for d in order if d not in tried or d in again]
+            if quick is None and in_durable:
+                own = self._durable_layout(step)
+                known = own is not None and own in preference
+                if (fg.max_int64([int(not known)])[0] if self.world > 1 else not known):
+                    order.append(_DURABLE)
+            if not order and quick is None and not tried:
+                order = [None]  # nothing readable anywhere: one attempt says why (or that a newer reader is needed)
+            if details and order:
+                log.warning("ckptstore: %s; trying the next copy of the step laid out differently", details[-1])
+            for digest in order:
+                ok, detail = self._attempt_layout(state, step, node, digest, in_durable, excluded, per_rank, bare,
+                                                  kinds, ownless)
+                if ok:
+                    return True, detail, ""
+                details.append(detail)
+                if quick is not None and digest is not None:
+                    tried[digest] = node.layout(digest)
+                if digest != order[-1]:
+                    log.warning("ckptstore: %s; trying the next copy of the step laid out differently", detail)
+            if quick is None:
+                break
+            # The RAM tiers' layouts failed: every node tier now, agreed as the usual path does.
+            node, quick = self._inventory(step), None
+            said = _said(node)
+            alike = self.world > 1 and _same_everywhere(fg, [said], flags=[not node.holds_any(), not node.own])
+            gathered = [said] * self.world if alike else fg.all_gather(said) if self.world > 1 else [said]
         verdict = _DAMAGED if _DAMAGED in kinds else _MISSING if kinds == {_MISSING} else _OTHER
         return False, "; then ".join(details), verdict
 
@@ -612,6 +654,33 @@ class Restorer:
         except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint
             return "", "", False, exc
         return "", "", False, None
+
+
+def _said(node: NodeInventory) -> tuple[list[tuple[int, str]], bool, bool]:
+    """What a rank tells the others of its node's copies of a step: the layouts (preference, name),
+    whether it holds anything, and whether a copy of its own."""
+    return sorted((inv.preference, d) for d, inv in node.layouts.items()), node.holds_any(), node.own
+
+
+def _agreed(gathered: list[Any]) -> tuple[frozenset[int], frozenset[int], dict[str, int]]:
+    """From every rank's :func:`_said`: the ranks whose node holds nothing of the step; those whose
+    node holds no copy of its own (nothing at all, or only other nodes' replicas: their own copies
+    went with a lost node or to retention, so a part only they wrote that no other node holds never
+    got out of reach, it is missing, not damaged; a file lacking from a copy the writer's node still
+    holds is damage); and each layout's best preference on any node."""
+    bare = frozenset(r for r, (_listed, holds, _own) in enumerate(gathered) if not holds)
+    ownless = frozenset(r for r, (_listed, _holds, own) in enumerate(gathered) if not own)
+    preference: dict[str, int] = {}
+    for listed, _holds, _own in gathered:
+        for p, d in listed:
+            preference[d] = min(preference.get(d, p), p)
+    return bare, ownless, preference
+
+
+def _grown(before: Inventory, now: Inventory) -> bool:
+    """Whether ``now`` holds copies of a layout that ``before`` (the RAM tiers' alone) did not."""
+    return (any(len(now.files.get(n, ())) > len(c) for n, c in before.files.items()) or len(now.files) > len(before.files)
+            or len(now.parts) > len(before.parts) or (now.manifest is not None and before.manifest is None))
 
 
 def _same_everywhere(group: Any, value: Any, flags: Sequence[bool] = ()) -> bool:

@@ -46,6 +46,7 @@ import xxhash
 
 from .._aio import run_sync
 from .._buffers import copy_grouped
+from .._gc import paused
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -723,7 +724,9 @@ class RamTier(Tier):
         if self.private:
             return  # no other process can read a private slot: there is nothing to publish
         extra = extra or {}
-        doc = {
+        # The small members first, the three of a rank's size (its layout, checksums and extra, one
+        # entry per tensor) after them: a listing reads the small ones alone (see _document).
+        doc: dict[str, Any] = {
             "format": RAM_FORMAT,
             "job": self.job,
             "rank": self.rank,
@@ -731,20 +734,17 @@ class RamTier(Tier):
             "slot": staged.slot,
             "size": staged.layout.total,
             "signature": staged.layout.signature,
-            "layout": _HOLE,
-            "checksums": _HOLE,
             "committed_unix": round(time.time(), 3),
             "owner": owner_record(),
             "lower": self.lower,
-            "extra": _HOLE,
         }
         if self.store_info is not None:
             doc["store"] = self.store_info
         if save_id is not None:
             doc["save_id"] = save_id
-        # The members of a rank's size (its layout, checksums and part, one entry per tensor) are
-        # encoded apart and spliced in: the layout once per structure, the checksums and the part
-        # from this structure's _Template where the part's chunk table is the one it built.
+        # The members of a rank's size are encoded apart and spliced in: the layout once per
+        # structure, the checksums and the part from this structure's _Template where the part's
+        # chunk table is the one it built.
         sums_text = self._sums_text(staged, checksums)
         extra_text = self._extra_text(staged, extra)
         if minor:
@@ -754,10 +754,9 @@ class RamTier(Tier):
             for piece in extra_text:
                 hasher.update(piece)
             doc["extra_checksum"] = f"{ALGORITHM}:{hasher.hexdigest()}"
-        pieces = _spliced(doc, [[staged.layout.encoded], [sums_text], extra_text])
-        if pieces is None:  # a hole's marker found in a value of the document: encode it whole
-            doc.update(layout=staged.layout.to_json(), checksums=checksums, extra=extra)
-            pieces = [_compact(doc).encode()]
+            if isinstance(extra.get("meta"), dict):
+                doc["meta"] = extra["meta"]
+        pieces = _document(doc, [("layout", [staged.layout.encoded]), ("checksums", [sums_text]), ("extra", extra_text)])
         await write_encoded(self._name(staged.slot, "json"), pieces)
         if self._newest is None or staged.step >= self._newest[0]:
             self._newest = (staged.step, staged.slot)
@@ -962,7 +961,7 @@ class RamTier(Tier):
 
     def holdings(self, step: int) -> Holdings:
         """Every rank's committed slot of ``step`` in this node's ram_dir."""
-        return segment_holdings(self.job, self.ram_dir, step, replicas=False)
+        return segment_holdings(self.job, self.ram_dir, step, replicas=False, rank=self.rank)
 
     def node_steps(self) -> set[int]:
         return {doc["step"] for seg, _path, doc in scan(self.job, self.ram_dir) if seg.src is None}
@@ -1046,8 +1045,13 @@ def _warn_once(path: str, message: str) -> None:
 
 
 async def write_doc(path: str, doc: dict[str, Any]) -> None:
-    """A RAM-tier document, published by rename after its bytes (tmpfs: no fsync)."""
-    await write_encoded(path, _compact(doc).encode())
+    """A RAM-tier document, published by rename after its bytes (tmpfs: no fsync): its small
+    members first, with the head of :func:`_document`, and its members of a rank's size after."""
+    small = {k: v for k, v in doc.items() if k not in _BODY}
+    extra = doc.get("extra")
+    if doc.get("minor") and isinstance(extra, dict) and isinstance(extra.get("meta"), dict) and "meta" not in small:
+        small["meta"] = extra["meta"]
+    await write_encoded(path, _document(small, [(k, [_compact(doc[k]).encode()]) for k in _BODY if k in doc]))
 
 
 async def write_encoded(path: str, data: bytes | list[bytes]) -> None:
@@ -1088,6 +1092,62 @@ def _spliced(skeleton: Any, fills: list[list[bytes]]) -> list[bytes] | None:
         out += fill
         out.append(piece)
     return out
+
+
+# A document's members of a rank's size, in the order written: each holds an entry per tensor (a
+# whole manifest: an entry per tensor of the job). Every other member is small.
+_BODY = ("layout", "checksums", "extra")
+# A document begins with its format and then its head, ``"<H>:<N>:<xxh3>:<L>:<C>:<E>"``: H (10
+# digits) the length of the text of its small members (from the opening brace, up to the comma
+# before the first member of _BODY), N (12 digits) the length of the whole file, the xxh3 (16 hex
+# digits) of the text from H on, and where the members of _BODY begin (12 digits each, at the comma
+# before the member's name; 0 for one the document lacks). Fixed width, so the writer fills it in
+# after the rest is encoded, and a reader finds any one member without parsing the others.
+_HEAD_START = b'{"format":' + json.dumps(RAM_FORMAT).encode() + b',"head":"'
+_HEAD_WIDTH = 10 + 1 + 12 + 1 + 16 + 13 * len(_BODY)
+_HEAD_BLANK = "0" * _HEAD_WIDTH
+# How much of a document a listing reads first; a longer head is read on to its end, up to the cap.
+_HEAD_READ = 4096
+_HEAD_MAX = 1 << 20
+
+
+def _document(small: dict[str, Any], body: list[tuple[str, list[bytes]]]) -> list[bytes]:
+    """The text of a RAM-tier document, in pieces: the compact JSON of ``small`` (``format`` first,
+    then the head) followed by the members of ``body`` (name, JSON text in pieces; names of _BODY,
+    in its order). The text is ``_compact`` of the document's object, byte for byte; only the
+    head's values depend on the rest. A listing parses the small members alone, and a restore the
+    one member it needs (:class:`LazyDoc`): every rank of a node lists every document of the node,
+    and parsing whole documents of 10,000 tensors was most of a restore."""
+    members = {"format": small.get("format"), "head": _HEAD_BLANK,
+               **{k: v for k, v in small.items() if k not in ("format", "head")}}
+    text = _compact(members).encode()
+    names = [key for key, _fill in body]
+    if not text.startswith(_HEAD_START) or not body or names != [k for k in _BODY if k in names]:
+        # Not a document of this format (or nothing to leave out): no head, read whole.
+        del members["head"]
+        pieces = [_compact(members).encode()[:-1]]
+        for i, (key, fill) in enumerate(body):
+            pieces.append(("," if len(members) or i else "").encode() + _string(key).encode() + b":")
+            pieces += fill
+        return pieces + [b"}"]
+    prefix = text[:-1]
+    rest: list[bytes] = []
+    at = len(prefix)
+    starts = dict.fromkeys(_BODY, 0)
+    for key, fill in body:
+        starts[key] = at
+        rest.append(b"," + _string(key).encode() + b":")
+        rest += fill
+        at += len(rest[-1 - len(fill)]) + sum(map(len, fill))
+    rest.append(b"}")
+    hasher = xxhash.xxh3_64()
+    for piece in rest:
+        hasher.update(piece)
+    total = at + 1
+    head = (f"{len(prefix):010d}:{total:012d}:{hasher.hexdigest()}" + "".join(f":{starts[k]:012d}" for k in _BODY)).encode()
+    assert len(head) == _HEAD_WIDTH
+    start = len(_HEAD_START)
+    return [prefix[:start] + head + prefix[start + _HEAD_WIDTH :], *rest]
 
 
 # The JSON text after a chunk's (or a checksums entry's) checksum when it has no block checksums.
@@ -1193,18 +1253,21 @@ class _Template:
         return "".join(pieces).encode()
 
 
-# Documents scan() parsed, by path, with the identity of the file they were read from. A document
+# Documents scan() read, by path, with the identity of the file they were read from. A document
 # is published by rename (a new file) and never written in place, so a file with the same device,
 # inode, size and modification time holds the same bytes; every save and restore lists the
-# segments several times, and parsing a document (its manifest is inside) was most of that.
+# segments several times.
 _parsed_docs: dict[str, tuple[tuple[int, int, int, int], dict[str, Any]]] = {}
 
 
 def read_doc(path: str, *, cached: bool = False) -> dict[str, Any]:
     """A RAM-tier document (own slot or peer replica): never through a symbolic link, never larger
     than the manifest cap, always a JSON object. Raises OSError or CorruptCheckpointError.
-    ``cached``: the document as parsed before when the file is still the one read then (the
-    caller treats it as read-only)."""
+    A document with a head (:func:`_document`) whose lengths match the file is read up to the end
+    of its small members: a :class:`LazyDoc`, which reads and checks the rest on first use of it.
+    Any other (an older writer's, one rewritten by hand, one cut short) is parsed whole, as before.
+    ``cached``: the document as read before when the file is still the one read then (the caller
+    treats it as read-only)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         st = os.fstat(fd)
@@ -1214,32 +1277,212 @@ def read_doc(path: str, *, cached: bool = False) -> dict[str, Any]:
         if seen is not None and seen[0] == identity:
             return seen[1]
         check_manifest_size(size, where=path)
-        chunks, left = [], size
-        while left > 0:
-            piece = os.read(fd, left)
-            if not piece:
-                break
-            chunks.append(piece)
-            left -= len(piece)
+        doc: dict[str, Any] | None = _read_head(fd, size, path, identity)
+        if doc is None:
+            doc = _parse_whole(_read_all(fd, size, 0), path)
     finally:
         os.close(fd)
-    doc = load_json(b"".join(chunks), where=path, what="RAM-tier document")
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{path}: a RAM-tier document must be a JSON object", location=path)
     if cached:
         _parsed_docs[path] = (identity, doc)
     return doc
+
+
+def _read_all(fd: int, size: int, offset: int) -> bytes:
+    chunks, left = [], size - offset
+    while left > 0:
+        piece = os.pread(fd, left, offset)
+        if not piece:
+            break
+        chunks.append(piece)
+        left -= len(piece)
+        offset += len(piece)
+    return b"".join(chunks)
+
+
+# Bytes of RAM-tier documents handed to the JSON parser in this process (whole documents read the
+# old way, and members of documents read through their head): what a restore's reading of documents
+# costs, which the tests hold to the rank's own document as the node's ranks and steps grow.
+parsed_bytes = 0
+
+
+def _parse_whole(data: bytes, path: str) -> dict[str, Any]:
+    global parsed_bytes
+    parsed_bytes += len(data)
+    with paused():  # its objects would set off collections that walk every live object
+        doc = load_json(data, where=path, what="RAM-tier document")
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{path}: a RAM-tier document must be a JSON object", location=path)
+    return doc
+
+
+def _parse_member(text: bytes, path: str) -> Any:
+    """One member's value from a document whose bytes matched its head's checksum. The writer's
+    text is compact JSON as json.dumps makes it: parsed by the C decoder and encoded back, it is
+    the same text exactly when it holds no duplicate member names (a duplicate would be lost) and
+    no NaN or Infinity (refused by the parse); a text that is not (edited by hand, or by another
+    writer) is parsed with every rule of load_json, whose per-object check costs twice the parse."""
+    global parsed_bytes
+    parsed_bytes += len(text)
+    with paused():  # its objects would set off collections that walk every live object
+        try:
+            value = json.loads(text, parse_constant=_refuse_constant)
+            if _compact(value).encode() == text:
+                return value
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            pass
+        return load_json(text, where=path, what="RAM-tier document")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _read_head(fd: int, size: int, path: str, identity: tuple[int, int, int, int]) -> LazyDoc | None:
+    """The small members of the document open at ``fd`` as a :class:`LazyDoc`, when it begins with
+    a head whose lengths match the file; None otherwise (the caller parses it whole)."""
+    first = os.pread(fd, min(size, _HEAD_READ), 0)
+    start = len(_HEAD_START)
+    if not first.startswith(_HEAD_START) or first[start + _HEAD_WIDTH : start + _HEAD_WIDTH + 1] != b'"':
+        return None
+    raw = first[start : start + _HEAD_WIDTH]
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    fields = text.split(":")
+    widths = [10, 12, 16] + [12] * len(_BODY)
+    if [len(f) for f in fields] != widths or not all(f.isdigit() for i, f in enumerate(fields) if i != 2):
+        return None
+    if any(c not in "0123456789abcdef" for c in fields[2]):
+        return None
+    end, total, starts = int(fields[0]), int(fields[1]), [int(f) for f in fields[3:]]
+    # A file of another length than its head says (cut short, or grown) is parsed whole, and found
+    # damaged there: never taken as committed on the strength of its head.
+    if total != size or not start + _HEAD_WIDTH < end < size or end > _HEAD_MAX:
+        return None
+    present = [(k, at) for k, at in zip(_BODY, starts) if at]
+    if not present or present[0][1] != end or any(a >= b for (_k, a), (_l, b) in zip(present, present[1:])):
+        return None
+    if present[-1][1] >= size - 1:
+        return None
+    prefix = first[:end] if end <= len(first) else first + _read_all(fd, end, len(first))
+    if len(prefix) != end or os.pread(fd, 2, end) != b',"':
+        return None
+    try:
+        small = load_json(prefix + b"}", where=path, what="RAM-tier document")
+    except CorruptCheckpointError:
+        return None
+    if not isinstance(small, dict) or small.get("head") != text or any(k in small for k in _BODY):
+        return None
+    spans = {k: (at, nxt) for (k, at), nxt in zip(present, [at for _k, at in present[1:]] + [size - 1])}
+    return LazyDoc(small, path, identity, end, f"{ALGORITHM}:{fields[2]}", spans)
+
+
+class LazyDoc(dict):  # type: ignore[type-arg]
+    """A RAM-tier document of which only the small members are read (step, slot, size, owner,
+    meta, ...): each member of a rank's size (``layout``, ``checksums``, ``extra``) is read, checked
+    against the head's checksum and parsed on its first use, which raises CorruptCheckpointError
+    when the file no longer holds the bytes its head describes (damaged, or replaced since it was
+    listed). Read-only, like every document read_doc hands out; ``whole`` once every member is."""
+
+    def __init__(self, small: dict[str, Any], path: str, identity: tuple[int, int, int, int], end: int,
+                 checksum: str, spans: dict[str, tuple[int, int]]) -> None:
+        super().__init__(small)
+        self.path, self.identity, self.end, self.checksum, self.spans = path, identity, end, checksum, spans
+        self.whole = False
+        self.part: NodePart | None = None  # doc_part's, once checked
+
+    def _body(self) -> bytes:
+        """The document's bytes, as its head describes them."""
+        path = self.path
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self.identity:
+                raise CorruptCheckpointError(f"{path}: the RAM-tier document was replaced since it was listed",
+                                             location=path)
+            data = _read_all(fd, st.st_size, 0)
+        finally:
+            os.close(fd)
+        digest = f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(memoryview(data)[self.end:])}"
+        if len(data) != self.identity[2] or digest != self.checksum:
+            raise CorruptCheckpointError(f"{path}: the RAM-tier document does not match its checksum (its head's)",
+                                         location=path)
+        return data
+
+    def read(self, *keys: str) -> None:
+        """Read and parse the members ``keys`` of _BODY (all of them: none given) not read yet."""
+        todo = [k for k in (keys or _BODY) if k in self.spans and not dict.__contains__(self, k)]
+        if todo:
+            data = self._body()
+            for key in todo:
+                a, b = self.spans[key]
+                name = b"," + _string(key).encode() + b":"
+                if data[a : a + len(name)] != name:
+                    raise CorruptCheckpointError(f"{self.path}: the RAM-tier document's member {key!r} is not where its "
+                                                 "head says", location=self.path)
+                dict.__setitem__(self, key, _parse_member(data[a + len(name) : b], self.path))
+        self.whole = all(dict.__contains__(self, k) for k in self.spans)
+
+    def __missing__(self, key: str) -> Any:
+        if key in self.spans:
+            self.read(key)
+            return dict.__getitem__(self, key)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        if key in self.spans:
+            self.read(key)
+        return dict.get(self, key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.spans or dict.__contains__(self, key)
+
+    def __bool__(self) -> bool:
+        return True  # never empty: its head is read
+
+    def __iter__(self) -> Any:
+        self.read()
+        return dict.__iter__(self)
+
+    def __len__(self) -> int:
+        self.read()
+        return dict.__len__(self)
+
+    def keys(self) -> Any:
+        self.read()
+        return dict.keys(self)
+
+    def items(self) -> Any:
+        self.read()
+        return dict.items(self)
+
+    def values(self) -> Any:
+        self.read()
+        return dict.values(self)
+
+    def copy(self) -> dict[str, Any]:
+        self.read()
+        return dict(dict.items(self))
 
 
 def usable_doc(doc: dict[str, Any]) -> bool:
     """Whether a RAM-tier document has the members a restore relies on, of the right types (a
     document that fails this is skipped like a missing one: restore uses another copy). Both
     minor versions: the whole manifest (0), or the own part, meta and header (1)."""
-    extra = doc.get("extra")
     if not (doc.get("format") == RAM_FORMAT and type(doc.get("step")) is int and doc["step"] >= 0
-            and type(doc.get("size")) is int and doc["size"] >= 0 and isinstance(extra, dict)):
+            and type(doc.get("size")) is int and doc["size"] >= 0):
         return False
     minor = doc.get("minor", 0)
+    if isinstance(doc, LazyDoc) and not dict.__contains__(doc, "extra"):
+        # Its head vouches for the rest, as the writer encoded it (checked when it is read): the
+        # small members are what a listing relies on.
+        meta = doc.get("meta")
+        return minor == 0 or (minor == RAM_MINOR and (meta is None or (
+            isinstance(meta, dict) and type(meta.get("world_size")) is int and meta.get("step") == doc["step"])))
+    extra = doc.get("extra")
+    if not isinstance(extra, dict):
+        return False
     if minor == 0:
         return isinstance(extra.get("manifest"), str)
     part, meta, header = extra.get("part"), extra.get("meta"), extra.get("header")
@@ -1261,7 +1504,7 @@ def node_extra(part: dict[str, Any], meta: dict[str, Any], header: dict[str, Any
 def whole_manifest_doc(doc: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
     """``doc`` as a store before minor version 1 wrote it: the step's whole ``manifest`` in
     ``extra.manifest``, no ``minor`` (what a restore must still read after an upgrade)."""
-    old = {k: v for k, v in doc.items() if k != "minor"}
+    old = {k: v for k, v in doc.items() if k not in ("minor", "head", "meta")}
     old["extra"] = {"manifest": manifest.to_json_bytes().decode()}
     return old
 
@@ -1285,14 +1528,27 @@ def doc_part(doc: dict[str, Any], where: str) -> NodePart | None:
     CorruptCheckpointError when it does not match its checksum."""
     if doc.get("minor", 0) == 0:
         return None
+    lazy = doc if isinstance(doc, LazyDoc) else None
+    if lazy is not None and lazy.part is not None and lazy.part.where == where:
+        return lazy.part
     checked = _checked_parts.get(id(doc))
-    if checked is not None and checked[0] is doc and checked[1] == where:
+    if lazy is None and checked is not None and checked[0] is doc and checked[1] == where:
         return checked[2]
-    extra = doc["extra"]
-    if doc.get("extra_checksum") != extra_checksum(extra):
+    extra = doc["extra"]  # a LazyDoc reads the rest here, checked against its head's checksum
+    # A document read through its head matched the checksum of the very text its extra checksum
+    # was computed over: re-encoding a part of 10,000 tensors to check it again would add nothing.
+    if lazy is None and doc.get("extra_checksum") != extra_checksum(extra):
         raise CorruptCheckpointError(f"{where}: the part this RAM-tier document holds does not match its checksum",
                                      location=where)
+    if lazy is not None and not usable_doc(doc):
+        raise CorruptCheckpointError(f"{where}: this RAM-tier document lacks what a restore relies on", location=where)
+    if lazy is not None and "meta" in doc and doc["meta"] != extra["meta"]:
+        raise CorruptCheckpointError(f"{where}: the meta of this RAM-tier document's head differs from its part's",
+                                     location=where)
     part = NodePart(extra["part"]["rank"], extra["part"], extra["meta"], extra.get("header"), where)
+    if lazy is not None:
+        lazy.part = part
+        return part
     if len(_checked_parts) > 2 * len(_parsed_docs) + 16:  # keep only documents still listed
         live = {id(d) for _identity, d in list(_parsed_docs.values())}
         for key in [k for k in list(_checked_parts) if k not in live]:
@@ -1343,15 +1599,27 @@ def scan(job: str, ram_dir: str) -> list[tuple[Segment, str, dict[str, Any]]]:
     return out
 
 
-def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool) -> Holdings:
+def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool, rank: int | None = None) -> Holdings:
     """What the segments of ``job`` in ``ram_dir`` hold of ``step``: every rank's own slots, or
-    (``replicas``) the replicas ranks of this node received from other nodes."""
+    (``replicas``) the replicas ranks of this node received from other nodes.
+
+    ``rank``: the rank asking, whose own slot's part is read and checked here (a damaged one is
+    listed in ``damaged``); every other document read through its head holds a :class:`LazyPart`,
+    read when a restore needs it (a rank's load needs its own part; another rank's only where its
+    node lacks it, or for a resharded load), so what a listing reads grows with the rank's own
+    bytes, not with the node's ranks."""
     held = Holdings()
     tier = "peer" if replicas else "ram"
     for seg, path, doc in scan(job, ram_dir):
         if (seg.src is not None) != replicas or doc["step"] != step:
             continue
         bin_path = path[:-5] + ".bin"
+        if (isinstance(doc, LazyDoc) and doc.part is None and doc.get("minor", 0) == RAM_MINOR
+                and (replicas or seg.rank != rank)):
+            held.files.append(Held(data_file(seg.owner), bin_path, tier, _opener(bin_path), manifest=path))
+            meta = doc.get("meta")
+            held.parts.append(LazyPart(seg.owner, doc, path, meta if isinstance(meta, dict) else None))
+            continue
         try:
             own = doc_part(doc, path)
         except CorruptCheckpointError as exc:
@@ -1368,6 +1636,51 @@ def segment_holdings(job: str, ram_dir: str, step: int, *, replicas: bool) -> Ho
         else:
             held.manifests.append((doc["extra"]["manifest"].encode(), path))
     return held
+
+
+class LazyPart(NodePart):
+    """Another rank's part in a document read through its head: its rank and the step's meta (the
+    head's copy) at hand, its chunk table and header read from the document on first use. Raises
+    CorruptCheckpointError there when the document is damaged, replaced, or holds another rank's
+    part (what a listing that parsed it whole would have found at once)."""
+
+    _doc: LazyDoc
+    _meta: dict[str, Any] | None
+
+    def __init__(self, rank: int, doc: LazyDoc, where: str, meta: dict[str, Any] | None) -> None:
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "where", where)
+        object.__setattr__(self, "_doc", doc)
+        object.__setattr__(self, "_meta", meta)
+
+    def loaded(self) -> NodePart:
+        """The part as the document holds it, read and checked (once)."""
+        own = doc_part(self._doc, self.where)
+        if own is None or own.rank != self.rank:
+            raise CorruptCheckpointError(f"{self.where}: the RAM-tier document holds no part of rank {self.rank}",
+                                         location=self.where)
+        return own
+
+    @property  # type: ignore[misc]
+    def part(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.loaded().part
+
+    @property  # type: ignore[misc]
+    def header(self) -> dict[str, Any] | None:  # type: ignore[override]
+        return self.loaded().header
+
+    @property  # type: ignore[misc]
+    def meta(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._meta if self._meta is not None else self.loaded().meta
+
+    def __repr__(self) -> str:
+        return f"LazyPart(rank={self.rank}, where={self.where!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
 
 
 def _identity(path: str) -> tuple[int, int] | None:
