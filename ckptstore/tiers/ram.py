@@ -207,8 +207,8 @@ class Slot:
         self.pinned = _pin(self.buffer) if torch.cuda.is_available() else False
         self._views: tuple[Layout, list[torch.Tensor]] | None = None
         # For one layout: which of its non-empty entries copy_small copies by address and which by
-        # torch, and the first ones' addresses in the slot and sizes.
-        self._addresses: tuple[Layout, list[int], list[int], list[int], list[int]] | None = None
+        # torch, the first ones' addresses in the slot and sizes, and views of the others.
+        self._addresses: tuple[Layout, list[int], list[int], list[int], list[int], list[torch.Tensor]] | None = None
         # copy_small's gather, while its sources' addresses hold.
         self._gather: _Gather | None = None
         if self.identity is not None:
@@ -233,12 +233,14 @@ class Slot:
         self._views = (layout, views)
         return views
 
-    def copy_small(self, layout: Layout, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
-                   seen: list[list[int] | None] | None = None) -> None:
-        """``dsts[i].copy_(srcs[i])`` for views of this slot in ``layout``'s order, of sources that are
-        contiguous CPU tensors of their entry's dtype and shape (the caller's word): those under 64
-        KiB from their address (half the per-tensor cost of torch's grouped copy), which copies the
-        rest (spreading a large one over torch's threads).
+    def copy_small(self, layout: Layout, srcs: list[torch.Tensor], seen: list[list[int] | None] | None = None) -> None:
+        """Copy ``srcs``, the sources of ``layout``'s non-empty entries in its order, into their
+        entries of this slot, the sources being contiguous CPU tensors of their entry's dtype and
+        shape (the caller's word): those under 64 KiB from their address (half the per-tensor cost
+        of torch's grouped copy), torch the rest (spreading a large one over torch's threads), into
+        views of the large entries alone. A view costs a few microseconds to make, and the first
+        save into each slot of a structure made one per entry (50 ms at 10,000 tensors) where the
+        small ones need none.
 
         The copies from addresses are one memmove each, until the sources are found at the same
         addresses as at the last copy (``seen[0]``, which the tier's slots share, and this call
@@ -252,10 +254,10 @@ class Slot:
             small = [i for i, e in enumerate(filled) if e.nbytes < _BY_ADDRESS]
             large = [i for i, e in enumerate(filled) if e.nbytes >= _BY_ADDRESS]
             addresses = self._addresses = (layout, small, large, [base + filled[i].offset for i in small],
-                                           [filled[i].nbytes for i in small])
+                                           [filled[i].nbytes for i in small], [self.view(filled[i]) for i in large])
             self._gather = None
-        _, small, large, targets, sizes = addresses
-        assert len(small) + len(large) == len(srcs) == len(dsts)
+        _, small, large, targets, sizes, dsts = addresses
+        assert len(small) + len(large) == len(srcs)
         sources = srcs if not large else [srcs[i] for i in small]
         pointers = list(map(_data_ptr, sources))
         gather = self._gather
@@ -274,7 +276,7 @@ class Slot:
                 list(map(ctypes.memmove, [targets[i] for i in gather.rest], [pointers[i] for i in gather.rest],
                          [sizes[i] for i in gather.rest]))
         if large:
-            copy_grouped([dsts[i] for i in large], [srcs[i] for i in large])
+            copy_grouped(dsts, [srcs[i] for i in large])
 
     def view(self, e: SlotEntry) -> torch.Tensor:
         dtype = dtype_from_name(e.dtype, where=self.path)
@@ -297,6 +299,7 @@ class Slot:
 
 
 _data_ptr = torch.Tensor.data_ptr
+_second = operator.itemgetter(1)
 # Entries up to this size are gathered by Slot.copy_small's index (8 bytes of index per 8 bytes of
 # data); a memmove costs about what gathering 2 KiB does.
 _GATHER_MAX = 1024
@@ -606,7 +609,6 @@ class RamTier(Tier):
             self._slot_sums.pop(index, None)
         self._layout_sig[index] = layout.family
         held = self._sources.setdefault(index, {})
-        views = segment.views(layout)
         copied, reused = 0, []
         t0 = time.perf_counter()
         stream = self._side_stream(items)
@@ -614,17 +616,22 @@ class RamTier(Tier):
             # The common case, with nothing to skip: one grouped copy, no Python work per tensor
             # beyond building the two lists.
             with torch.no_grad():  # so sources that require grad copy as they are, without a detach each
-                if layout.any_empty:
-                    pairs = [(v, src) for (_, src), v, e in zip(items, views, layout.entries) if e.nbytes]
-                    dsts, srcs = [v for v, _ in pairs], [src for _, src in pairs]
+                if plain:  # by address: views of the large entries only (Slot.copy_small)
+                    srcs = ([src for (_, src), e in zip(items, layout.entries) if e.nbytes] if layout.any_empty
+                            else list(map(_second, items)))
+                    segment.copy_small(layout, srcs, self._copied_from)
                 else:
-                    dsts, srcs = views, [src for _, src in items]
-                if plain:
-                    segment.copy_small(layout, dsts, srcs, self._copied_from)
-                elif dsts:
-                    copy_grouped(dsts, srcs)
+                    views = segment.views(layout)
+                    if layout.any_empty:
+                        pairs = [(v, src) for (_, src), v, e in zip(items, views, layout.entries) if e.nbytes]
+                        dsts, srcs = [v for v, _ in pairs], [src for _, src in pairs]
+                    else:
+                        dsts, srcs = views, [src for _, src in items]
+                    if dsts:
+                        copy_grouped(dsts, srcs)
             copied = layout.total_bytes
         else:
+            views = segment.views(layout)
             sampler = torch.Generator().manual_seed(step)
             with torch.no_grad(), _on(stream):
                 for (key, src), e, view in zip(items, layout.entries, views):
