@@ -647,7 +647,7 @@ class Pipeline:
             # collector on, their allocations set off collections that walk every live object (the
             # trainer's state too), tens of milliseconds each at 10,000 tensors. It is paused
             # around them as around a save, never across a collective.
-            await asyncio.to_thread(gc_paused(self.ram.checksums), job.staged, BLOCK_SIZE)
+            await asyncio.to_thread(gc_paused(self.ram.hash), job.staged, BLOCK_SIZE)
             with paused():
                 job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
             self._stage_timings(job, time.perf_counter() - t_hash)
