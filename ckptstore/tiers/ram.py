@@ -666,7 +666,7 @@ class RamTier(Tier):
         held = self._sources.setdefault(index, {})
         copied, reused = 0, []
         t0 = time.perf_counter()
-        stream = self._side_stream(items)
+        stream = None if plain else self._side_stream(items)  # plain: every source is in host memory
         if stream is None and not may_skip and not track and not held:
             # The common case, with nothing to skip: one grouped copy, no Python work per tensor
             # beyond building the two lists.
