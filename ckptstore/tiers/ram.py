@@ -966,8 +966,10 @@ class RamTier(Tier):
             raise CheckpointError("checksums of a staged snapshot are computed before it is handed to tiers")
         slot = self._slots[staged.slot]
         if staged.digests is None:  # checksums set from elsewhere than RamTier.checksums
-            staged.digests = [staged.sums[key]["checksum"] for key in staged.layout.keys]
-            staged.blocked = tuple(i for i, key in enumerate(staged.layout.keys) if "block_checksums" in staged.sums[key])
+            sums = staged.sums
+            assert sums is not None
+            staged.digests = [sums[key]["checksum"] for key in staged.layout.keys]
+            staged.blocked = tuple(i for i, key in enumerate(staged.layout.keys) if "block_checksums" in sums[key])
         template = staged.template = self._template(staged.layout, boxes)
         chunks = staged.chunks = template.chunks(staged)
         data = slot.buffer.narrow(0, 0, staged.layout.total)
