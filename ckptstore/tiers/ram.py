@@ -846,7 +846,7 @@ class RamTier(Tier):
     def _sums_text(staged: Staged, checksums: dict[str, Any] | None) -> bytes:
         """The JSON text of the document's ``checksums`` member (None: ``staged``'s own)."""
         template = staged.template
-        own = checksums is None or (checksums is staged._sums and staged.checked is not None)
+        own = checksums is None or checksums is staged._sums
         if template is None or not template.usable or not own or staged.digests is None:
             return _compact(staged.sums or {} if checksums is None else checksums).encode()
         return template.sums_text(staged)
