@@ -207,6 +207,8 @@ class _Planned:
     # them (dtype, shape, strides, device; the views' geometry is the plan's) keeps them so while the
     # key is equal. Complex ones are left out: a conjugate or negative view bit is not in the key.
     plain: bool = False
+    # ``order`` is every tensor of the fingerprint in its order (no entry is a view, none left out).
+    whole: bool = False
 
 
 class Pipeline:
@@ -429,6 +431,7 @@ class Pipeline:
                         names=[name for name, _ in items], order=order,
                         views=views if any(v is not None for v in views) else None, frozen_count=frozen_count,
                         breaks=breaks, layout=job.layout, shared=job.shared, header=job.header, boxes=job.boxes,
+                        whole=order == list(range(len(leaves))) and not any(v is not None for v in views),
                         plain=all(t.device.type == "cpu" and t.is_contiguous() and not t.is_complex() for _, t in items))
 
     def _reuse(self, job: StepJob, found: tuple[list[Any], list[Any]] | None) -> tuple[list[tuple[str, Any]], int, frozenset[int]] | None:
@@ -459,7 +462,9 @@ class Pipeline:
                                                               shared=header if planned.shared else {})
         job.digest, job.shared, job.boxes, job.layout = planned.digest, planned.shared, planned.boxes, planned.layout
         job.header, job.plain = planned.header, planned.plain
-        if planned.views is None:
+        if planned.whole:  # the fingerprint's tensors are the sources, in the slot's order
+            items = list(zip(planned.names, leaves))
+        elif planned.views is None:
             # zip and map, not a comprehension: no bytecode per tensor.
             items = list(zip(planned.names, map(leaves.__getitem__, planned.order)))
         else:
@@ -652,7 +657,7 @@ class Pipeline:
             # collector on, their allocations set off collections that walk every live object (the
             # trainer's state too), tens of milliseconds each at 10,000 tensors. It is paused
             # around them as around a save, never across a collective.
-            await asyncio.to_thread(gc_paused(self.ram.checksums), job.staged, BLOCK_SIZE)
+            await asyncio.to_thread(gc_paused(self.ram.hash), job.staged, BLOCK_SIZE)
             with paused():
                 job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
             self._stage_timings(job, time.perf_counter() - t_hash)

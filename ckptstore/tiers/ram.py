@@ -207,9 +207,10 @@ class Slot:
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pinned = _pin(self.buffer) if torch.cuda.is_available() else False
         self._views: tuple[Layout, list[torch.Tensor]] | None = None
+        self._spans: tuple[Layout, list[memoryview]] | None = None
         # For one layout: which of its non-empty entries copy_small copies by address and which by
-        # torch, and the first ones' addresses in the slot and sizes.
-        self._addresses: tuple[Layout, list[int], list[int], list[int], list[int]] | None = None
+        # torch, the first ones' addresses in the slot and sizes, and views of the others.
+        self._addresses: tuple[Layout, list[int], list[int], list[int], list[int], list[torch.Tensor]] | None = None
         # copy_small's gather, while its sources' addresses hold.
         self._gather: _Gather | None = None
         if self.identity is not None:
@@ -234,12 +235,14 @@ class Slot:
         self._views = (layout, views)
         return views
 
-    def copy_small(self, layout: Layout, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
-                   seen: list[list[int] | None] | None = None) -> None:
-        """``dsts[i].copy_(srcs[i])`` for views of this slot in ``layout``'s order, of sources that are
-        contiguous CPU tensors of their entry's dtype and shape (the caller's word): those under 64
-        KiB from their address (half the per-tensor cost of torch's grouped copy), which copies the
-        rest (spreading a large one over torch's threads).
+    def copy_small(self, layout: Layout, srcs: list[torch.Tensor], seen: list[list[int] | None] | None = None) -> None:
+        """Copy ``srcs``, the sources of ``layout``'s non-empty entries in its order, into their
+        entries of this slot, the sources being contiguous CPU tensors of their entry's dtype and
+        shape (the caller's word): those under 64 KiB from their address (half the per-tensor cost
+        of torch's grouped copy), torch the rest (spreading a large one over torch's threads), into
+        views of the large entries alone. A view costs a few microseconds to make, and the first
+        save into each slot of a structure made one per entry (50 ms at 10,000 tensors) where the
+        small ones need none.
 
         The copies from addresses are one memmove each, until the sources are found at the same
         addresses as at the last copy (``seen[0]``, which the tier's slots share, and this call
@@ -253,10 +256,10 @@ class Slot:
             small = [i for i, e in enumerate(filled) if e.nbytes < _BY_ADDRESS]
             large = [i for i, e in enumerate(filled) if e.nbytes >= _BY_ADDRESS]
             addresses = self._addresses = (layout, small, large, [base + filled[i].offset for i in small],
-                                           [filled[i].nbytes for i in small])
+                                           [filled[i].nbytes for i in small], [self.view(filled[i]) for i in large])
             self._gather = None
-        _, small, large, targets, sizes = addresses
-        assert len(small) + len(large) == len(srcs) == len(dsts)
+        _, small, large, targets, sizes, dsts = addresses
+        assert len(small) + len(large) == len(srcs)
         sources = srcs if not large else [srcs[i] for i in small]
         pointers = list(map(_data_ptr, sources))
         gather = self._gather
@@ -275,7 +278,16 @@ class Slot:
                 list(map(ctypes.memmove, [targets[i] for i in gather.rest], [pointers[i] for i in gather.rest],
                          [sizes[i] for i in gather.rest]))
         if large:
-            copy_grouped([dsts[i] for i in large], [srcs[i] for i in large])
+            copy_grouped(dsts, [srcs[i] for i in large])
+
+    def spans(self, layout: Layout) -> list[memoryview]:
+        """Each entry's bytes in the slot, as views of its mapping, kept while its layout holds:
+        slicing one costs more than hashing 64 bytes."""
+        if self._spans is None or self._spans[0] is not layout:
+            whole = memoryview(self.map)
+            self._spans = (layout, [whole[a:b] for a, b in layout.spans])
+            whole.release()
+        return self._spans[1]
 
     def view(self, e: SlotEntry) -> torch.Tensor:
         dtype = dtype_from_name(e.dtype, where=self.path)
@@ -293,11 +305,13 @@ class Slot:
             self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._views = None
+        self._spans = None
         self._addresses = None
         self._gather = None
 
 
 _data_ptr = torch.Tensor.data_ptr
+_second = operator.itemgetter(1)
 # Entries up to this size are gathered by Slot.copy_small's index (8 bytes of index per 8 bytes of
 # data); a memmove costs about what gathering 2 KiB does.
 _GATHER_MAX = 1024
@@ -360,15 +374,59 @@ class Staged:
     seconds: float
     copied_bytes: int = 0
     reused: tuple[str, ...] = ()  # keys whose bytes were already in the slot and were not copied
-    sums: dict[str, Any] | None = None  # filled by RamTier.checksums
-    # Filled by RamTier.checksums too, in the layout's order: each entry's checksum, and the indices
-    # of the entries with block checksums (what a document's encoding fills in per save).
+    # Filled by RamTier.checksums, in the layout's order: each entry's checksum, and the indices of
+    # the entries with block checksums (what a document's encoding fills in per save).
     digests: list[str] | None = None
     blocked: tuple[int, ...] = ()
+    # The same as the document's ``checksums`` member (see :attr:`sums`), or that member itself
+    # where it was set from elsewhere than RamTier.checksums.
+    checked: _Sums | None = field(default=None, repr=False)
+    _sums: dict[str, Any] | None = field(default=None, repr=False)
     # The chunk table RamTier.snapshot built from its _Template: a commit whose part holds this very
     # table encodes its document from the template (RamTier._extra_text).
     chunks: dict[str, list[dict[str, Any]]] | None = None
     template: _Template | None = None
+
+    @property
+    def sums(self) -> dict[str, Any] | None:
+        """Each entry's checksums by key, as the document's ``checksums`` member holds them (None
+        before RamTier.checksums): made when first asked for. A steady commit writes the
+        document's text from its template and the digests, and no reader of a store's save asks,
+        so 10,000 entries no longer cost 10,000 dicts made, collected and freed at every save."""
+        if self._sums is None and self.checked is not None:
+            self._sums = self.checked.table()
+        return self._sums
+
+    @sums.setter
+    def sums(self, value: dict[str, Any] | None) -> None:
+        self._sums, self.checked = value, None
+
+    def block_entry(self, i: int) -> dict[str, Any]:
+        """The checksums entry of the layout's ``i``-th entry, one of :attr:`blocked`."""
+        if self.checked is not None and i in self.checked.blocks:
+            return self.checked.blocks[i]
+        assert self.sums is not None
+        return self.sums[self.layout.entries[i].key]
+
+
+class _Sums:
+    """A slot's checksums as RamTier.checksums computed them: ``digests`` in the layout's order and
+    the entries with block checksums whole (``blocks``, by index); :meth:`table` is the
+    document's ``checksums`` member, made once and only when asked for."""
+
+    __slots__ = ("keys", "digests", "blocks", "_table")
+
+    def __init__(self, keys: list[str], digests: list[str], blocks: dict[int, dict[str, Any]],
+                 table: dict[str, Any] | None = None) -> None:
+        self.keys, self.digests, self.blocks, self._table = keys, digests, blocks, table
+
+    def table(self) -> dict[str, Any]:
+        if self._table is None:
+            table = dict(zip(self.keys, [{"checksum": d} for d in self.digests]))
+            for i, entry in self.blocks.items():
+                table[self.keys[i]] = entry
+            self._table = table
+        return self._table
 
 
 class RamTier(Tier):
@@ -405,7 +463,7 @@ class RamTier(Tier):
         # snapshots and not others, which a restart could not tell from a crash.
         self.private = False
         self._by_step: dict[int, Staged] = {}  # staged, not yet committed
-        self._slot_sums: dict[int, dict[str, Any]] = {}
+        self._slot_sums: dict[int, _Sums] = {}
         self._streams: dict[Any, Any] = {}
         self._slots: dict[int, Slot] = {}
         # Slots being mapped off the training thread (prepare()), each claimed by _slot(): only the
@@ -607,25 +665,29 @@ class RamTier(Tier):
             self._slot_sums.pop(index, None)
         self._layout_sig[index] = layout.family
         held = self._sources.setdefault(index, {})
-        views = segment.views(layout)
         copied, reused = 0, []
         t0 = time.perf_counter()
-        stream = self._side_stream(items)
+        stream = None if plain else self._side_stream(items)  # plain: every source is in host memory
         if stream is None and not may_skip and not track and not held:
             # The common case, with nothing to skip: one grouped copy, no Python work per tensor
             # beyond building the two lists.
             with torch.no_grad():  # so sources that require grad copy as they are, without a detach each
-                if layout.any_empty:
-                    pairs = [(v, src) for (_, src), v, e in zip(items, views, layout.entries) if e.nbytes]
-                    dsts, srcs = [v for v, _ in pairs], [src for _, src in pairs]
+                if plain:  # by address: views of the large entries only (Slot.copy_small)
+                    srcs = ([src for (_, src), e in zip(items, layout.entries) if e.nbytes] if layout.any_empty
+                            else list(map(_second, items)))
+                    segment.copy_small(layout, srcs, self._copied_from)
                 else:
-                    dsts, srcs = views, [src for _, src in items]
-                if plain:
-                    segment.copy_small(layout, dsts, srcs, self._copied_from)
-                elif dsts:
-                    copy_grouped(dsts, srcs)
+                    views = segment.views(layout)
+                    if layout.any_empty:
+                        pairs = [(v, src) for (_, src), v, e in zip(items, views, layout.entries) if e.nbytes]
+                        dsts, srcs = [v for v, _ in pairs], [src for _, src in pairs]
+                    else:
+                        dsts, srcs = views, [src for _, src in items]
+                    if dsts:
+                        copy_grouped(dsts, srcs)
             copied = layout.total_bytes
         else:
+            views = segment.views(layout)
             sampler = torch.Generator().manual_seed(step)
             with torch.no_grad(), _on(stream):
                 for (key, src), e, view in zip(items, layout.entries, views):
@@ -668,14 +730,23 @@ class RamTier(Tier):
     def checksums(self, staged: Staged, block_size: int | None = None) -> dict[str, Any]:
         """xxh3 of each staged tensor's bytes (and of each block of it), computed from the staged
         copy: off the training loop's path, and valid for every later copy of these bytes."""
+        self.hash(staged, block_size)
+        assert staged.sums is not None
+        return staged.sums
+
+    def hash(self, staged: Staged, block_size: int | None = None) -> None:
+        """:meth:`checksums` without the table by key (``staged.sums`` makes it when asked for)."""
         slot = self._slots[staged.slot]
         view = memoryview(slot.map)
         layout = staged.layout
         prefix, digest = f"{ALGORITHM}:", xxhash.xxh3_64_hexdigest
         blocked = []
+        blocks: dict[int, dict[str, Any]] = {}
+        table: dict[str, Any] | None = None
         if staged.reused:
             # Bytes that were not copied were not touched since this slot's last checksums.
-            previous = self._slot_sums.get(staged.slot, {})
+            held = self._slot_sums.get(staged.slot)
+            previous = held.table() if held is not None else {}
             reused = set(staged.reused)
             out: dict[str, Any] = {}
             digests = []
@@ -687,25 +758,25 @@ class RamTier(Tier):
                 digests.append(entry["checksum"])
                 if "block_checksums" in entry:
                     blocked.append(i)
+                    blocks[i] = entry
+            table = out
         else:
-            # One pass with nothing per entry but a hash and a string; the few entries large enough
-            # for block checksums get them below.
-            digests = [prefix + digest(view[a:b]) for a, b in layout.spans]
-            out = dict(zip(layout.keys, [{"checksum": d} for d in digests]))
+            # One pass with no Python per entry: a hash and a string each, over views of the slot
+            # kept per layout; the few entries large enough for block checksums get them below.
+            digests = list(map(prefix.__add__, map(digest, slot.spans(layout))))
             if block_size and layout.largest > block_size:
                 for i, e in enumerate(layout.entries):
                     if e.nbytes > block_size:
                         data = view[e.offset : e.offset + e.nbytes]
-                        entry = out[e.key]
-                        entry["block_size"] = block_size
-                        entry["block_checksums"] = [prefix + digest(data[b : b + block_size])
-                                                    for b in range(0, e.nbytes, block_size)]
+                        blocks[i] = {"checksum": digests[i], "block_size": block_size,
+                                     "block_checksums": [prefix + digest(data[b : b + block_size])
+                                                         for b in range(0, e.nbytes, block_size)]}
                         data.release()
                         blocked.append(i)
         view.release()
-        staged.sums = self._slot_sums[staged.slot] = out
+        checked = self._slot_sums[staged.slot] = _Sums(layout.keys, digests, blocks, table)
+        staged.checked, staged._sums = checked, table
         staged.digests, staged.blocked = digests, tuple(blocked)
-        return out
 
     @staticmethod
     def _entry_sums(view: memoryview, e: SlotEntry, block_size: int | None) -> dict[str, Any]:
@@ -718,9 +789,10 @@ class RamTier(Tier):
             ]
         return entry
 
-    async def _publish(self, staged: Staged, checksums: dict[str, Any], extra: dict[str, Any] | None,
+    async def _publish(self, staged: Staged, checksums: dict[str, Any] | None, extra: dict[str, Any] | None,
                        save_id: str | None = None, minor: int = 0) -> None:
-        """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes."""
+        """Mark the staged snapshot as complete: its manifest appears by rename, after the bytes.
+        ``checksums``: None for those RamTier.checksums computed of ``staged``."""
         if self.private:
             return  # no other process can read a private slot: there is nothing to publish
         extra = extra or {}
@@ -769,11 +841,12 @@ class RamTier(Tier):
         return held
 
     @staticmethod
-    def _sums_text(staged: Staged, checksums: dict[str, Any]) -> bytes:
-        """The JSON text of the document's ``checksums`` member."""
+    def _sums_text(staged: Staged, checksums: dict[str, Any] | None) -> bytes:
+        """The JSON text of the document's ``checksums`` member (None: ``staged``'s own)."""
         template = staged.template
-        if template is None or not template.usable or checksums is not staged.sums or staged.digests is None:
-            return _compact(checksums).encode()
+        own = checksums is None or checksums is staged._sums
+        if template is None or not template.usable or not own or staged.digests is None:
+            return _compact(staged.sums or {} if checksums is None else checksums).encode()
         return template.sums_text(staged)
 
     def _extra_text(self, staged: Staged, extra: dict[str, Any]) -> list[bytes]:
@@ -887,12 +960,14 @@ class RamTier(Tier):
     def snapshot(self, staged: Staged, world: int, boxes: dict[str, tuple[int, ...]], frozen_end: int = 0) -> Snapshot:
         """The staged slot as every tier receives it (after :meth:`checksums`). ``boxes`` gives
         each entry's offsets in its global tensor (all zeros for whole tensors)."""
-        if staged.sums is None:
+        if staged.checked is None and staged.sums is None:
             raise CheckpointError("checksums of a staged snapshot are computed before it is handed to tiers")
         slot = self._slots[staged.slot]
         if staged.digests is None:  # checksums set from elsewhere than RamTier.checksums
-            staged.digests = [staged.sums[key]["checksum"] for key in staged.layout.keys]
-            staged.blocked = tuple(i for i, key in enumerate(staged.layout.keys) if "block_checksums" in staged.sums[key])
+            sums = staged.sums
+            assert sums is not None
+            staged.digests = [sums[key]["checksum"] for key in staged.layout.keys]
+            staged.blocked = tuple(i for i, key in enumerate(staged.layout.keys) if "block_checksums" in sums[key])
         template = staged.template = self._template(staged.layout, boxes)
         chunks = staged.chunks = template.chunks(staged)
         data = slot.buffer.narrow(0, 0, staged.layout.total)
@@ -915,10 +990,10 @@ class RamTier(Tier):
         if staged is None:
             raise CheckpointError(f"step {step} is not staged in this RAM tier (rank {self.rank}), or its slot was reused")
         if manifest is not None:
-            await self._publish(staged, staged.sums or {}, {"manifest": manifest.to_json_bytes().decode()}, save_id)
+            await self._publish(staged, None, {"manifest": manifest.to_json_bytes().decode()}, save_id)
         else:
             assert own is not None
-            await self._publish(staged, staged.sums or {}, own, save_id, minor=RAM_MINOR)
+            await self._publish(staged, None, own, save_id, minor=RAM_MINOR)
 
     def _docs(self, rank: int) -> list[dict[str, Any]]:
         """Committed snapshots of ``rank`` of this job in ram_dir (any rank on this node), whose
@@ -1190,7 +1265,7 @@ class _Template:
 
     def chunks(self, staged: Staged) -> dict[str, list[dict[str, Any]]]:
         """The chunk table of ``staged`` (after RamTier.checksums): each entry's one chunk, or none."""
-        assert staged.digests is not None and staged.sums is not None
+        assert staged.digests is not None
         if not self.empty:
             # Each entry's chunk, its base's copy with this save's checksum, by map: no bytecode per
             # entry (a third less than a loop at 10,000 entries). Every save gets new dicts: a
@@ -1209,7 +1284,7 @@ class _Template:
                     table[key] = [chunk]
         for i in staged.blocked:
             key = self.layout.keys[i]
-            sums = staged.sums[key]
+            sums = staged.block_entry(i)
             chunk = table[key][0]
             chunk["block_size"], chunk["block_checksums"] = sums["block_size"], sums["block_checksums"]
         return table
@@ -1232,8 +1307,7 @@ class _Template:
 
     def _blocks(self, staged: Staged, i: int) -> str:
         """The text of an entry's block members (what follows its checksum, braces cut off)."""
-        assert staged.sums is not None
-        sums = staged.sums[self.layout.keys[i]]
+        sums = staged.block_entry(i)
         return _compact({"block_size": sums["block_size"], "block_checksums": sums["block_checksums"]})[1:-1]
 
     @staticmethod
