@@ -62,7 +62,7 @@ from ..format.manifest import (
 )
 from ..format.tree import Decoder, Encoder, format_path
 from ..names import INDEX, MANIFEST, data_file, part_file, writer_variant
-from ..planning.flatten import contiguous_bytes, escape_key
+from ..planning.flatten import check_storage, contiguous_bytes, escape_key
 from ..planning.sharding import Box, ItemMeta, intersect, read_plan, row_span, shard_boxes, spread
 from ..storage.small import write_small_exclusive
 from ..storage.targets import (
@@ -296,9 +296,11 @@ def local_boxes(t: torch.Tensor, where: str) -> list[tuple[torch.Tensor, Box]]:
     (one box, except for strided layouts that leave a rank separate runs of some dimension)."""
     if _is_dtensor(t):
         local = t.to_local()  # type: ignore[attr-defined]
+        check_storage(local, where)
         return _cut(local, _dtensor_boxes(t, tuple(local.shape), where))
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedObjectError(f"{where} is a tensor subclass {type(t).__qualname__}, which save_sharded cannot store")
+    check_storage(t, where)
     return [(t, ((0,) * t.dim(), tuple(t.shape)))]
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UnsupportedObjectError, also
+from ..errors import InvalidArgumentError, UnsupportedObjectError, also
 from ..format import codecs
 from ..format.dtypes import dtype_name, element_size
 from ..format.manifest import ATTRS_MINOR, FORMAT_MINOR
@@ -193,6 +193,7 @@ class _Planner(LeafEncoder):
         self.pickled: list[str] = []
 
     def tensor_leaf(self, t: torch.Tensor, path: list[Any]) -> dict[str, Any] | None:
+        check_storage(t, format_path(path))
         problem = tensor_problem(t)
         if problem is not None:
             if self.allow_pickle:
@@ -330,6 +331,30 @@ def tensor_problem(t: torch.Tensor) -> str | None:
     if dtype_name(t.dtype) is None:
         return f"has dtype {t.dtype}, which the format cannot store"
     return None
+
+
+def check_storage(t: torch.Tensor, where: str) -> None:
+    """Raise :class:`InvalidArgumentError` when ``t``'s storage cannot hold what its shape names."""
+    problem = storage_problem(t)
+    if problem is not None:
+        raise InvalidArgumentError(f"{where}: {problem}")
+
+
+def storage_problem(t: torch.Tensor) -> str | None:
+    """Why ``t``'s storage cannot hold the elements its shape and strides name (None when it can):
+    a storage freed by ``resize_(0)`` (FSDP frees parameters so outside forward) keeps the shape and
+    points at address 0, and reading it crashes the process or, through some paths, reads zeros."""
+    if (not t.numel() or t.device.type == "meta" or t.layout != torch.strided or t.is_quantized or t.is_nested
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)):
+        return None  # no storage of its own to check (tensor_problem names what is wrong with it)
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    need = (t.storage_offset() + span) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if have >= need:
+        return None
+    return (f"has a storage of {have:,} bytes where its shape {list(t.shape)} needs {need:,}: its storage was freed "
+            "or shrunk (FSDP frees parameters outside forward); save a state whose tensors hold their data, "
+            "such as a state_dict() taken while they are materialized")
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

@@ -59,6 +59,7 @@ from ..format.container import SMALL_ALIGN, SMALL_BYTES, align_up
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import Manifest, check_manifest_size, load_json, parse_manifest
 from ..names import Segment, data_file, data_file_rank, document_temporary, parse_segment, segment, valid_job
+from ..planning.flatten import check_storage, storage_problem
 from ..storage import small
 from ..storage.targets import LocalSource, Source, Target
 from .base import Capabilities, Held, Holdings, NodePart, Snapshot, Tier, manifest_of_parts
@@ -262,6 +263,13 @@ class Slot:
         assert len(small) + len(large) == len(srcs)
         sources = srcs if not large else [srcs[i] for i in small]
         pointers = list(map(_data_ptr, sources))
+        # A freed storage (resize_(0), as FSDP frees parameters) keeps its tensor's shape and reads
+        # from address 0: the process would die in the copy. Found here by the pointers the copy
+        # needs anyway; the few large sources are checked one by one.
+        if 0 in pointers or any(storage_problem(srcs[i]) for i in large):
+            filled = [e for e in layout.entries if e.nbytes]
+            for e, src in zip(filled, srcs):
+                check_storage(src, repr(e.key))
         gather = self._gather
         if seen is None:
             seen = [None]
@@ -683,6 +691,9 @@ class RamTier(Tier):
                         dsts, srcs = [v for v, _ in pairs], [src for _, src in pairs]
                     else:
                         dsts, srcs = views, [src for _, src in items]
+                    for (key, src), e in zip(items, layout.entries):
+                        if e.nbytes:
+                            check_storage(src, repr(key))  # a freed storage would crash the copy
                     if dsts:
                         copy_grouped(dsts, srcs)
             copied = layout.total_bytes
@@ -698,6 +709,7 @@ class RamTier(Tier):
                         continue
                     held.pop(key, None)  # a failed copy must not leave a stale identity behind
                     if e.nbytes:
+                        check_storage(src, repr(key))
                         # Device tensors on the side stream's device copy asynchronously into the
                         # pinned slot; everything else is an ordinary synchronous copy.
                         view.copy_(src.detach(), non_blocking=stream is not None and src.device == stream.device)
