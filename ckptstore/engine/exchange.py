@@ -57,7 +57,7 @@ log = logging.getLogger("ckptstore")
 # Layouts are tried in this order of the tiers holding them: the staged bytes as they were (RAM,
 # and the peer replicas that are byte copies of it), then anything else a node holds (the local
 # tier); the durable tier's own layout comes last (restore.py).
-_FIRST_TIERS = frozenset({"ram", "peer"})
+FIRST_TIERS = frozenset({"ram", "peer"})
 NODE_PREFERENCE, DURABLE_PREFERENCE = 1, 2
 
 # What an owner answers to a request, before the bytes: served, no longer held, out of range.
@@ -136,7 +136,7 @@ class NodeInventory:
                     continue
                 digest, manifest = got
                 digests[where] = digest
-                preference = 0 if tier.name in _FIRST_TIERS else NODE_PREFERENCE
+                preference = 0 if tier.name in FIRST_TIERS else NODE_PREFERENCE
                 layout = node.layouts.get(digest)
                 if layout is None:
                     layout = node.layouts[digest] = Inventory(digest, preference)
@@ -144,10 +144,10 @@ class NodeInventory:
                 if layout.manifest is None:
                     layout.manifest, layout.parsed, layout.where = body, manifest, where
             for part in held.parts:
-                kind = "staged" if tier.name in _FIRST_TIERS or part.part.get("layout") == "staged" else "local"
+                kind = "staged" if tier.name in FIRST_TIERS or part.part.get("layout") == "staged" else "local"
                 name = f"{kind}:{part.meta.get('save_id', '?')}"
                 digests[part.where] = name
-                preference = 0 if tier.name in _FIRST_TIERS else NODE_PREFERENCE
+                preference = 0 if tier.name in FIRST_TIERS else NODE_PREFERENCE
                 layout = node.layouts.get(name)
                 if layout is None:
                     layout = node.layouts[name] = Inventory(name, preference)

@@ -46,7 +46,7 @@ from ..names import MANIFEST, data_file_rank
 from ..storage.targets import Source
 from ..tiers.base import PartsMissing, Tier
 from .exchange import (
-    _FIRST_TIERS,
+    FIRST_TIERS,
     DURABLE_PREFERENCE,
     Inventory,
     NodeInventory,
@@ -348,7 +348,7 @@ class Restorer:
         # The layout a restore tries first is one the RAM tiers hold whenever they hold one (the
         # others rank after it): only otherwise is the local tier inventoried, which in a
         # single-node job parses the step's whole manifest, every rank's chunks.
-        first_tiers = [t for t in self.node_tiers if t.name in _FIRST_TIERS]
+        first_tiers = [t for t in self.node_tiers if t.name in FIRST_TIERS]
         first = self._inventory(step, first_tiers).first() if first_tiers else None
         if first is None or first.preference != 0:
             first = self._inventory(step).first()
@@ -423,7 +423,7 @@ class Restorer:
         then, and a layout tried already is tried again only when some rank's node holds more
         copies of it than the first inventory listed."""
         fg = self.groups.trainer
-        first_tiers = [t for t in self.node_tiers if t.name in _FIRST_TIERS]
+        first_tiers = [t for t in self.node_tiers if t.name in FIRST_TIERS]
         quick = None
         if first_tiers and len(first_tiers) < len(self.node_tiers):
             quick = self._inventory(step, first_tiers)
