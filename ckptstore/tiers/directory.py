@@ -44,7 +44,15 @@ from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentErro
 from ..format import codecs
 from ..format.checksum import checksum
 from ..format.container import align_up
-from ..format.manifest import Manifest, Parted, layout_digest, max_manifest_bytes, parse_manifest, parse_sharded
+from ..format.manifest import (
+    Manifest,
+    Parted,
+    layout_digest,
+    max_manifest_bytes,
+    parse_manifest,
+    parse_sharded,
+    verify_checksum_member,
+)
 from ..names import (
     INDEX,
     MANIFEST,
@@ -619,6 +627,14 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
     where = os.path.join(root, step_dir(step))
     manifest = os.path.join(where, MANIFEST)
     body = _listing_manifest(manifest)
+    if body is not None and _V2_START.match(body):
+        try:
+            verify_checksum_member(body, manifest)
+        except CheckpointError as exc:
+            # The commit point of the step in this directory is damaged: nothing of it is used.
+            log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
+            held.damaged = True
+            return held
     if body is None or not _lists_chunks(body, manifest):
         # No manifest that lists every chunk (none: a multi-node job's node; or a 2.0 one, which
         # names the part files): the rank parts committed on this node, each describing its data
