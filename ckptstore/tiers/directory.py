@@ -249,7 +249,7 @@ class DirectoryTier(Tier):
                 end = max((c["offset"] + c["length"] for k in keys for c in snap.chunks[k]), default=start)
                 # The chunk checksums were computed from the staged copy: no second pass here.
                 write_raw(sink, [lambda: snap.data.narrow(0, start, end - start)], hash_bytes=False)
-                table = {k: [{**c, "file": rel, "offset": c["offset"] - start} for c in snap.chunks[k]] for k in keys}
+                table = _table_in(snap.chunks, keys, rel, start)
             else:
                 flat = [(k, c) for k in keys for c in snap.chunks[k]]
                 done = write_raw(sink, [_encoder(self.codec, snap.data, c) for _k, c in flat])
@@ -698,6 +698,18 @@ def _listing_manifest(path: str) -> bytes | None:
 
 def _opener(path: str) -> Callable[[], Source]:
     return lambda: open_source(Target(display=path, path=path))
+
+
+def _table_in(chunks: dict[str, list[dict[str, Any]]], keys: list[str], rel: str, start: int
+              ) -> dict[str, list[dict[str, Any]]]:
+    """The chunk table of ``keys`` as written whole to ``rel`` from byte ``start`` of the slot. The
+    usual case (no frozen region, the file named as the slot's table names it) is the slot's own
+    table: its chunk lists are taken as they are (the RAM tier built them from its per-structure
+    template for this save, and nothing changes a committed part's chunks), instead of a new dict
+    per tensor at every save."""
+    if start == 0 and all(c["file"] == rel for k in keys for c in chunks[k]):
+        return {k: chunks[k] for k in keys}
+    return {k: [{**c, "file": rel, "offset": c["offset"] - start} for c in chunks[k]] for k in keys}
 
 
 def _extent(table: dict[str, list[dict[str, Any]]]) -> int:
