@@ -81,7 +81,8 @@ def replicated_job(rank: int, world: int, name: str, root: str, durable: str, st
     wipe_ram(name)
     own = f"parts/rank-{rank:05d}.json"
     step = os.path.join(local, step_dir(1))
-    doc = json.loads(open(os.path.join(step, MANIFEST), "rb").read())
+    with open(os.path.join(step, MANIFEST), "rb") as fh:
+        doc = json.loads(fh.read())
     assert doc["format_version"] == "2.0" and not os.path.exists(os.path.join(step, INDEX)), doc["format_version"]
     # Both ranks wrote some of the replicated tensors: each loads at least one the other wrote.
     assert {doc["tensors"][f"p{i}"]["writer"] for i in range(4)} == {0, 1}, doc["tensors"]
@@ -147,7 +148,8 @@ def received_job(rank: int, world: int, name: str, root: str, out: str) -> None:
         finally:
             wipe_ram(job)
         if rank == 0:
-            doc = json.loads(open(os.path.join(durable, step_dir(1), MANIFEST), "rb").read())
+            with open(os.path.join(durable, step_dir(1), MANIFEST), "rb") as fh:
+                doc = json.loads(fh.read())
             got[f"{sharded}x{plain}-listed"] = sum("chunks" in e for e in doc["tensors"].values())
     if rank == 0:
         with open(out, "w") as fh:

@@ -868,7 +868,8 @@ class Pipeline:
         async def commit() -> None:
             if self.local_single and self.local_owner:
                 held = await asyncio.to_thread(local.node_parts, job.step)
-                body = await asyncio.to_thread(local_manifest, held, local.display(job.step), job.cadence)
+                body = await asyncio.to_thread(local_manifest, held, local.display(job.step), job=self.options.job,
+                                               step=job.step, cadence=job.cadence)
                 await local.commit_document(job.step, body)
 
         await concur_async(group, f"committing step {job.step} in the local tier", commit)
@@ -1062,17 +1063,16 @@ def parted_step_manifest(shared: dict[str, Any], summaries: list[dict[str, Any]]
                            meta=meta)
 
 
-def local_manifest(parts: list[NodePart], where: str, cadence: dict[str, Any]) -> bytes:
+def local_manifest(parts: list[NodePart], where: str, *, job: str, step: int, cadence: dict[str, Any]) -> bytes:
     """The local tier's manifest of a step (format 2.0, as the durable tier's) from the node parts
     of every rank on this node's disk: each part's summary names its part file, and the chunks of
     the tensors a rank wrote whole are listed in their entries, so a rank loading a replicated
     tensor reads no part but its own."""
-    by_rank, world, meta, shared = shared_of_parts(parts, where)
+    by_rank, world, _meta, shared = shared_of_parts(parts, where)
     try:
         shapes = {k: v[1] for k, v in shared["tensors"].items()}
         summaries = [part_summary(p.part, shapes) for p in by_rank.values()]
-        return parted_step_manifest(shared, summaries, world, job=meta.get("job"), step=meta.get("step"),
-                                    cadence=cadence)
+        return parted_step_manifest(shared, summaries, world, job=job, step=step, cadence=cadence)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise CorruptCheckpointError(f"{where}: the parts of the step do not make a manifest: {exc}",
                                      location=where) from None

@@ -633,7 +633,7 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
         except CheckpointError as exc:
             # The commit point of the step in this directory is damaged: nothing of it is used.
             log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
-            held.damaged = True
+            held.damaged.append(manifest)
             return held
     if body is None or not _lists_chunks(body, manifest):
         # No manifest that lists every chunk (none: a multi-node job's node; or a 2.0 one, which
