@@ -825,13 +825,6 @@ class Pipeline:
 
                 parts = await agree_async(group, writing, put)
                 shared = _headers(parts, job.step)
-                if tier is self.local:
-                    # Every rank holds every part here (the replica check gathered them): the
-                    # directory's owners commit the same 2.0 manifest the flags' path does.
-                    shapes = {k: v[1] for k, v in shared["tensors"].items()}
-                    body = self._parted(job, [part_summary(p, shapes) for p in parts], shared)
-                    await concur_async(group, committing, lambda: tier.commit_document(job.step, body))
-                    return parts[group.rank]
                 manifest = self._manifest(job, parts, shared)
                 await concur_async(group, committing, lambda: tier.commit(job.step, manifest))
         except BaseException:
