@@ -100,12 +100,15 @@ def _assert_parted(body: bytes, world: int = 2) -> dict[str, Any]:
     doc = json.loads(body)
     assert doc["format_version"] == "2.0" and doc["kind"] == "sharded"
     assert [p[0] for p in doc["parts"]] == [f"parts/rank-{r:05d}.json" for r in range(world)] or len(doc["parts"]) == world
-    assert all("chunks" not in e for e in doc["tensors"].values())
+    # Only a tensor one rank wrote whole lists its chunks (its writer's), so that a rank loading
+    # it reads no other part; the chunks of every other tensor stay in the part files.
+    assert all("writer" in e for e in doc["tensors"].values() if "chunks" in e)
+    assert "chunks" in doc["tensors"]["plain"] and "chunks" not in doc["tensors"]["w"]
     return doc
 
 
 def test_two_ranks_commit_a_parted_manifest_that_loads_bitwise_everywhere(parted, s3_server):
-    """The durable manifest (format 2.0) lists no chunk and names both ranks' parts; both copies
+    """The durable manifest (format 2.0) lists only the chunks of the tensor one rank wrote whole and names both ranks' parts; both copies
     (local directory, SeaweedFS) loaded bitwise on both ranks (parted_job)."""
     step_dir, s3_key = parted
     doc = _assert_parted((step_dir / MANIFEST).read_bytes())

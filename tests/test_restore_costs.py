@@ -38,15 +38,15 @@ def test_a_restart_parses_each_copy_of_the_manifest_once(job, tmp_path, monkeypa
         store.close(keep_ram=True)
     seen = _parses(monkeypatch)
     # The start-up (where the job left off), the restore's choice of copy and the meta it reads
-    # next all look at step 3: the RAM slot's document holds the rank's own part and the step's
-    # meta (no manifest to parse), and the local tier, whose layout ranks after it, is not
-    # inventoried while the RAM copy loads (before: its manifest was parsed once).
+    # next all look at step 3: neither copy has a manifest to parse. The RAM slot's document holds
+    # the rank's own part and the step's meta, and the local tier (format 2.0, read through the
+    # rank's node part), whose layout ranks after it, is not inventoried while the RAM copy loads.
     with CheckpointStore(job, local=tmp_path / "local") as store:
         out = {k: torch.zeros_like(v) for k, v in saved.items()}
         assert store.restore(out) == 3
-        assert seen == [], seen
+        assert not seen, seen
         assert store.restore(out) == 3
-        assert seen == [], seen
+        assert not seen, seen
     for k, v in saved.items():
         assert torch.equal(out[k], v), k
 

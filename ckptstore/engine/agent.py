@@ -350,9 +350,13 @@ class NodeAgent:
         missing = [r for r in range(world) if r not in found]
         if missing:
             return missing
-        summaries = [part_summary(found[r]) for r in range(world)]
+        shared = shared_of(manifest)
+        # The chunks of the tensors a rank wrote whole go into their entries too, as the trainers'
+        # coordinator puts them: a rank loading a replicated tensor then reads no other part.
+        shapes = {k: v[1] for k, v in shared["tensors"].items()}
+        summaries = [part_summary(found[r], shapes) for r in range(world)]
         # Format 2.0, as the trainers' coordinator commits: the manifest names the part files.
-        body = await asyncio.to_thread(parted_step_manifest, shared_of(manifest), summaries, world,
+        body = await asyncio.to_thread(parted_step_manifest, shared, summaries, world,
                                        job=manifest.meta.get("job", self.job), step=step, cadence=cadence, sdc=sdc)
         try:
             await tier.commit_document(step, body)

@@ -68,6 +68,7 @@ from ..checkpoint.sharded import (
 from ..collective import Group, StoreGroups, agree_async, concur_async, concur_max_async, failure_record, settle
 from ..errors import (
     CheckpointError,
+    CorruptCheckpointError,
     InvalidArgumentError,
     RankFailure,
     StorageError,
@@ -79,7 +80,7 @@ from ..format.manifest import Manifest
 from ..goodput.tracker import GoodputTracker
 from ..planning.flatten import fingerprint
 from ..storage import s3
-from ..tiers.base import NodePart, Snapshot, Tier, manifest_of_parts
+from ..tiers.base import NodePart, Snapshot, Tier, shared_of_parts
 from ..tiers.directory import DirectoryTier
 from ..tiers.peer import PeerTier
 from ..tiers.ram import Layout, RamTier, node_extra
@@ -807,10 +808,8 @@ class Pipeline:
                 committing = f"committing step {job.step} in the {tier.name} tier"
                 if tier is self.durable:
                     part = await concur_async(group, writing, lambda: self._put(tier, source, job))
-                    # The coordinator receives what names each rank's part file, never its chunk
-                    # table: the manifest (format 2.0) grows with ranks plus tensors; the
-                    # representatives' headers travel with their summaries.
-                    summaries = await asyncio.to_thread(group.gather_to_root, _with_header(part_summary(part), job))
+                    summaries = await asyncio.to_thread(_summaries, group, _with_header(
+                        part_summary(part, _shapes(job)), job))
 
                     async def commit() -> None:
                         if group.rank == 0:
@@ -876,10 +875,10 @@ class Pipeline:
 
         async def commit() -> None:
             if self.local_single and self.local_owner:
-                held = await asyncio.to_thread(local.holdings, job.step)
-                manifest = manifest_of_parts(held.parts, local.display(job.step))
-                manifest.meta["cadence"] = job.cadence
-                await local.commit(job.step, manifest)
+                held = await asyncio.to_thread(local.node_parts, job.step)
+                body = await asyncio.to_thread(local_manifest, held, local.display(job.step), job=self.options.job,
+                                               step=job.step, cadence=job.cadence)
+                await local.commit_document(job.step, body)
 
         await concur_async(group, f"committing step {job.step} in the local tier", commit)
         return part
@@ -1070,6 +1069,37 @@ def parted_step_manifest(shared: dict[str, Any], summaries: list[dict[str, Any]]
         meta["sdc"] = sdc
     return parted_manifest(shared["tree"], shared["tensors"], summaries, world, layouts=shared.get("layouts"),
                            meta=meta)
+
+
+def local_manifest(parts: list[NodePart], where: str, *, job: str, step: int, cadence: dict[str, Any]) -> bytes:
+    """The local tier's manifest of a step (format 2.0, as the durable tier's) from the node parts
+    of every rank on this node's disk: each part's summary names its part file, and the chunks of
+    the tensors a rank wrote whole are listed in their entries, so a rank loading a replicated
+    tensor reads no part but its own."""
+    by_rank, world, _meta, shared = shared_of_parts(parts, where)
+    try:
+        shapes = {k: v[1] for k, v in shared["tensors"].items()}
+        summaries = [part_summary(p.part, shapes) for p in by_rank.values()]
+        return parted_step_manifest(shared, summaries, world, job=job, step=step, cadence=cadence)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CorruptCheckpointError(f"{where}: the parts of the step do not make a manifest: {exc}",
+                                     location=where) from None
+
+
+def _shapes(job: StepJob) -> dict[str, Any]:
+    """Key -> global shape of this rank's tensors (its structure's header), for its part summary."""
+    header = job.header or job.shared
+    return {k: v[1] for k, v in header.get("tensors", {}).items()}
+
+
+def _summaries(group: Group, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's part summary on the coordinator (rank 0; an empty list elsewhere), point to point.
+    Not a gather: an object gather pads every rank's message to the largest one, and the largest is
+    a representative's (its header: tree and tensor table) or rank 0's own (the origin of every
+    sharded tensor), so the coordinator would receive ranks x tensors. Each rank's message is its
+    own size here, and rank 0's never travels."""
+    got = group.from_senders(summary, list(range(group.world)))
+    return [got[r] for r in range(group.world)] if group.rank == 0 else []
 
 
 def shared_of(manifest: Manifest) -> dict[str, Any]:

@@ -46,8 +46,8 @@ from ..names import MANIFEST, data_file_rank
 from ..storage.targets import Source
 from ..tiers.base import PartsMissing, Tier
 from .exchange import (
-    FIRST_TIERS,
     DURABLE_PREFERENCE,
+    FIRST_TIERS,
     Inventory,
     NodeInventory,
     PeerUnavailable,

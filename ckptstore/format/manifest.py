@@ -421,6 +421,18 @@ def verify_own_checksum(data: bytes, doc: dict[str, Any], where: str) -> None:
     _verify_own_checksum(data, doc, where)
 
 
+def verify_checksum_member(data: bytes, where: str) -> None:
+    """The checksum member a format 2.0 manifest must end with, checked on its bytes alone (no
+    JSON parse): what tells a damaged copy from a sound one before any of it is used."""
+    m = _OWN_CHECKSUM.search(data)
+    if m is None or checksum(data[: m.start()] + b"}") != m.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: the manifest does not match its own checksum: this copy is damaged; "
+            "load another copy (another tier) or an earlier step",
+            location=where,
+        )
+
+
 def check_version(doc: dict[str, Any], where: str) -> None:
     """Refuse a document of a newer major format version, or one with no valid version."""
     _check_version(doc, where)

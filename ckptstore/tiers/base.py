@@ -231,7 +231,26 @@ def manifest_of_parts(parts: list[NodePart], where: str, *, partial: bool = Fals
     them, so the manifest is the one the old whole-manifest copies held. Raises PartsMissing
     when a rank's part, or every header of a structure, is missing; ``partial``: the ranks whose
     parts are at hand only (a node agent's view of the node), never raising for the others."""
-    from ..checkpoint.sharded import build_manifest, merge_structures
+    from ..checkpoint.sharded import build_manifest
+
+    by_rank, world, meta, shared = shared_of_parts(parts, where, partial=partial)
+    try:
+        tensors = {k: (v[0], tuple(v[1])) for k, v in shared["tensors"].items()}
+        manifest = build_manifest(shared["tree"], tensors, [by_rank[r].part for r in sorted(by_rank)], world,
+                                  layouts=shared.get("layouts") or None)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CorruptCheckpointError(f"{where}: the parts of the step do not make a manifest: {exc}",
+                                     location=where) from None
+    manifest.meta.update({"step": meta.get("step"), "job": meta.get("job"), "cadence": meta.get("cadence", {})})
+    return manifest
+
+
+def shared_of_parts(parts: list[NodePart], where: str, *, partial: bool = False
+                    ) -> tuple[dict[int, NodePart], int, dict[str, Any], dict[str, Any]]:
+    """One part per rank (by rank), the world size, the step's meta and the merged header (tree,
+    tensor table, layouts) of ``parts``: what a manifest of the step, in either format, is built
+    from. Raises as :func:`manifest_of_parts` does."""
+    from ..checkpoint.sharded import merge_structures
 
     if not parts:
         raise PartsMissing(f"{where}: no part of the step is held", ranks=[])
@@ -258,14 +277,10 @@ def manifest_of_parts(parts: list[NodePart], where: str, *, partial: bool = Fals
                            f"{ranks_shown(headless)}", ranks=headless)
     try:
         shared = merge_structures(sorted(headers.values(), key=lambda h: h[0]), where)
-        tensors = {k: (v[0], tuple(v[1])) for k, v in shared["tensors"].items()}
-        manifest = build_manifest(shared["tree"], tensors, [by_rank[r].part for r in present], world,
-                                  layouts=shared.get("layouts") or None)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise CorruptCheckpointError(f"{where}: the parts of the step do not make a manifest: {exc}",
                                      location=where) from None
-    manifest.meta.update({"step": meta.get("step"), "job": meta.get("job"), "cadence": meta.get("cadence", {})})
-    return manifest
+    return by_rank, world, meta, shared
 
 
 def ranks_shown(ranks: list[int]) -> str:

@@ -24,6 +24,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -43,7 +44,15 @@ from ..errors import CheckpointError, CheckpointExistsError, InvalidArgumentErro
 from ..format import codecs
 from ..format.checksum import checksum
 from ..format.container import align_up
-from ..format.manifest import Manifest, layout_digest, max_manifest_bytes, parse_manifest, parse_sharded
+from ..format.manifest import (
+    Manifest,
+    Parted,
+    layout_digest,
+    max_manifest_bytes,
+    parse_manifest,
+    parse_sharded,
+    verify_checksum_member,
+)
 from ..names import (
     INDEX,
     MANIFEST,
@@ -240,7 +249,7 @@ class DirectoryTier(Tier):
                 end = max((c["offset"] + c["length"] for k in keys for c in snap.chunks[k]), default=start)
                 # The chunk checksums were computed from the staged copy: no second pass here.
                 write_raw(sink, [lambda: snap.data.narrow(0, start, end - start)], hash_bytes=False)
-                table = {k: [{**c, "file": rel, "offset": c["offset"] - start} for c in snap.chunks[k]] for k in keys}
+                table = _table_in(snap.chunks, keys, rel, start)
             else:
                 flat = [(k, c) for k in keys for c in snap.chunks[k]]
                 done = write_raw(sink, [_encoder(self.codec, snap.data, c) for _k, c in flat])
@@ -489,6 +498,12 @@ class DirectoryTier(Tier):
         return next((p for p in _node_parts(os.path.join(self.local_root, step_dir(step)), self.name)
                      if p.rank == rank), None)
 
+    def node_parts(self, step: int) -> list[NodePart]:
+        """The node parts of ``step`` committed in this directory (this node's ranks')."""
+        if self.local_root is None:
+            return []
+        return _node_parts(os.path.join(self.local_root, step_dir(step)), self.name)
+
     def snapshot_of(self, step: int, rank: int) -> Snapshot | None:
         """Rank ``rank``'s files of the committed ``step`` as a snapshot another tier can take (a
         restored step promoted to the durable tier): its chunks as this tier's manifest lists them,
@@ -498,8 +513,9 @@ class DirectoryTier(Tier):
             return None
         chunks: dict[str, list[dict[str, Any]]] = {}
         files: set[str] = set()
-        own = None if os.path.exists(os.path.join(self.local_root, step_dir(step), MANIFEST)) else (
-            self.node_part(step, rank))
+        # This rank's node part when there is one: it lists the rank's chunks, where the manifest
+        # (a 2.0 one) would send the reader to every rank's part file.
+        own = self.node_part(step, rank)
         if own is not None:
             world = int(own.meta.get("world_size", 1))
             for key, table in own.part["chunks"].items():
@@ -610,8 +626,20 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
         return held
     where = os.path.join(root, step_dir(step))
     manifest = os.path.join(where, MANIFEST)
-    if not os.path.exists(manifest) or os.path.islink(manifest):
-        # No whole manifest: the rank parts committed on this node, each describing its data file.
+    body = _listing_manifest(manifest)
+    if body is not None and _V2_START.match(body):
+        try:
+            verify_checksum_member(body, manifest)
+        except CheckpointError as exc:
+            # The commit point of the step in this directory is damaged: nothing of it is used.
+            log.warning("ckptstore: ignoring a damaged copy of a manifest: %s", exc)
+            held.damaged.append(manifest)
+            return held
+    if body is None or not _lists_chunks(body, manifest):
+        # No manifest that lists every chunk (none: a multi-node job's node; or a 2.0 one, which
+        # names the part files): the rank parts committed on this node, each describing its data
+        # file, carrying its rank's header and meta. A restore plans each rank's load from its
+        # own, and asks the other ranks only for boxes its own does not hold.
         held.parts = _node_parts(where, tier)
         for p in held.parts:
             # Every file the part names (a frozen region has a file of its own), only under data/.
@@ -630,16 +658,58 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
         # Never a symbolic link: the writers make none, and one could point anywhere.
         if name.endswith(".bin") and not name.startswith(".") and not os.path.islink(path):
             held.files.append(Held(f"data/{name}", path, tier, _opener(path), manifest=manifest))
-    if os.path.getsize(manifest) > max_manifest_bytes():
-        log.warning("ckptstore: %s is over the manifest size cap; not using it", manifest)
-        return held
-    with open(manifest, "rb") as fh:
-        held.manifests.append((fh.read(), manifest))
+    held.manifests.append((body, manifest))
     return held
+
+
+# How the reference writers begin a 1.x manifest (checkpoint/index.py): the local tier's copies of
+# steps written before 2.0. A manifest that begins otherwise (2.0) is read through the node parts.
+_V1_START = re.compile(rb'\{"format":"ckptstore","format_version":"1\.\d{1,6}"')
+
+
+_V2_START = re.compile(rb'\{"format":"ckptstore","format_version":"2\.\d{1,6}"')
+
+
+def _lists_chunks(body: bytes, where: str) -> bool:
+    """Whether the manifest ``body`` lists every chunk (1.x), by how the reference writers begin
+    one; a manifest that begins otherwise is parsed to be sure (a damaged one counts as 1.x: its
+    reader reports it)."""
+    if _V1_START.match(body):
+        return True
+    if _V2_START.match(body):
+        return False
+    try:
+        return not isinstance(parse_sharded(body, where=where), Parted)
+    except CheckpointError:
+        return True
+
+
+def _listing_manifest(path: str) -> bytes | None:
+    """The bytes of the manifest at ``path`` when it is there (never through a symbolic link) and
+    within the size cap; None otherwise."""
+    if not os.path.exists(path) or os.path.islink(path):
+        return None
+    if os.path.getsize(path) > max_manifest_bytes():
+        log.warning("ckptstore: %s is over the manifest size cap; not using it", path)
+        return None
+    with open(path, "rb") as fh:
+        return fh.read()
 
 
 def _opener(path: str) -> Callable[[], Source]:
     return lambda: open_source(Target(display=path, path=path))
+
+
+def _table_in(chunks: dict[str, list[dict[str, Any]]], keys: list[str], rel: str, start: int
+              ) -> dict[str, list[dict[str, Any]]]:
+    """The chunk table of ``keys`` as written whole to ``rel`` from byte ``start`` of the slot. The
+    usual case (no frozen region, the file named as the slot's table names it) is the slot's own
+    table: its chunk lists are taken as they are (the RAM tier built them from its per-structure
+    template for this save, and nothing changes a committed part's chunks), instead of a new dict
+    per tensor at every save."""
+    if start == 0 and all(c["file"] == rel for k in keys for c in chunks[k]):
+        return {k: chunks[k] for k in keys}
+    return {k: [{**c, "file": rel, "offset": c["offset"] - start} for c in chunks[k]] for k in keys}
 
 
 def _extent(table: dict[str, list[dict[str, Any]]]) -> int:
