@@ -635,7 +635,7 @@ class Supervisor:
         self.procs: list[subprocess.Popen] = []
         self.pids: list[int] = []
         self.zygote = zygote
-        self.lost: list[str] = []  # the lost nodes' directories, removed after the window
+        self.lost: list[str] = []  # the lost nodes' directories, removed when the window ends
 
     def launch(self, attempt: int) -> None:
         cfg = dict(self.cfg, attempt=attempt, rendezvous=os.path.join(self.dir, f"rendezvous-{attempt}"))
@@ -699,7 +699,7 @@ class Supervisor:
     def wipe_node(self, rank: int, ram_only: bool = False) -> None:
         """The node's RAM and local directories are lost (and its agent): a replacement node starts
         with empty ones at once. Deleting a gigabyte of files is not part of a real node loss, so
-        the old directories are moved aside (one rename each) and removed after the window."""
+        the old directories are moved aside (one rename each) and removed when the window ends."""
         node = self.nodes[rank]
         if not ram_only:
             for pid in agent_pids(node["ram"]):
@@ -767,15 +767,26 @@ class Supervisor:
                 for pid in agent_pids(n["ram"]):
                     _kill(pid, group=False)
             log.close()
+        # The lost nodes' directories go once the window is over, not when the whole benchmark
+        # ends: RAM directories set aside at every failure are gigabytes of /dev/shm each, and a run
+        # of several configurations kept them all (20 GB of shared memory, and the kernel's OOM
+        # killer took a rank of the fifth configuration).
+        self.remove_lost()
+        for n in self.nodes:  # its processes and agents are gone: the RAM tier's segments too
+            shutil.rmtree(n["ram"], ignore_errors=True)
         return {"attempts": attempt, "kills": kills}
 
     def output(self, attempt: int, rank: int) -> str:
         with open(os.path.join(self.dir, f"output-{attempt}-{rank}.txt"), errors="replace") as fh:
             return fh.read()[-4000:]
 
-    def cleanup(self) -> None:
+    def remove_lost(self) -> None:
         for path in self.lost:
             shutil.rmtree(path, ignore_errors=True)
+        self.lost.clear()
+
+    def cleanup(self) -> None:
+        self.remove_lost()
         for n in self.nodes:
             shutil.rmtree(n["ram"], ignore_errors=True)
         if not self.args.keep:
