@@ -865,19 +865,24 @@ class Pipeline:
         async def write() -> dict[str, Any]:
             part = await self._put(local, source, job)
             mine = {**part, "step": job.step, "digest": job.digest}
-            # A local file that is the slot written whole is a byte copy of it: the node part then
-            # joins the slot's layout, and a restore reads either copy with the same chunk table.
-            mine["layout"] = "staged" if same_table(part["chunks"], own["part"]["chunks"]) else "local"
-            await local.put_node_part(job.step, self.rank, node_extra(mine, own["meta"], job.header))
+            # The collector is paused around the per-tensor work of the local commit as around the
+            # RAM commit's (never across an await): at 10,000 tensors its allocations set off full
+            # collections that walk every live object, the trainer's state too, holding the GIL.
+            with paused():
+                # A local file that is the slot written whole is a byte copy of it: the node part
+                # then joins the slot's layout, and a restore reads either copy with one chunk table.
+                mine["layout"] = "staged" if same_table(part["chunks"], own["part"]["chunks"]) else "local"
+                extra = node_extra(mine, own["meta"], job.header)
+            await local.put_node_part(job.step, self.rank, extra)
             return part
 
         part = await concur_async(group, f"writing step {job.step} to the local tier", write)
 
         async def commit() -> None:
             if self.local_single and self.local_owner:
-                held = await asyncio.to_thread(local.node_parts, job.step)
-                body = await asyncio.to_thread(local_manifest, held, local.display(job.step), job=self.options.job,
-                                               step=job.step, cadence=job.cadence)
+                held = await asyncio.to_thread(gc_paused(local.node_parts), job.step)
+                body = await asyncio.to_thread(gc_paused(local_manifest), held, local.display(job.step),
+                                               job=self.options.job, step=job.step, cadence=job.cadence)
                 await local.commit_document(job.step, body)
 
         await concur_async(group, f"committing step {job.step} in the local tier", commit)
