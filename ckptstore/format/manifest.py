@@ -231,13 +231,7 @@ def _verify_own_checksum(data: bytes, doc: dict[str, Any], where: str) -> None:
     has_member = "checksum" in doc
     if not has_member and not _CHECKSUM_LIKE_END.search(data):
         return
-    m = _OWN_CHECKSUM.search(data)
-    if m is None or checksum(data[: m.start()] + b"}") != m.group(1).decode():
-        raise CorruptCheckpointError(
-            f"{where}: the manifest does not match its own checksum: this copy is damaged; "
-            "load another copy (another tier) or an earlier step",
-            location=where,
-        )
+    verify_checksum_member(data, where)
 
 
 def parse_manifest(data: bytes, *, where: str) -> Manifest:
