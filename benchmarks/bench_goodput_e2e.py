@@ -24,6 +24,10 @@ Configurations (every one saves the same flat state of tensors every ``k`` steps
   SeaweedFS (``durable_every=1``); its RAM segments are wiped at every failure, so it restores from
   local or durable only.
 - ``ckptstore-full``: RAM + local + one peer replica + durable (``durable_every=4``) + the node agent.
+- ``ckptstore-full-dir``: the same, with the durable tier on the shared directory ``torch.save`` and
+  ``dcp`` write to: the pairing with ``dcp`` by destination, as ``ckptstore-full`` pairs with
+  ``dcp-s3``. On this machine the S3 server runs on the trainers' two cores (in a deployment it is
+  remote), so a configuration that uploads to it pays the server's CPU as well as its own.
 
 Rank 0 and the supervisor write one event log per run (``<out>/<config>/events.jsonl``), which
 ``ckptstore goodput LOG... --simulate`` splits into productive time, checkpoint stalls, lost work,
@@ -45,6 +49,7 @@ import concurrent.futures
 import contextlib
 import faulthandler
 import functools
+import glob
 import json
 import logging
 import os
@@ -65,7 +70,7 @@ from agents import agent_pids  # noqa: E402 - shared by the benchmark scripts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-CONFIGS = ("torch.save", "dcp", "dcp-s3", "ckptstore-local", "ckptstore-full")
+CONFIGS = ("torch.save", "dcp", "dcp-s3", "ckptstore-local", "ckptstore-full", "ckptstore-full-dir")
 # What each configuration's copies survive, for the simulator's replay ("*": every failure class).
 TIERS: dict[str, list[str]] = {
     "torch.save": ["durable"],
@@ -73,6 +78,7 @@ TIERS: dict[str, list[str]] = {
     "dcp-s3": ["durable"],
     "ckptstore-local": ["local:survives=crash", "durable"],
     "ckptstore-full": ["ram:survives=crash", "local:survives=crash", "peer:survives=crash+node", "durable:every=4"],
+    "ckptstore-full-dir": ["ram:survives=crash", "local:survives=crash", "peer:survives=crash+node", "durable:every=4"],
 }
 WORLD = 2
 # A rank's exit status when the job cannot go on by itself: its restore found no sound copy of a step
@@ -158,14 +164,72 @@ def _append(path: str, record: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
 
 
+def _append_quick(path: str, record: dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
 def uses_s3(config: str) -> bool:
-    return config.startswith("ckptstore") or config == "dcp-s3"
+    return config in ("ckptstore-local", "ckptstore-full", "dcp-s3")
 
 
 def _committed(root: str, marker: str) -> list[int]:
     """The steps under ``root`` whose directory holds ``marker`` (written last: the commit)."""
     return sorted(int(n[5:]) for n in os.listdir(root)
                   if n.startswith("step-") and os.path.exists(os.path.join(root, n, marker)))
+
+
+# ------------------------------------------------------------------------------ where the CPU goes
+
+
+def _thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
+    """Each thread of ``pid``: its name (``/proc``'s comm) and CPU seconds so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                    stat = fh.read()
+                fields = stat[stat.rindex(")") + 2:].split()  # fields from the state on (the 3rd)
+                out[int(tid)] = (stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _process_cpu(pid: int) -> float | None:
+    """CPU seconds of ``pid`` and of the threads it has ended."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as fh:
+        stat = fh.read()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+    return None
+
+
+def _label(name: str) -> str:
+    """A thread's kind: a pool's workers (``prefix_3``) counted together."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def _cpu_log(path: str, attempt: int, rank: int, every_s: float) -> None:
+    """A daemon thread that appends this process's CPU by thread every ``every_s`` (cumulative
+    seconds per thread id; Python's thread names where the thread is a Python one). Call it from
+    the trainer's thread."""
+
+    # A forked rank's threading module may still hold the zygote's id for its main thread.
+    trainer = threading.get_native_id()
+
+    def sample() -> None:
+        while True:
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            names[trainer] = "MainThread"
+            threads = {tid: [_label(names.get(tid) or f"native:{comm}"), cpu] for tid, (comm, cpu) in _thread_cpu().items()}
+            with open(path, "a") as fh:
+                fh.write(json.dumps({"t": time.time(), "pid": os.getpid(), "rank": rank, "attempt": attempt,
+                                     "total": _process_cpu(os.getpid()), "threads": threads}) + "\n")
+            time.sleep(every_s)
+
+    threading.Thread(target=sample, name="bench-cpu-log", daemon=True).start()
 
 
 class TorchSave:
@@ -299,7 +363,7 @@ class Store:
 
         from ckptstore import CheckpointStore
 
-        full = cfg["config"] == "ckptstore-full"
+        full = cfg["config"].startswith("ckptstore-full")
         node = cfg["nodes"][rank]
         self.flat, self.on_commit = flat, on_commit
         # The engine's own default unless asked (an engine without the option is run as it is).
@@ -339,7 +403,8 @@ class Store:
         self.store.close()
 
 
-BACKENDS = {"torch.save": TorchSave, "dcp": Dcp, "dcp-s3": Dcp, "ckptstore-local": Store, "ckptstore-full": Store}
+BACKENDS = {"torch.save": TorchSave, "dcp": Dcp, "dcp-s3": Dcp, "ckptstore-local": Store, "ckptstore-full": Store,
+            "ckptstore-full-dir": Store}
 
 
 def worker(cfg_path: str, rank: int) -> None:
@@ -356,6 +421,8 @@ def worker(cfg_path: str, rank: int) -> None:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` shows where a rank is
     torch.set_num_threads(1)
     phases = [("begin", time.time())]
+    if cfg.get("cpu_log"):
+        _cpu_log(os.path.join(cfg["dir"], f"cpu-{rank}.jsonl"), cfg["attempt"], rank, cfg["cpu_log"])
     dist.init_process_group("gloo", init_method=f"file://{cfg['rendezvous']}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     phases.append(("rendezvous", time.time()))
@@ -626,16 +693,19 @@ class Supervisor:
             os.makedirs(n["ram"], exist_ok=True)
         self.cfg = {"config": name, "dir": self.dir, "events": os.path.join(self.dir, "events.jsonl"),
                     "shared": os.path.join(self.dir, "shared"), "nodes": self.nodes, "job": f"e2e-{tag}",
-                    "durable": (f"{args.durable.rstrip('/')}/e2e-{tag}" if args.durable else
+                    "durable": (os.path.join(self.dir, "shared", f"e2e-{tag}") if name == "ckptstore-full-dir" else
+                                f"{args.durable.rstrip('/')}/e2e-{tag}" if args.durable else
                                 s3.url(f"e2e-{tag}") if s3 is not None and uses_s3(name) else None),
-                    "storage_options": (json.loads(args.storage_options) if args.durable else
-                                        s3.storage_options if s3 is not None else None),
+                    "storage_options": (None if not uses_s3(name) else json.loads(args.storage_options) if args.durable
+                                        else s3.storage_options if s3 is not None else None),
                     "width": args.width, "layers": args.layers, "batch": args.batch, "seed": args.seed,
-                    "every": every, "verify": args.verify, "background_nice": args.background_nice}
+                    "every": every, "verify": args.verify, "background_nice": args.background_nice,
+                    "cpu_log": args.cpu_log}
         self.procs: list[subprocess.Popen] = []
         self.pids: list[int] = []
         self.zygote = zygote
         self.lost: list[str] = []  # the lost nodes' directories, removed when the window ends
+        self.s3_pid = getattr(getattr(s3, "_server", None), "pid", None) if uses_s3(name) else None
 
     def launch(self, attempt: int) -> None:
         cfg = dict(self.cfg, attempt=attempt, rendezvous=os.path.join(self.dir, f"rendezvous-{attempt}"))
@@ -723,6 +793,9 @@ class Supervisor:
                   loadavg=os.getloadavg())
         t0 = time.time()
         attempt, pending, next_load = 0, list(failures), 0.0
+        sampling = threading.Event()
+        if self.args.cpu_log:
+            threading.Thread(target=self._sample_others, args=(sampling,), daemon=True).start()
         kills = []
         try:
             while True:
@@ -762,6 +835,7 @@ class Supervisor:
                     for r in range(WORLD):
                         self.wipe_node(r, ram_only=True)
         finally:
+            sampling.set()
             self.kill_all()
             for n in self.nodes:
                 for pid in agent_pids(n["ram"]):
@@ -775,6 +849,19 @@ class Supervisor:
         for n in self.nodes:  # its processes and agents are gone: the RAM tier's segments too
             shutil.rmtree(n["ram"], ignore_errors=True)
         return {"attempts": attempt, "kills": kills}
+
+    def _sample_others(self, stop: threading.Event) -> None:
+        """The CPU of the processes beside the ranks (``--cpu-log``): the node agents, the S3 server
+        and the supervisor, in ``cpu-others.jsonl``."""
+        while not stop.is_set():
+            procs = {os.getpid(): ["supervisor", _process_cpu(os.getpid())]}
+            if self.s3_pid is not None:
+                procs[self.s3_pid] = ["s3-server", _process_cpu(self.s3_pid)]
+            for r, n in enumerate(self.nodes):
+                for pid in agent_pids(n["ram"]):
+                    procs[pid] = [f"agent-node{r}", _process_cpu(pid)]
+            _append_quick(os.path.join(self.dir, "cpu-others.jsonl"), {"t": time.time(), "procs": procs})
+            stop.wait(self.args.cpu_log)
 
     def output(self, attempt: int, rank: int) -> str:
         with open(os.path.join(self.dir, f"output-{attempt}-{rank}.txt"), errors="replace") as fh:
@@ -867,6 +954,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the stores' background_nice (default: the engine's own)")
     p.add_argument("--s3-nice", type=int, default=0, metavar="N",
                    help="run the local S3 server N steps below the job's priority (it stands for a remote store)")
+    p.add_argument("--cpu-log", type=float, default=0.0, metavar="S",
+                   help="sample the CPU of every rank's threads, the agents and the S3 server every S seconds "
+                        "(cpu-*.jsonl; `--cpu-breakdown DIR` splits it by idle and in-flight steps)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from ckptstore.goodput.simulate import mix_from_spec
@@ -919,25 +1009,83 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def steps_in_flight(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """How much the training steps slow down while a save is persisting in the background: the
-    median step time of the steps that overlap a save in flight (from its call to the last tier it
-    committed to, or to the run's next save or its end when a commit was never recorded) against
-    that of the others. Rank 0's steps (ticks) and commits, run by run."""
+def _in_flight(events: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], list[tuple[float, float]]]]:
+    """Each run's records (rank 0's ticks, saves and commits) and the spans of time in which one of
+    its saves was in flight: from the call to the last tier it committed to, or to the run's next
+    save or its end when no commit was recorded."""
     by_pid: dict[Any, list[dict[str, Any]]] = {}
     for e in events:
         if e.get("event") in ("tick", "save", "commit"):
             by_pid.setdefault(e.get("pid"), []).append(e)
-    busy, idle = [], []
+    out = []
     for records in by_pid.values():
         saves = [e for e in records if e["event"] == "save"]
-        ticks = [e for e in records if e["event"] == "tick"]
         end = max(e["t"] for e in records)
         spans = []
         for i, sv in enumerate(saves):
             commits = [c["t"] for c in records if c["event"] == "commit" and c.get("step") == sv["step"]]
             until = max(commits) if commits else (saves[i + 1]["t"] if i + 1 < len(saves) else end)
             spans.append((sv["t"] - float(sv.get("blocking_s", 0.0)), until))
+        out.append((records, spans))
+    return out
+
+
+def cpu_breakdown(run_dir: str) -> dict[str, dict[str, dict[str, float]]]:
+    """Cores used by each kind of thread (per rank) and each process beside the ranks, while no
+    save is in flight (``idle``) and while one is (``in_flight``), from ``--cpu-log``'s samples: an
+    interval between two samples counts as idle when it overlaps no save in flight."""
+    spans = sorted(span for _records, sp in _in_flight(_records(os.path.join(run_dir, "events.jsonl"))) for span in sp)
+
+    def kind(a: float, b: float) -> str:
+        return "in_flight" if any(x < b and a < y for x, y in spans) else "idle"
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+
+    def add(source: str, key: str, part: str, value: float) -> None:
+        out.setdefault(source, {}).setdefault(key, {"idle": 0.0, "in_flight": 0.0})[part] += value
+
+    for path in sorted(glob.glob(os.path.join(run_dir, "cpu-*.jsonl"))):
+        by_pid: dict[Any, list[dict[str, Any]]] = {}
+        for r in _records(path):
+            by_pid.setdefault(r.get("pid", "others"), []).append(r)
+        others = path.endswith("cpu-others.jsonl")
+        for recs in by_pid.values():
+            for prev, cur in zip(recs, recs[1:]):
+                part = kind(prev["t"], cur["t"])
+                source = "others" if others else f"rank{cur['rank']}"
+                add(source, "(seconds)", part, cur["t"] - prev["t"])
+                items = cur["procs"] if others else cur["threads"]
+                before = prev["procs"] if others else prev["threads"]
+                for tid, (label, cpu) in items.items():
+                    was = before.get(tid)
+                    if cpu is None or (was is not None and was[1] is None):
+                        continue
+                    add(source, label, part, cpu - (was[1] if was is not None else cpu))
+    return out
+
+
+def print_cpu_breakdown(paths: list[str]) -> int:
+    for run_dir in paths:
+        print(f"{run_dir}: cores used while no save is in flight / while one is")
+        for source, labels in cpu_breakdown(run_dir).items():
+            secs = labels.pop("(seconds)", {"idle": 0.0, "in_flight": 0.0})
+            print(f"  {source} ({secs['idle']:.0f} s idle, {secs['in_flight']:.0f} s in flight)")
+            for label, v in sorted(labels.items(), key=lambda kv: -kv[1]["idle"] - kv[1]["in_flight"]):
+                idle = v["idle"] / secs["idle"] if secs["idle"] else 0.0
+                busy = v["in_flight"] / secs["in_flight"] if secs["in_flight"] else 0.0
+                if idle >= 0.001 or busy >= 0.001:
+                    print(f"    {label:32s} {idle:6.3f} / {busy:6.3f}")
+    return 0
+
+
+def steps_in_flight(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """How much the training steps slow down while a save is persisting in the background: the
+    median step time of the steps that overlap a save in flight (from its call to the last tier it
+    committed to, or to the run's next save or its end when a commit was never recorded) against
+    that of the others. Rank 0's steps (ticks) and commits, run by run."""
+    busy, idle = [], []
+    for records, spans in _in_flight(events):
+        ticks = [e for e in records if e["event"] == "tick"]
         for tk in ticks:
             t0, t1 = tk["t"] - float(tk["step_s"]), tk["t"]
             (busy if any(a < t1 and t0 < b for a, b in spans) else idle).append(float(tk["step_s"]))
@@ -960,6 +1108,8 @@ def print_steps_in_flight(paths: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--zygote"]:
         zygote_main()
+    elif sys.argv[1:2] == ["--cpu-breakdown"]:
+        sys.exit(print_cpu_breakdown(sys.argv[2:]))
     elif sys.argv[1:2] == ["--steps-in-flight"]:
         sys.exit(print_steps_in_flight(sys.argv[2:]))
     elif len(sys.argv) >= 2 and sys.argv[1] == "--worker":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -500,12 +501,16 @@ def cmd_goodput(args: argparse.Namespace) -> int:
 
     if args.plot and len(args.root) > 1:
         raise InvalidArgumentError("--plot draws one log: name one log with it")
+    common = _common_step(args.step_s, [account(_read_log(root)[1]) for root in args.root] if args.step_s == "min" else [])
     docs = []
     for root in args.root:
         path, events = _read_log(root)
         acc = account(events)
+        if common is not None and acc.useful_steps is not None:
+            acc = dataclasses.replace(acc, step_s=common)
         setup = next((e for e in events if e["event"] == "setup"), {})
-        doc = {"log": path, "config": setup.get("config"), **acc.to_json()}
+        doc = {"log": path, "config": setup.get("config"), **acc.to_json(),
+               "step": "the median step" if common is None else "the common step"}
         if args.simulate:
             try:
                 doc["simulated"] = predicted(events, acc)
@@ -529,6 +534,25 @@ def cmd_goodput(args: argparse.Namespace) -> int:
 _PARTS = ("checkpoint", "lost", "restart", "reload")
 
 
+def _common_step(spec: str | None, accounts: list[Any]) -> float | None:
+    """The step time ``--step-s`` gives every log: seconds, or ``min``, the smallest median step of
+    the logs (the step least slowed by what runs beside it); None: each log's own median."""
+    if spec is None:
+        return None
+    if spec == "min":
+        steps = [a.step_s for a in accounts if a.step_s is not None]
+        if not steps:
+            raise InvalidArgumentError("--step-s min: none of these logs records step times (tick events with step_s)")
+        return min(steps)
+    try:
+        value = float(spec)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise InvalidArgumentError(f"--step-s must be a positive number of seconds or 'min', not {spec!r}")
+    return value
+
+
 def _print_account(doc: dict[str, Any], acc: Any, human: Any) -> None:
     fr = acc.fractions()
     name = f" ({doc['config']})" if doc["config"] else ""
@@ -536,9 +560,9 @@ def _print_account(doc: dict[str, Any], acc: Any, human: Any) -> None:
           f"{human(acc.wall)}" + (f" (+ {human(acc.idle)} idle between clean runs)" if acc.idle else ""))
     if acc.useful_steps is not None:
         print(f"  {'useful':11s} {human(acc.useful):>10s}  {acc.goodput * 100:5.1f}%  "
-              f"({acc.useful_steps} steps x {acc.step_s:.3g} s, the median step)")
+              f"({acc.useful_steps} steps x {acc.step_s:.3g} s, {doc['step']})")
         print(f"  {'slowdown':11s} {human(acc.productive - acc.useful):>10s}  "
-              f"{(fr['productive'] - acc.goodput) * 100:5.1f}%  (steps slower than the median)")
+              f"{(fr['productive'] - acc.goodput) * 100:5.1f}%  (steps slower than that)")
     else:
         print(f"  {'productive':11s} {human(acc.productive):>10s}  {fr['productive'] * 100:5.1f}%")
     for part in _PARTS:
@@ -560,12 +584,13 @@ def _print_account(doc: dict[str, Any], acc: Any, human: Any) -> None:
 
 def _print_comparison(docs: list[dict[str, Any]]) -> None:
     sim = any("simulated" in d for d in docs)
-    print(f"\n  {'log':32s} {'goodput':>7s} {'product.':>8s} " + " ".join(f"{p:>10s}" for p in _PARTS)
+    print(f"\n  {'log':32s} {'goodput':>7s} {'steps':>6s} {'product.':>8s} " + " ".join(f"{p:>10s}" for p in _PARTS)
           + f" {'failures':>8s}" + (f" {'sim. product.':>13s}" if sim else ""))
     for d in docs:
         fr = d["fractions"]
         label = d["config"] or d["log"]
-        print(f"  {label[-32:]:32s} {d['goodput'] * 100:6.1f}% {fr['productive'] * 100:7.1f}% "
+        steps = "-" if d["useful_steps"] is None else str(d["useful_steps"])
+        print(f"  {label[-32:]:32s} {d['goodput'] * 100:6.1f}% {steps:>6s} {fr['productive'] * 100:7.1f}% "
               + " ".join(f"{fr[p] * 100:9.1f}%" for p in _PARTS) + f" {d['failures']:8d}"
               + (f" {d['simulated']['fractions']['useful'] * 100:12.1f}%" if d.get("simulated") else ""))
 
@@ -779,6 +804,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", action="store_true",
                    help="also replay each log's failures in the simulator, with the costs measured from the log")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline and the split of one log (needs matplotlib)")
+    p.add_argument("--step-s", default=None, metavar="S|min",
+                   help="count useful steps at this step time for every log (seconds, or 'min': the smallest median "
+                        "step of the logs), so that configurations whose steps run slower are not credited for it; "
+                        "default: each log's own median step")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (a list for several logs)")
     p.set_defaults(func=cmd_goodput)
     p = sub.add_parser(

@@ -157,6 +157,37 @@ def test_accounting_splits_a_known_timeline():
     assert ev.history(events) == (1, 250.0 + 200.0 + 100.0)
 
 
+def _ticking_log(path, step_s: float, steps: int) -> None:
+    """One clean run of ``steps`` steps of ``step_s`` each, with a tick per step."""
+    records = [{"t": 0.0, "event": "start"}, {"t": 1.0, "event": "restore", "step": None}]
+    records += [{"t": 1.0 + step_s * i, "event": "tick", "step": i, "step_s": step_s} for i in range(1, steps + 1)]
+    records.append({"t": 1.0 + step_s * steps + 1.0, "event": "close"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_goodput_at_a_common_step_ranks_logs_by_useful_steps(tmp_path, capsys):
+    # Two jobs with the same wall time: one ran 100 steps of 0.5 s, the other 80 slower steps of
+    # 0.625 s. By each log's own median step both look alike; at one step time for both, the one
+    # that trained more steps is ahead, by exactly the ratio of its steps.
+    fast, slow = tmp_path / "fast.jsonl", tmp_path / "slow.jsonl"
+    _ticking_log(fast, 0.5, 100)
+    _ticking_log(slow, 0.625, 80)
+    assert main(["goodput", str(fast), str(slow), "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own[0]["goodput"] == pytest.approx(own[1]["goodput"])
+    assert main(["goodput", str(fast), str(slow), "--json", "--step-s", "min"]) == 0
+    common = json.loads(capsys.readouterr().out)
+    assert [d["step_s"] for d in common] == [0.5, 0.5]
+    assert [d["useful_steps"] for d in common] == [100, 80]
+    assert common[1]["goodput"] == pytest.approx(common[0]["goodput"] * 0.8)
+    assert main(["goodput", str(fast), str(slow), "--step-s", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "100 steps x 0.25 s, the common step" in out and "80 steps x 0.25 s, the common step" in out
+    for bad in ("0", "-1", "fast", "inf"):
+        assert main(["goodput", str(fast), "--step-s", bad]) == 2
+        assert f"--step-s must be a positive number of seconds or 'min', not '{bad}'" in capsys.readouterr().err
+
+
 def test_accounting_of_a_supervised_crash_loop_knows_failure_instants_and_rollbacks():
     """A harness's log (benchmarks/bench_goodput_e2e.py): kill records give the failure instants,
     restores carry their own seconds (reload), and a node loss that rolls the job back past an earlier

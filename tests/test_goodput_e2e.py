@@ -44,7 +44,7 @@ def crash_loop(tmp_path_factory, s3_server):
     prefix = f"s3://{s3_server['bucket']}/test-goodput-e2e"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, str(BENCH), "--configs", ",".join(CONFIGS), *SCHEDULE, "--every", "5",
-                           "--layers", "4", "--width", "128", "--batch", "4", "--verify", "--durable", prefix,
+                           "--layers", "4", "--width", "128", "--batch", "4", "--verify", "--cpu-log", "0.5", "--durable", prefix,
                            "--storage-options", json.dumps(s3_server["storage_options"]), "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -76,3 +76,34 @@ def test_the_goodput_report_adds_up_to_wall_time(crash_loop, capsys):
     assert main(["goodput", *logs]) == 0
     out = capsys.readouterr().out
     assert "useful" in out and "reload" in out and "ckptstore-full" in out.splitlines()[-1]
+
+
+def test_the_cpu_log_covers_every_rank_and_the_agents(crash_loop):
+    split = _bench().cpu_breakdown(str(crash_loop / "ckptstore-full"))
+    assert {"rank0", "rank1", "others"} <= set(split)
+    for rank in ("rank0", "rank1"):  # the trainer's own thread did the training
+        main_thread = split[rank]["MainThread"]
+        assert main_thread["idle"] + main_thread["in_flight"] > 0, split[rank]
+    assert any(label.startswith("agent-node") for label in split["others"]), split["others"]
+
+
+def test_cpu_breakdown_splits_intervals_by_saves_in_flight(tmp_path):
+    # One save in flight from t=10 to t=20 (called at 10, blocking 0, committed at 20); CPU samples
+    # at 0, 5, 12, 18 and 30: the intervals 0-5 (idle), 5-12, 12-18 and 18-30 (each overlaps the save).
+    events = [{"t": 0.0, "event": "tick", "pid": 1, "step": 1, "step_s": 0.1},
+              {"t": 10.0, "event": "save", "pid": 1, "step": 5, "blocking_s": 0.0},
+              {"t": 20.0, "event": "commit", "pid": 1, "step": 5, "tier": "ram"},
+              {"t": 30.0, "event": "tick", "pid": 1, "step": 6, "step_s": 0.1}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    samples = [(0.0, 0.0, 0.0), (5.0, 2.0, 0.0), (12.0, 3.0, 3.5), (18.0, 4.0, 6.5), (30.0, 10.0, 6.5)]
+    (tmp_path / "cpu-0.jsonl").write_text("".join(
+        json.dumps({"t": t, "pid": 7, "rank": 0, "attempt": 1, "total": main + bg,
+                    "threads": {"7": ["MainThread", main], "8": ["ckptstore-loop", bg]}}) + "\n"
+        for t, main, bg in samples))
+    (tmp_path / "cpu-others.jsonl").write_text("".join(
+        json.dumps({"t": t, "procs": {"99": ["s3-server", cpu]}}) + "\n" for t, cpu in ((0.0, 1.0), (5.0, 1.5), (30.0, 9.0))))
+    split = _bench().cpu_breakdown(str(tmp_path))
+    assert split["rank0"]["(seconds)"] == {"idle": 5.0, "in_flight": 25.0}
+    assert split["rank0"]["MainThread"] == {"idle": 2.0, "in_flight": 8.0}
+    assert split["rank0"]["ckptstore-loop"] == {"idle": 0.0, "in_flight": 6.5}
+    assert split["others"]["s3-server"] == {"idle": 0.5, "in_flight": 7.5}
