@@ -10,7 +10,8 @@ last commit, and the local S3 server's CPU over the run divided by the saves (it
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` with a reused stager to a local directory;
 - ``dcp-s3``: the same to the S3 server (DCP's fsspec writer);
 - ``ram``, ``local``, ``peer`` (RAM + local + one peer replica), ``full`` (``peer`` + the durable
-  tier on the S3 server every ``--durable-every`` saves): ``CheckpointStore``.
+  tier on the S3 server every ``--durable-every`` saves), ``full-dir`` (``peer`` + the durable tier
+  on a local directory, as ``dcp`` writes to): ``CheckpointStore``.
 
     python benchmarks/bench_save_cpu.py --kinds dcp,dcp-s3,ram,local,peer,full --saves 6 --out /tmp/save-cpu
 
@@ -37,7 +38,7 @@ import torch.multiprocessing as mp
 
 MIB = 1 << 20
 TENSORS = 16
-KINDS = ("dcp", "dcp-s3", "ram", "local", "peer", "full")
+KINDS = ("dcp", "dcp-s3", "ram", "local", "peer", "full", "full-dir")
 
 
 def _cpu() -> float:
@@ -93,10 +94,12 @@ def _saves(rank: int, cfg: dict[str, Any]) -> list[tuple[float, float]]:
         kw: dict[str, Any] = {"ram_dir": ram, "node": rank, "keep_local": 2}
         if kind != "ram":
             kw["local"] = os.path.join(cfg["root"], f"local{rank}")
-        if kind in ("peer", "full"):
+        if kind in ("peer", "full", "full-dir"):
             kw["peer_replicas"] = 1
         if kind == "full":
             kw.update(durable=cfg["durable"], storage_options=cfg["storage_options"], durable_every=cfg["durable_every"])
+        if kind == "full-dir":  # the durable tier on a directory, as DCP's: no server to pay
+            kw.update(durable=os.path.join(cfg["root"], "durable"), durable_every=cfg["durable_every"])
         with CheckpointStore(cfg["job"], **kw) as store:
             for s in range(cfg["saves"]):
                 for t in flat.values():
