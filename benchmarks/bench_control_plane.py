@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import contextvars
 import json
-import re
 import os
 import pickle
+import re
 import shutil
 import statistics
 import sys
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 
 _WHAT: contextvars.ContextVar[str] = contextvars.ContextVar("what", default="")
 
