@@ -10,12 +10,16 @@ tier. Counting wraps the store's Group methods from outside (the pickled size of
 collective hands a rank, a gloo object all-gather padding every message to the largest; twice
 the tensor for an all-reduce), so the same script measures any commit of ckptstore:
 
-    python benchmarks/bench_control_plane.py [--worlds 2 4 8] [--tensors 10000] [--saves 3] [--out FILE]
+    python benchmarks/bench_control_plane.py [--worlds 2 4 8] [--tensors 10000] [--saves 3] [--replicas 1]
+        [--inventory] [--out FILE]
 
 Reported per world size: bytes received per save by rank 0 (the durable tier's coordinator) and
 the largest of the other ranks, split by group (trainer: the vote; fast: staging, RAM and local
 commits; durable: the promotion), the vote's time and the time inside the fast and durable
-lanes' collectives (the slowest rank's median).
+lanes' collectives (the slowest rank's median), the thread CPU spent inside the collectives and
+the process CPU of a save and its wait, per rank. ``--replicas`` adds the peer lane (each rank a
+node); ``--inventory`` prints every collective a steady save issues, by group and call site (an
+agreement by its own words), with its calls and bytes per save.
 """
 
 from __future__ import annotations
