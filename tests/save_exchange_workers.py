@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -51,9 +52,16 @@ def exchanges_job(rank: int, world: int, name: str, root: str, out: str) -> None
     got["promote"] = {r: {"bytes": n, "calls": traffic.calls_by_role[r]} for r, n in traffic.by_role.items()}
     assert promoted is not None, rank  # every rank holds its part of step 3 on its node
     assert promoted.result(timeout=120) == 3
+    # Step 1 as if rank 1's node had been replaced: no rank promotes it (each learns from the one
+    # flag that some rank lacks its part), and the durable tier is left as it was.
+    if rank == 1:
+        shutil.rmtree(os.path.join(local, "step-000000000001"))
+    assert 1 not in store.ram.steps_sync()  # steps 3 and 4 took the slots
+    assert store._pipeline.promote_restored(1, {"cadence": {"durable": 1, "peer": 0}}) is None, rank
     with counting() as traffic:
         store.close()
     got["close"] = {r: {"bytes": n, "calls": traffic.calls_by_role[r]} for r, n in traffic.by_role.items()}
+    assert not os.path.exists(os.path.join(durable, "step-000000000001"))  # closed: nothing still on its way
     with open(os.path.join(out, f"w{world}-r{rank}.json"), "w") as fh:
         json.dump(got, fh)
     # What was promoted and closed restores bitwise (the durable copy of step 3 included: a fresh
