@@ -13,9 +13,17 @@ On the trainer's thread (:meth:`Pipeline.save`), the only part the training loop
 On the background loop, one step after another (the *fast* lane):
 
 4. *hash*: checksums of the staged copy, which every later copy of these bytes is checked against;
-5. *RAM commit*: gather every rank's part, build the step's manifest, commit it in every rank's RAM
-   tier (from here on a crash leaves this step restorable from RAM);
-6. *local*: write each rank's bytes to the local directory, commit there, apply retention.
+5. *RAM commit*: agree that every rank staged the step (one all-reduce), commit each rank's own
+   part in its RAM tier and agree on that (a flag): from here on a crash leaves this step
+   restorable from RAM (with the replica check on, every rank's part is gathered and each RAM
+   document holds the step's whole manifest);
+6. *local*: write each rank's bytes and node part to the local directory and agree that every
+   write landed (in a single-node job the directory's owner then commits the whole manifest, and
+   the ranks agree once more), apply retention.
+
+A steady save's agreements (after the first save of a structure) are all-reduces of a few int64s
+whose size does not depend on the number of ranks; only the durable coordinator receives every
+rank's part summary (docs/architecture.md, "The control plane at scale").
 
 Then, each in a lane of its own (a lane keeps one order of collectives on every rank, and neither
 holds up the next step's RAM and local commits):
