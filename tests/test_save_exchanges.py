@@ -45,6 +45,10 @@ def test_a_steady_save_issues_one_vote_and_three_fast_lane_collectives_at_any_si
     directory of their own commits the local tier with its write agreement alone."""
     assert _seen(received, "steady", "trainer", "calls") == {1}, received
     assert _seen(received, "steady", "fast", "calls") == {3}, received  # staging, RAM commit, local write
+    assert _seen(received, "steady", "peer", "calls") == {2}, received  # replicas written, committed
+    # Every second save promoted: written and committed, two flags per promotion (the coordinator
+    # also receives the part summaries).
+    assert _seen(received, "steady", "durable", "calls", slice(1, None)) == {1}, received
 
 
 def test_a_restored_step_is_promoted_after_one_all_reduced_flag_at_any_size(received):
