@@ -1056,7 +1056,8 @@ class Pipeline:
         promote = (self.durable is not None and last is not None and last.step not in self._promoted
                    and self.errors.pending() is None)
         if self.world > 1:
-            # Every rank must want it: one all-reduced flag (MAX of "not this rank"), whatever the world.
+            # Every rank must want it: one all-reduced flag (the MAX of "this rank does not"), whatever
+            # the world, not a gather of every rank's answer.
             promote = not self.groups.trainer.max_int64([int(not promote)])[0]
         if promote:
             assert last is not None
