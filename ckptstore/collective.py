@@ -38,6 +38,9 @@ class Traffic:
         self.received = 0
         self.calls = 0
         self.by_role: dict[str, int] = {}
+        # Collectives by group role: at thousands of ranks each ring all-reduce is 2 x (ranks - 1)
+        # message steps however few its bytes, so their number is the latency to keep down.
+        self.calls_by_role: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def add(self, role: str, nbytes: int) -> None:
@@ -45,6 +48,7 @@ class Traffic:
             self.received += nbytes
             self.calls += 1
             self.by_role[role] = self.by_role.get(role, 0) + nbytes
+            self.calls_by_role[role] = self.calls_by_role.get(role, 0) + 1
 
 
 _traffic: Traffic | None = None

@@ -13,9 +13,17 @@ On the trainer's thread (:meth:`Pipeline.save`), the only part the training loop
 On the background loop, one step after another (the *fast* lane):
 
 4. *hash*: checksums of the staged copy, which every later copy of these bytes is checked against;
-5. *RAM commit*: gather every rank's part, build the step's manifest, commit it in every rank's RAM
-   tier (from here on a crash leaves this step restorable from RAM);
-6. *local*: write each rank's bytes to the local directory, commit there, apply retention.
+5. *RAM commit*: agree that every rank staged the step (one all-reduce), commit each rank's own
+   part in its RAM tier and agree on that (a flag): from here on a crash leaves this step
+   restorable from RAM (with the replica check on, every rank's part is gathered and each RAM
+   document holds the step's whole manifest);
+6. *local*: write each rank's bytes and node part to the local directory and agree that every
+   write landed (in a single-node job the directory's owner then commits the whole manifest, and
+   the ranks agree once more), apply retention.
+
+A steady save's agreements (after the first save of a structure) are all-reduces of a few int64s
+whose size does not depend on the number of ranks; only the durable coordinator receives every
+rank's part summary (docs/architecture.md, "The control plane at scale").
 
 Then, each in a lane of its own (a lane keeps one order of collectives on every rank, and neither
 holds up the next step's RAM and local commits):
@@ -877,9 +885,14 @@ class Pipeline:
             return part
 
         part = await concur_async(group, f"writing step {job.step} to the local tier", write)
+        if not self.local_single:
+            # Each rank's node part, written above, is its commit on its node, and the agreement
+            # said every one landed: a second agreement around a commit nobody makes would be one
+            # more ring all-reduce per save (2 x (ranks - 1) message steps) that decides nothing.
+            return part
 
         async def commit() -> None:
-            if self.local_single and self.local_owner:
+            if self.local_owner:
                 held = await asyncio.to_thread(gc_paused(local.node_parts), job.step)
                 body = await asyncio.to_thread(gc_paused(local_manifest), held, local.display(job.step),
                                                job=self.options.job, step=job.step, cadence=job.cadence)
@@ -963,7 +976,9 @@ class Pipeline:
         its RAM slot), in the durable lane; when some rank has no such copy (its node was replaced)
         the promotion waits for the next regular one. Collective; returns the promotion's future."""
         snap, source = self._restored_part(step)
-        if not all(self.groups.trainer.all_gather(snap is not None)):
+        # One all-reduced flag (does any rank lack its part?), not a gather of every rank's answer:
+        # the same decision everywhere, at a fixed size whatever the number of ranks.
+        if self.groups.trainer.max_int64([int(snap is None)])[0]:
             log.warning("ckptstore: step %d is not in the durable tier, and not every rank holds its part on this "
                         "node: it is promoted with the next save that goes to the durable tier", step)
             return None
@@ -1041,7 +1056,9 @@ class Pipeline:
         promote = (self.durable is not None and last is not None and last.step not in self._promoted
                    and self.errors.pending() is None)
         if self.world > 1:
-            promote = all(self.groups.trainer.all_gather(promote))
+            # Every rank must want it: one all-reduced flag (the MAX of "this rank does not"), whatever
+            # the world, not a gather of every rank's answer.
+            promote = not self.groups.trainer.max_int64([int(not promote)])[0]
         if promote:
             assert last is not None
             self.loop.submit(self._close_promote(last)).result()

@@ -1,0 +1,77 @@
+"""Rank bodies for tests/test_save_exchanges.py (real processes over gloo, spawned by
+dist_workers.spawn): what each rank receives through the store's collectives per steady save, at
+a restored step's promotion and at close."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+import ckptstore
+from ckptstore.collective import counting
+
+
+def _state(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)  # alike on every rank: each key written by one rank
+    state = {f"w{i}": torch.randn(4, 3, generator=g) for i in range(40)}
+    state[f"own{rank}"] = torch.randn(7, generator=torch.Generator().manual_seed(step * 10 + rank))
+    return state
+
+
+def exchanges_job(rank: int, world: int, name: str, root: str, out: str) -> None:
+    """Steps 1-4 saved (every rank its own node: a local directory of its own, one peer replica;
+    every second step promoted), steps 3 and 4 counted as steady saves; then step 3, which the
+    durable tier lacks, promoted as after a restore, and the store closed, each counted apart.
+    Writes ``out/w<world>-r<rank>.json``: bytes and collectives by group for each phase."""
+    local = os.path.join(root, f"local-{world}-{rank}")
+    durable = os.path.join(root, f"durable-{world}")
+    store = ckptstore.CheckpointStore(name, local=local, durable=durable, durable_every=2, keep_local=10,
+                                      peer_replicas=1, node=rank)
+    got: dict[str, dict[str, dict[str, float]]] = {}
+    saved = {}
+    for step in (1, 2, 3, 4):
+        state = _state(rank, step)
+        saved[step] = {k: v.clone() for k, v in state.items()}
+        if step >= 3:
+            with counting() as traffic:
+                handle = store.save(step, state)
+                for tier in ("local", "peer", "durable"):
+                    handle.wait(tier)
+            for role, n in traffic.by_role.items():
+                got.setdefault("steady", {}).setdefault(role, {"bytes": 0, "calls": 0})
+                got["steady"][role]["bytes"] += n / 2
+                got["steady"][role]["calls"] += traffic.calls_by_role[role] / 2
+        else:
+            store.save(step, state).wait("durable" if step == 2 else "local")
+    assert not os.path.exists(os.path.join(durable, "step-000000000003"))
+    with counting() as traffic:
+        promoted = store._pipeline.promote_restored(3, {"cadence": {"durable": 1, "peer": 0}})
+    got["promote"] = {r: {"bytes": n, "calls": traffic.calls_by_role[r]} for r, n in traffic.by_role.items()}
+    assert promoted is not None, rank  # every rank holds its part of step 3 on its node
+    assert promoted.result(timeout=120) == 3
+    # Step 1 as if rank 1's node had been replaced: no rank promotes it (each learns from the one
+    # flag that some rank lacks its part), and the durable tier is left as it was.
+    if rank == 1:
+        shutil.rmtree(os.path.join(local, "step-000000000001"))
+    assert 1 not in store.ram.steps_sync()  # steps 3 and 4 took the slots
+    assert store._pipeline.promote_restored(1, {"cadence": {"durable": 1, "peer": 0}}) is None, rank
+    with counting() as traffic:
+        store.close()
+    got["close"] = {r: {"bytes": n, "calls": traffic.calls_by_role[r]} for r, n in traffic.by_role.items()}
+    assert not os.path.exists(os.path.join(durable, "step-000000000001"))  # closed: nothing still on its way
+    with open(os.path.join(out, f"w{world}-r{rank}.json"), "w") as fh:
+        json.dump(got, fh)
+    # What was promoted and closed restores bitwise (the durable copy of step 3 included: a fresh
+    # store on a durable tier alone).
+    fresh = ckptstore.CheckpointStore(name, durable=durable)
+    try:
+        for step in (3, 4):
+            target = {k: torch.zeros_like(v) for k, v in saved[step].items()}
+            assert fresh.restore(target, step=step) == step
+            for k, v in saved[step].items():
+                assert torch.equal(target[k], v), (rank, step, k)
+    finally:
+        fresh.close()

@@ -1,0 +1,63 @@
+"""Issue 19: what a rank receives through the store's collectives must not grow with the number
+of ranks: per steady save (rank 0, the durable manifest's coordinator, excepted), at the promotion
+of a restored step and at close. Real processes over gloo at two and four ranks, each rank a node
+of its own (a local directory each, one peer replica), every second save promoted."""
+
+from __future__ import annotations
+
+import json
+
+import dist_workers
+import pytest
+from conftest import wipe_ram
+
+
+@pytest.fixture(scope="module")
+def received(tmp_path_factory):
+    root = tmp_path_factory.mktemp("save-exchanges")
+    out = root / "out"
+    out.mkdir()
+    for world in (2, 4):
+        name = f"test-save-exchanges-{world}-{root.name}"
+        try:
+            dist_workers.spawn(world, "save_exchange_workers:exchanges_job", root, name=name, root=str(root),
+                               out=str(out))
+        finally:
+            wipe_ram(name)
+    return {world: [json.loads((out / f"w{world}-r{r}.json").read_text()) for r in range(world)] for world in (2, 4)}
+
+
+def _seen(received, phase: str, role: str, what: str, ranks: slice = slice(None)) -> set[float]:
+    return {g[phase].get(role, {}).get(what, 0) for world in (2, 4) for g in received[world][ranks]}
+
+
+def test_a_steady_save_receives_the_same_bytes_on_every_rank_but_the_coordinator_at_two_and_four(received):
+    for role in ("trainer", "fast", "peer", "durable"):
+        seen = _seen(received, "steady", role, "bytes", slice(1, None))
+        assert len(seen) == 1 and seen.pop() > 0, (role, received)
+    # Rank 0 writes the durable manifest of the promoted step: the parts it receives are that manifest.
+    assert received[4][0]["steady"]["durable"]["bytes"] > received[2][0]["steady"]["durable"]["bytes"]
+
+
+def test_a_steady_save_issues_one_vote_and_three_fast_lane_collectives_at_any_size(received):
+    """Each ring all-reduce is 2 x (ranks - 1) message steps at any size: their number per save is
+    the latency a steady save pays at thousands of ranks. A job whose ranks each write a local
+    directory of their own commits the local tier with its write agreement alone."""
+    assert _seen(received, "steady", "trainer", "calls") == {1}, received
+    assert _seen(received, "steady", "fast", "calls") == {3}, received  # staging, RAM commit, local write
+    assert _seen(received, "steady", "peer", "calls") == {2}, received  # replicas written, committed
+    # Every second save promoted: written and committed, two flags per promotion (the coordinator
+    # also receives the part summaries).
+    assert _seen(received, "steady", "durable", "calls", slice(1, None)) == {1}, received
+
+
+def test_a_restored_step_is_promoted_after_one_all_reduced_flag_at_any_size(received):
+    seen = _seen(received, "promote", "trainer", "bytes")
+    assert len(seen) == 1 and seen.pop() > 0, received  # the job checked that step 3 landed and restores bitwise
+    assert _seen(received, "promote", "trainer", "calls") == {1}, received
+
+
+def test_close_agrees_on_the_last_promotion_with_one_all_reduced_flag_at_any_size(received):
+    seen = _seen(received, "close", "trainer", "bytes")
+    assert len(seen) == 1 and seen.pop() > 0, received
+    assert _seen(received, "close", "trainer", "calls") == {1}, received
