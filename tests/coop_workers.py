@@ -68,7 +68,7 @@ PLANS: list[Any] = []
 
 def _count_reads() -> None:
     """Count every byte a load reads from a chunk file (read_targets is the one read path), and keep
-    the cooperative plans made (the code before this change has none); once per process."""
+    this rank's part of each cooperative plan (the code before this change has none); once per process."""
     if getattr(_count_reads, "done", False):
         return
     _count_reads.done = True  # type: ignore[attr-defined]
@@ -82,14 +82,16 @@ def _count_reads() -> None:
         from ckptstore.checkpoint import coop
     except ImportError:  # the code before cooperative reads: the byte counts tell
         return
-    real_plan = coop.plan
+    # Each rank makes only its own part of the plan (coop.read returns it): its rounds and peak.
+    real_read = coop.read
 
-    def plan(*args: Any, **kwargs: Any) -> Any:
-        out = real_plan(*args, **kwargs)
-        PLANS.append(out)
+    def read(*args: Any, **kwargs: Any) -> Any:
+        out = real_read(*args, **kwargs)
+        if out is not None:
+            PLANS.append(out)
         return out
 
-    coop.plan = plan
+    coop.read = read
 
 
 def _total(n: int) -> int:
