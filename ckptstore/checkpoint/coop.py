@@ -364,9 +364,9 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
 
     # 1. The boxes this rank loads, to each tensor's coordinator.
     asks: dict[int, dict[str, list[Any]]] = {}
-    for i, t in enumerate(targets):
-        asks.setdefault(coordinator(t.key, world), {}).setdefault(t.key, []).append(
-            [i, list(t.box[0]), list(t.box[1])])
+    for i, target in enumerate(targets):
+        asks.setdefault(coordinator(target.key, world), {}).setdefault(target.key, []).append(
+            [i, list(target.box[0]), list(target.box[1])])
     got = group.send_bytes({c: _json(v) for c, v in asks.items()})
 
     # 2. Units of this rank's tensors, to their owners and needers.
