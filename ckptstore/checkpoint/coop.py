@@ -89,11 +89,8 @@ class Unit:
     needers: tuple[tuple[int, int, Box], ...]
     nbytes: int
     origin: tuple[int, ...] = ()  # the chunk's offsets
-
-    @property
-    def order(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-        """The unit's place in the one order every rank follows (a unit is a band of one chunk)."""
-        return self.key, self.origin, self.box[0]
+    # The unit's place in the one order every rank follows: (its coordinator, its number there).
+    order: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -155,10 +152,10 @@ def _bounding(boxes: list[Box]) -> Box:
 
 
 def units(manifest: Manifest, holders_by_key: dict[str, list[tuple[int, int, Box]]], world: int,
-          buffer_bytes: int, where: str = "", *, share_whole: bool = True) -> list[Unit]:
+          buffer_bytes: int, where: str = "", *, share_whole: bool = True, me: int = 0) -> list[Unit]:
     """The units and owners of the chunks that two or more ranks need, of the tensors in
     ``holders_by_key`` (key -> (rank, target index, box) of every rank loading a box of it): what
-    a coordinator decides for its tensors. Without ``share_whole``, a chunk that every rank
+    coordinator ``me`` decides for its tensors. Without ``share_whole``, a chunk that every rank
     needing it needs whole is read by each of them (see :func:`read`)."""
     half = max(1, buffer_bytes // 2)
     load: dict[int, int] = {}
@@ -209,7 +206,7 @@ def units(manifest: Manifest, holders_by_key: dict[str, list[tuple[int, int, Box
                 owner = min(need, key=lambda r: (-need[r], load.get(r, 0), (r - turn) % world))
                 nbytes = volume(box) * es
                 load[owner] = load.get(owner, 0) + nbytes
-                out.append(Unit(key, ci, box, owner, tuple(sub), nbytes, cbox[0]))
+                out.append(Unit(key, ci, box, owner, tuple(sub), nbytes, cbox[0], (me, len(out))))
     return out
 
 
@@ -258,9 +255,8 @@ def plan(manifest: Manifest, needs: list[Needs], buffer_bytes: int, where: str =
     for r, mine in enumerate(needs):
         for i, (key, box) in enumerate(mine):
             by_coordinator[coordinator(key, world)].setdefault(key, []).append((r, i, box))
-    planned = sorted((u for held in by_coordinator
-                      for u in units(manifest, held, world, buffer_bytes, where, share_whole=share_whole)),
-                     key=lambda u: u.order)
+    planned = [u for c, held in enumerate(by_coordinator)
+               for u in units(manifest, held, world, buffer_bytes, where, share_whole=share_whole, me=c)]
     owners: dict[int, set[int]] = {}
     for u in planned:
         for r, _i, _ov in u.needers:
@@ -375,29 +371,50 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
         for key, entries in json.loads(got[r]).items():
             holders.setdefault(key, []).extend((r, int(i), _box(lo, sz)) for i, lo, sz in entries)
     try:
-        planned = units(manifest, holders, world, buffer_bytes, where, share_whole=share_whole)
+        planned = units(manifest, holders, world, buffer_bytes, where, share_whole=share_whole, me=me)
     except CheckpointError:
         # The table names a dtype it cannot read: nothing is shared of these tensors (each needer
         # reads its own boxes, and meets the error there itself).
         planned = []
+    # The owner learns the whole unit; another rank its own entries, the owner and the chunk (the
+    # tensor is its target's, and the bytes its target's element size).
     tell: dict[int, list[Any]] = {}
     for u in planned:
         everyone = [[r, i, list(ov[0]), list(ov[1])] for r, i, ov in u.needers]
-        head = [u.key, list(u.origin), list(u.box[0]), list(u.box[1]), u.owner, u.nbytes]
-        for r in dict.fromkeys([u.owner] + [r for r, _i, _ov in u.needers]):
-            tell.setdefault(r, []).append(head + [everyone if r == u.owner else [e for e in everyone if e[0] == r]])
+        tell.setdefault(u.owner, []).append([u.order[1], u.key, list(u.origin), list(u.box[0]), list(u.box[1]),
+                                             everyone])
+        for r in dict.fromkeys(r for r, _i, _ov in u.needers if r != u.owner):
+            tell.setdefault(r, []).append([u.order[1], u.owner, list(u.origin),
+                                           [e[1:] for e in everyone if e[0] == r]])
     got = group.send_bytes({r: _json(v) for r, v in tell.items()})
     index: dict[str, dict[tuple[int, ...], int]] = {}
+
+    def chunk_of(key: str, origin: Any) -> tuple[int, tuple[int, ...]]:
+        chunks = index.get(key)
+        if chunks is None:
+            entry = manifest.tensors.get(key)
+            chunks = index[key] = {tuple(c.offsets): ci for ci, c in enumerate(entry.chunks)} if entry else {}
+        at = tuple(int(v) for v in origin)
+        return chunks.get(at, -1), at
+
     mine: list[Unit] = []
-    for r in sorted(got):
-        for key, origin, lo, sz, owner, nbytes, entries in json.loads(got[r]):
-            chunks = index.get(key)
-            if chunks is None:
-                entry = manifest.tensors.get(key)
-                chunks = index[key] = {tuple(c.offsets): ci for ci, c in enumerate(entry.chunks)} if entry else {}
-            origin = tuple(int(v) for v in origin)
-            mine.append(Unit(key, chunks.get(origin, -1), _box(lo, sz), int(owner),
-                             tuple((int(n), int(i), _box(olo, osz)) for n, i, olo, osz in entries), int(nbytes), origin))
+    for c in sorted(got):
+        for record in json.loads(got[c]):
+            if len(record) == 6:  # a unit this rank owns
+                n, key, origin, lo, sz, entries = record
+                box = _box(lo, sz)
+                es = element_size(dtype_from_name(manifest.tensors[key].dtype, where=where))
+                ci, at = chunk_of(key, origin)
+                mine.append(Unit(key, ci, box, me, tuple((int(r), int(i), _box(olo, osz)) for r, i, olo, osz in entries),
+                                 volume(box) * es, at, (c, int(n))))
+            else:
+                n, owner, origin, entries = record
+                needs = tuple((me, int(i), _box(olo, osz)) for i, olo, osz in entries)
+                key = targets[needs[0][1]].key
+                box = _bounding([ov for _r, _i, ov in needs])
+                ci, at = chunk_of(key, origin)
+                mine.append(Unit(key, ci, box, int(owner), needs, volume(box) * targets[needs[0][1]].local.element_size(),
+                                 at, (c, int(n))))
     mine.sort(key=lambda u: u.order)
     owned = [u for u in mine if u.owner == me]
     incoming = [u for u in mine if u.owner != me]
