@@ -741,10 +741,7 @@ def save(
                 result["shared"] = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
             result = {"ok": False, "error": f"rank {rank} ({socket.gethostname()}): {exc}"}
-        # Point to point, to rank 0 only: a gather pads every rank's message to the largest (the
-        # representative's, with the tree and tensor table), and makes every rank learn every size.
-        got = group.from_senders(result, list(range(group.world)))
-        results = [got[r] for r in range(group.world)] if rank == 0 else []
+        results = _to_coordinator(group, result)  # parts go to rank 0 only
 
         commit: Any = None
         if rank == 0:
@@ -794,6 +791,25 @@ def _undo(directory: Directory, group: Group, rank: int, created: list[str], wri
                 os.rmdir(path)
             except OSError:
                 pass  # not empty: something else lives there, leave it
+
+
+def _to_coordinator(group: Group, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``result`` on rank 0 (an empty list elsewhere), point to point: a gather pads
+    every rank's message to the largest (the representative's, with the tree and tensor table) and
+    makes every rank learn every rank's size. Torch's threaded process group (benchmarks run
+    thousands of ranks as threads on it) has no point-to-point messages: a gather there."""
+    if group.world == 1:
+        return [result]
+    import torch.distributed as dist
+
+    try:
+        threaded = str(dist.get_backend(group.pg)) == "threaded"
+    except (RuntimeError, ValueError):
+        threaded = False
+    if threaded:
+        return group.gather_to_root(result)
+    got = group.from_senders(result, list(range(group.world)))
+    return [got[r] for r in range(group.world)] if group.rank == 0 else []
 
 
 def _digests(group: Group, status: dict[str, Any]) -> list[str]:
