@@ -8,7 +8,10 @@ world size, so what it receives should be too. Counted with ``ckptstore.collecti
 (bytes as the transport carries them: an all-gather pads every rank's message to the largest).
 The worker is tests/coop_workers.py ``control_plane_job``, the one tests/test_coop_read.py runs.
 
-    python benchmarks/bench_coop_bytes.py --worlds 2 4 8 16
+    python benchmarks/bench_coop_bytes.py --worlds 2 4 6 8 10
+
+(Even worlds of at most 10: tests/dist_workers.py `spawn` compares its result files in name order,
+which puts ok-10 before ok-2.)
 
 Prints, per world, the bytes rank 0 (the save's coordinator) and the other ranks (the largest)
 receive, and the exponent in world size fitted over the worlds given (least squares, log-log),

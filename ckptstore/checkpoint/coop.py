@@ -226,7 +226,8 @@ def schedule(owned: list[Unit], me: int, caps: dict[int, int], buffer_bytes: int
     takes its first unit whatever its size."""
     half = max(1, buffer_bytes // 2)
     out: list[int] = []
-    t, cost, per = 0, 0, {}  # type: ignore[var-annotated]
+    t, cost = 0, 0
+    per: dict[int, int] = {}
     for u in owned:
         add = _slices(u, me)
         own = u.nbytes + sum(add.values())
