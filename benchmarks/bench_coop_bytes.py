@@ -24,9 +24,9 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import sys
 import tempfile
-import pathlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
