@@ -68,7 +68,7 @@ PLANS: list[Any] = []
 
 def _count_reads() -> None:
     """Count every byte a load reads from a chunk file (read_targets is the one read path), and keep
-    the cooperative plans made (the code before this change has none); once per process."""
+    this rank's part of each cooperative plan (the code before this change has none); once per process."""
     if getattr(_count_reads, "done", False):
         return
     _count_reads.done = True  # type: ignore[attr-defined]
@@ -82,14 +82,16 @@ def _count_reads() -> None:
         from ckptstore.checkpoint import coop
     except ImportError:  # the code before cooperative reads: the byte counts tell
         return
-    real_plan = coop.plan
+    # Each rank makes only its own part of the plan (coop.read returns it): its rounds and peak.
+    real_read = coop.read
 
-    def plan(*args: Any, **kwargs: Any) -> Any:
-        out = real_plan(*args, **kwargs)
-        PLANS.append(out)
+    def read(*args: Any, **kwargs: Any) -> Any:
+        out = real_read(*args, **kwargs)
+        if out is not None:
+            PLANS.append(out)
         return out
 
-    coop.plan = plan
+    coop.read = read
 
 
 def _total(n: int) -> int:
@@ -279,3 +281,51 @@ def restore_job(rank: int, world: int, tmp: str) -> None:
     assert step == 1, step
     _check(target, "restore into Shard(1)", rank)
     assert PLANS and PLANS[-1].rounds, "the restore did not read through the exchange"
+
+
+def _slab(key: int, rows: int, lo: int, n: int, cols: int) -> torch.Tensor:
+    """Rows [lo, lo + n) of tensor ``key`` of a job: values exact in float32, distinct per tensor."""
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) + 10_000 * key
+    return full[lo:lo + n].clone()
+
+
+def control_plane_job(rank: int, world: int, url: str, out: str, tensors: int = 200, plain: int = 20) -> None:
+    """What a rank receives through ckptstore's collectives in save_sharded, and in a load_sharded
+    resharded so that pairs of ranks share the rows of a saved slab, with ``plain`` replicated
+    tensors every rank loads whole: what each rank loads does not change with the (even) world, so
+    neither may what it receives. Writes ``<out>/rank-<r>.json``."""
+    import json
+
+    from ckptstore import collective
+
+    rows_per, cols = 2, 8
+    rows = rows_per * world
+    state: dict[str, Any] = {
+        f"t{j}": GlobalBox(_slab(j, rows, rank * rows_per, rows_per, cols), (rank * rows_per, 0), (rows, cols),
+                           torch.float32) for j in range(tensors)}
+    state.update({f"p{j}": _slab(tensors + j, 4, 0, 4, 4) for j in range(plain)})
+    state["step"] = 3
+    with collective.counting() as traffic:
+        ckptstore.save_sharded(state, url)
+    saved = traffic.received
+    dist.barrier()
+    # Ranks 2k and 2k + 1 cut their two saved slabs at the middle of the second: the even rank loads
+    # a slab and a half, the odd one half a slab, whatever the world (an even one), so every rank
+    # loads at 4 ranks what a rank loads at 2.
+    pair = rank // 2 * 2 * rows_per
+    lo, n = (pair, rows_per + rows_per // 2) if rank % 2 == 0 else (pair + rows_per + rows_per // 2, rows_per // 2)
+    target: dict[str, Any] = {f"t{j}": GlobalBox(torch.zeros(n, cols), (lo, 0), (rows, cols), torch.float32)
+                              for j in range(tensors)}
+    target.update({f"p{j}": torch.zeros(4, 4) for j in range(plain)})
+    target["step"] = 0
+    PLANS.clear()
+    with collective.counting() as traffic:
+        ckptstore.load_sharded(target, url)
+    loaded = traffic.received
+    assert target["step"] == 3
+    for j in range(tensors):
+        assert _equal(target[f"t{j}"].tensor, _slab(j, rows, lo, n, cols)), f"rank {rank}: t{j} differs"
+    for j in range(plain):
+        assert _equal(target[f"p{j}"], _slab(tensors + j, 4, 0, 4, 4)), f"rank {rank}: p{j} differs"
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as fh:
+        json.dump({"save": saved, "load": loaded}, fh)

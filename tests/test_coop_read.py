@@ -88,3 +88,26 @@ def test_a_restore_from_the_nodes_reads_whole_chunks_itself_and_shares_only_slic
     the_plan = coop.plan(manifest, columns, 1 << 30, share_whole=False)
     _covered(the_plan, columns, manifest)
     assert sum(the_plan.read_bytes) == rows * cols * 4
+
+
+def _received(tmp_path, world: int) -> list[dict]:
+    import json
+
+    out = tmp_path / f"traffic-{world}"
+    out.mkdir()
+    spawn(world, "coop_workers:control_plane_job", tmp_path, url=str(tmp_path / f"ckpt-{world}"), out=str(out))
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+def test_what_a_rank_receives_does_not_grow_with_the_world(tmp_path):
+    """Issue 19: a rank of a save or of a resharded load receives what concerns it, not every
+    rank's status, boxes or plan. Each rank saves and loads the same amount at 2 and at 4 ranks
+    (200 row-sharded tensors, pairs of ranks cutting their slabs anew, and 20 replicated ones),
+    so what a rank other than the save's coordinator receives stays put. Before, a save's
+    non-coordinator rank received every rank's status (and rank 0's verdicts through all-gathers),
+    and every rank of the load received every rank's boxes: about x3 from 2 ranks to 4."""
+    two, four = _received(tmp_path, 2), _received(tmp_path, 4)
+    save2, save4 = max(r["save"] for r in two[1:]), max(r["save"] for r in four[1:])
+    assert save4 <= save2 + 64, (save2, save4)
+    load2, load4 = max(r["load"] for r in two), max(r["load"] for r in four)
+    assert load4 <= 1.25 * load2 + 1024, (load2, load4, [r["load"] for r in four])

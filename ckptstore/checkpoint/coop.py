@@ -6,31 +6,49 @@ rows of two neighbours' slabs, every rank the whole of a replicated tensor. Read
 that is the whole checkpoint once per rank for ``Shard(1)`` (a column slice is not contiguous, so a
 rank reads the rows whole) and once per rank for replicated tensors.
 
-Here every rank learns the boxes every other rank loads (one all-gather, which is also the
-agreement to take part), and all compute the same plan from them and the manifest: each chunk
-that two or more ranks need is cut into *units* (the part of the chunk anyone needs, in bands of
-rows small enough for the round budget), each unit has one *owner* among the ranks that need it
-(the one needing most of it, then the one with the fewest bytes to read so far), the owner reads it
-through the load's ordinary read path (checksums verified), and the slices go to the other ranks
-in one ``all_to_all`` per round. Rounds are bounded so that on every rank what is read, sent and
-received in one round stays within ``buffer_bytes``. Chunks only one rank needs are read by that
-rank as before, after the rounds.
+No rank learns what every other rank loads: what a rank receives grows with what it loads, not
+with the world. Each tensor has a *coordinator* (a hash of its key over the ranks), and the plan
+is made in four exchanges, each an ``all_to_all`` of sizes and bytes (:meth:`Group.send_bytes`), so
+a rank receives only what is addressed to it:
 
-After each round's reads the ranks agree on the outcome (one all-reduced flag; the failures
-themselves are gathered only when there is one): a unit that its owner could not read (a checksum
-mismatch, a missing file) fails every rank that needed it with the owner's error (the same class,
-message, location and key), so a restore moves to the next copy as it does when a rank finds the
-damage itself; the ranks that needed none of it finish their load with their own reads.
+1. every rank sends the boxes it loads of each tensor to the tensor's coordinator;
+2. the coordinator cuts each chunk that two or more ranks need into *units* (the part of the chunk
+   anyone needs, in bands of rows small enough for the budget), gives each unit one *owner* among
+   the ranks that need it (the one needing most of it, then the one it gave the fewest bytes to
+   read so far, then a rotation by the key's hash, so that small tensors do not all go to one
+   rank), and tells each owner its units with every rank that needs a part, and each other rank
+   which owner brings what it needs;
+3. each rank tells the owners it receives from how many owners it receives from;
+4. each owner puts its units into rounds (below) and tells each rank the round of each unit it
+   brings it.
+
+Then, round by round, the owners read their units through the load's ordinary read path
+(checksums verified) and the slices travel in one ``all_to_all`` per round; all ranks follow one
+order of units (key, chunk, band), so what a rank sends another in a round is what that rank
+expects. Rounds are bounded without a global view: in each round an owner reads and sends at most
+half of ``buffer_bytes``, and sends a rank that receives from ``k`` owners at most half of
+``buffer_bytes`` over ``k``, so that what any rank reads, sends and receives in one round stays
+within ``buffer_bytes`` (a single band larger than its share is sent alone). Chunks only one rank
+needs are read by that rank as before, after the rounds.
+
+After each round's reads the ranks agree on the outcome (one all-reduced flag, which also says
+whether any rank has rounds left): a unit that its owner could not read (a checksum mismatch, a
+missing file) fails every rank that needed it with the owner's error (the same class, message,
+location and key), sent only to those ranks, so a restore moves to the next copy as it does when a
+rank finds the damage itself; the ranks that needed none of it finish their load with their own
+reads. Nothing exchanged is pickled: boxes and failures travel as JSON.
 
 Not taken when it cannot help or cannot run: a single rank, a process group whose backend carries
-no CPU tensors (NCCL alone), or a load in which no chunk is needed by two ranks (reads already
-disjoint). A rank that fails before reading (its state does not match the checkpoint) abstains, so
-every rank reads as before and none waits in the exchange.
+no CPU tensors (NCCL alone), or a mix of whole manifests and tables planned from an index (the
+coordinator cuts units from its own table). A rank that fails before reading (its state does not
+match the checkpoint) abstains, so every rank reads as before and none waits in the exchange.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,18 +79,26 @@ class ReadTarget:
 @dataclass(frozen=True)
 class Unit:
     """A part of one stored chunk that its owner reads for several ranks: ``needers`` are
-    (rank, index of the rank's target, the box of it inside this unit)."""
+    (rank, index of the rank's target, the box of it inside this unit): every rank that needs a
+    part, on the owner and in a whole plan; on another rank, that rank's own entries alone."""
 
     key: str
-    chunk: int
+    chunk: int  # the chunk's index in the table of the rank holding this Unit (-1: not in it)
     box: Box
     owner: int
     needers: tuple[tuple[int, int, Box], ...]
     nbytes: int
+    origin: tuple[int, ...] = ()  # the chunk's offsets
+    # The unit's place in the one order every rank follows: (its coordinator, its number there).
+    order: tuple[int, int] = (0, 0)
 
 
 @dataclass
 class Plan:
+    """A whole plan (:func:`plan`), or one rank's part of it (:func:`read`): there ``rounds`` holds
+    the units the rank reads or receives, and ``read_bytes`` and ``peak_bytes`` are zero but for
+    the rank's own entry."""
+
     rounds: list[list[Unit]]
     shared: set[tuple[str, int]]  # (key, chunk index) of every chunk read by units
     read_bytes: list[int]  # bytes each rank reads as an owner
@@ -98,11 +124,24 @@ def usable(group: Group) -> bool:
     return group.world > 1 and _backend_carries_cpu(group)
 
 
+
+# The first collective of a load, on a rank that reads and on one that abstains alike: (abstains,
+# holds a whole manifest, holds a table planned from its own part, holds another kind of table).
+def _opening(abstains: bool, planned: str = "") -> list[int]:
+    return [int(abstains), int(not abstains and planned == ""), int(not abstains and planned == "own"),
+            int(not abstains and planned not in ("", "own"))]
+
+
 def abstain(group: Group) -> None:
     """This rank does not load (it failed before reading): meet the others' first collective, so
     that they read on their own instead of waiting for it."""
     if usable(group):
-        group.all_gather(None)
+        group.max_int64(_opening(True))
+
+
+def coordinator(key: str, world: int) -> int:
+    """The rank that plans the units of tensor ``key`` (the same on every rank, without talking)."""
+    return zlib.crc32(key.encode()) % world
 
 
 def _bounding(boxes: list[Box]) -> Box:
@@ -112,24 +151,22 @@ def _bounding(boxes: list[Box]) -> Box:
     return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
-def plan(manifest: Manifest, needs: list[Needs], buffer_bytes: int, where: str = "", *,
-         share_whole: bool = True) -> Plan:
-    """The same plan on every rank: units, owners and rounds, from every rank's target boxes.
-    Without ``share_whole``, a chunk that every rank needing it needs whole is read by each of them
-    (see :func:`read`)."""
-    world = len(needs)
-    by_key: dict[str, list[tuple[int, int, Box]]] = {}
-    for r, mine in enumerate(needs):
-        for i, (key, box) in enumerate(mine):
-            by_key.setdefault(key, []).append((r, i, box))
-    units: list[tuple[str, int, Box, list[tuple[int, int, Box]], int]] = []
-    shared: set[tuple[str, int]] = set()
-    for key in sorted(by_key):
+def units(manifest: Manifest, holders_by_key: dict[str, list[tuple[int, int, Box]]], world: int,
+          buffer_bytes: int, where: str = "", *, share_whole: bool = True, me: int = 0) -> list[Unit]:
+    """The units and owners of the chunks that two or more ranks need, of the tensors in
+    ``holders_by_key`` (key -> (rank, target index, box) of every rank loading a box of it): what
+    coordinator ``me`` decides for its tensors. Without ``share_whole``, a chunk that every rank
+    needing it needs whole is read by each of them (see :func:`read`)."""
+    half = max(1, buffer_bytes // 2)
+    load: dict[int, int] = {}
+    out: list[Unit] = []
+    for key in sorted(holders_by_key):
         entry = manifest.tensors.get(key)
         if entry is None:
             continue
         es = element_size(dtype_from_name(entry.dtype, where=where))
-        holders = by_key[key]
+        holders = holders_by_key[key]
+        turn = zlib.crc32(key.encode())
         for ci, c in enumerate(entry.chunks):
             cbox = (tuple(c.offsets), tuple(c.sizes))
             over = [(r, i, ov) for r, i, b in holders if (ov := intersect(b, cbox)) is not None]
@@ -137,61 +174,119 @@ def plan(manifest: Manifest, needs: list[Needs], buffer_bytes: int, where: str =
                 continue
             if not share_whole and all((tuple(ov[0]), tuple(ov[1])) == cbox for _r, _i, ov in over):
                 continue
-            shared.add((key, ci))
             bbox = _bounding([ov for _r, _i, ov in over])
+            cut: list[tuple[Box, list[tuple[int, int, Box]]]] = []
             if c.codec != "raw" or not c.sizes or bbox[1][0] <= 1:
-                units.append((key, ci, bbox, over, volume(bbox) * es))
-                continue
-            # Bands of rows, so that a round of the largest unit (read once, and every needer's
-            # slice packed to be sent) fits the budget; band edges fall on the chunk's checksum
-            # blocks where a band spans several, so no block is read twice.
-            row = es * math.prod(bbox[1][1:])
-            sent = sum(es * math.prod(ov[1][1:]) for _r, _i, ov in over)
-            rows = max(1, buffer_bytes // max(1, row + sent))
-            chunk_row = es * math.prod(c.sizes[1:])
-            if c.block_size and chunk_row:
-                per_block = c.block_size // math.gcd(c.block_size, chunk_row)
-                if rows >= per_block:
-                    rows -= rows % per_block
-            first, end = bbox[0][0], bbox[0][0] + bbox[1][0]
-            start = first - (first - c.offsets[0]) % rows  # bands counted from the chunk's first row
-            for lo in range(start, end, rows):
-                band = ((max(lo, first),) + bbox[0][1:], (min(lo + rows, end) - max(lo, first),) + bbox[1][1:])
-                sub = [(r, i, ov) for r, i, b in over if (ov := intersect(b, band)) is not None]
-                if sub:
-                    units.append((key, ci, band, sub, volume(band) * es))
-    load = [0] * world
-    planned: list[Unit] = []
-    for key, ci, box, over, nbytes in units:
-        need: dict[int, int] = {}
-        for r, _i, ov in over:
-            need[r] = need.get(r, 0) + volume(ov)
-        owner = min(need, key=lambda r: (-need[r], load[r], r))
-        load[owner] += nbytes
-        planned.append(Unit(key, ci, box, owner, tuple(over), nbytes))
-    rounds: list[list[Unit]] = []
-    peak = [0] * world
-    cost = [0] * world
-    current: list[Unit] = []
-    for u in planned:
-        es = u.nbytes // max(1, volume(u.box))
-        add: dict[int, int] = {u.owner: u.nbytes}
-        for r, _i, ov in u.needers:
-            if r != u.owner:
-                n = _padded(volume(ov) * es)
-                add[u.owner] += n
-                add[r] = add.get(r, 0) + n
-        if current and any(cost[r] + n > buffer_bytes for r, n in add.items()):
-            rounds.append(current)
-            peak = [max(p, c) for p, c in zip(peak, cost)]
-            current, cost = [], [0] * world
-        current.append(u)
+                cut.append((bbox, over))
+            else:
+                # Bands of rows, so that a unit (read once, and every needer's slice packed to be
+                # sent) fits an owner's half of the budget; band edges fall on the chunk's checksum
+                # blocks where a band spans several, so no block is read twice.
+                row = es * math.prod(bbox[1][1:])
+                sent = sum(es * math.prod(ov[1][1:]) for _r, _i, ov in over)
+                rows = max(1, half // max(1, row + sent))
+                chunk_row = es * math.prod(c.sizes[1:])
+                if c.block_size and chunk_row:
+                    per_block = c.block_size // math.gcd(c.block_size, chunk_row)
+                    if rows >= per_block:
+                        rows -= rows % per_block
+                first, end = bbox[0][0], bbox[0][0] + bbox[1][0]
+                start = first - (first - c.offsets[0]) % rows  # bands counted from the chunk's first row
+                for lo in range(start, end, rows):
+                    band = ((max(lo, first),) + bbox[0][1:], (min(lo + rows, end) - max(lo, first),) + bbox[1][1:])
+                    sub = [(r, i, ov) for r, i, b in over if (ov := intersect(b, band)) is not None]
+                    if sub:
+                        cut.append((band, sub))
+            for box, sub in cut:
+                need: dict[int, int] = {}
+                for r, _i, ov in sub:
+                    need[r] = need.get(r, 0) + volume(ov)
+                # The coordinator sees only its own tensors' units: the rotation spreads the ties of
+                # tensors planned by different coordinators over the ranks instead of onto the lowest.
+                owner = min(need, key=lambda r: (-need[r], load.get(r, 0), (r - turn) % world))
+                nbytes = volume(box) * es
+                load[owner] = load.get(owner, 0) + nbytes
+                out.append(Unit(key, ci, box, owner, tuple(sub), nbytes, cbox[0], (me, len(out))))
+    return out
+
+
+def _slices(u: Unit, me: int) -> dict[int, int]:
+    """The bytes owner ``me`` sends each other rank for unit ``u`` (padded, as packed)."""
+    es = u.nbytes // max(1, volume(u.box))
+    out: dict[int, int] = {}
+    for r, _i, ov in u.needers:
+        if r != me:
+            out[r] = out.get(r, 0) + _padded(volume(ov) * es)
+    return out
+
+
+def schedule(owned: list[Unit], me: int, caps: dict[int, int], buffer_bytes: int) -> list[int]:
+    """The round of each of owner ``me``'s units (in the common order): a round reads and sends at
+    most half of ``buffer_bytes``, and sends rank ``r`` at most ``caps[r]``, except that a round
+    takes its first unit whatever its size."""
+    half = max(1, buffer_bytes // 2)
+    out: list[int] = []
+    t, cost = 0, 0
+    per: dict[int, int] = {}
+    for u in owned:
+        add = _slices(u, me)
+        own = u.nbytes + sum(add.values())
+        if out and (cost + own > half or any(per.get(r, 0) + n > caps.get(r, half) for r, n in add.items())):
+            t, cost, per = t + 1, 0, {}
+        out.append(t)
+        cost += own
         for r, n in add.items():
-            cost[r] += n
-    if current:
-        rounds.append(current)
-        peak = [max(p, c) for p, c in zip(peak, cost)]
-    return Plan(rounds, shared, load, peak, {"units": len(planned), "rounds": len(rounds)})
+            per[r] = per.get(r, 0) + n
+    return out
+
+
+def caps_of(owners_of: dict[int, int], buffer_bytes: int) -> dict[int, int]:
+    """What one owner may send rank ``r`` in a round, from the number of owners ``r`` receives from."""
+    half = max(1, buffer_bytes // 2)
+    return {r: max(1, half // max(1, k)) for r, k in owners_of.items()}
+
+
+def plan(manifest: Manifest, needs: list[Needs], buffer_bytes: int, where: str = "", *,
+         share_whole: bool = True) -> Plan:
+    """The plan of all ranks at once, from every rank's target boxes, as :func:`read` makes it
+    across the ranks (each coordinator the units of its tensors, each owner its rounds): for tests
+    and planning benchmarks, where one process plays every rank."""
+    world = len(needs)
+    by_coordinator: list[dict[str, list[tuple[int, int, Box]]]] = [{} for _ in range(world)]
+    for r, mine in enumerate(needs):
+        for i, (key, box) in enumerate(mine):
+            by_coordinator[coordinator(key, world)].setdefault(key, []).append((r, i, box))
+    planned = [u for c, held in enumerate(by_coordinator)
+               for u in units(manifest, held, world, buffer_bytes, where, share_whole=share_whole, me=c)]
+    owners: dict[int, set[int]] = {}
+    for u in planned:
+        for r, _i, _ov in u.needers:
+            if r != u.owner:
+                owners.setdefault(r, set()).add(u.owner)
+    caps = caps_of({r: len(o) for r, o in owners.items()}, buffer_bytes)
+    by_owner: dict[int, list[Unit]] = {}
+    for u in planned:
+        by_owner.setdefault(u.owner, []).append(u)
+    when: dict[int, int] = {}
+    for o, owned in by_owner.items():
+        for u, t in zip(owned, schedule(owned, o, caps, buffer_bytes)):
+            when[id(u)] = t
+    rounds: list[list[Unit]] = [[] for _ in range(max(when.values(), default=-1) + 1)]
+    read_bytes = [0] * world
+    cost: dict[tuple[int, int], int] = {}
+    for u in planned:
+        t = when[id(u)]
+        rounds[t].append(u)
+        read_bytes[u.owner] += u.nbytes
+        add = _slices(u, u.owner)
+        cost[(t, u.owner)] = cost.get((t, u.owner), 0) + u.nbytes + sum(add.values())
+        for r, n in add.items():
+            cost[(t, r)] = cost.get((t, r), 0) + n
+    peak = [0] * world
+    for (_t, r), n in cost.items():
+        peak[r] = max(peak[r], n)
+    shared = {(u.key, u.chunk) for u in planned}
+    return Plan(rounds, shared, read_bytes, peak, {"units": len(planned), "rounds": len(rounds)})
 
 
 def _padded(n: int) -> int:
@@ -208,8 +303,10 @@ def _region(t: torch.Tensor, box: Box, inner: Box) -> torch.Tensor:
 def _describe(exc: BaseException) -> dict[str, Any]:
     kind = ("corrupt" if isinstance(exc, CorruptCheckpointError) else "missing" if isinstance(exc, CheckpointNotFoundError)
             else "storage" if isinstance(exc, OSError) else "other")
-    return {"kind": kind, "message": str(exc), "location": getattr(exc, "location", None),
-            "key": getattr(exc, "key", None), "errno": getattr(exc, "errno", None)}
+    errno = getattr(exc, "errno", None)
+    location, key = getattr(exc, "location", None), getattr(exc, "key", None)
+    return {"kind": kind, "message": str(exc), "location": location if isinstance(location, str) else None,
+            "key": key if isinstance(key, str) else None, "errno": errno if isinstance(errno, int) else None}
 
 
 def _relayed(record: dict[str, Any], owner: int) -> CheckpointError:
@@ -229,116 +326,224 @@ def _failed_units(round_units: list[Unit], owner: int, record: dict[str, Any], m
     them, else every unit it was to read in the round."""
     mine = [u for u in round_units if u.owner == owner]
     key, location = record.get("key"), record.get("location") or ""
-    named = [u for u in mine if u.key == key and (manifest.tensors[u.key].chunks[u.chunk].file or "") in location]
+    named = [u for u in mine if u.key == key and u.chunk >= 0
+             and (manifest.tensors[u.key].chunks[u.chunk].file or "") in location]
     return named or mine
+
+
+def _box(lo: Any, sizes: Any) -> Box:
+    return tuple(int(v) for v in lo), tuple(int(v) for v in sizes)
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_bytes: int,
          read_direct: Callable[[list[ReadTarget]], None], where: str = "", *, share_whole: bool = True) -> Plan | None:
     """Fill ``targets`` (this rank's boxes) cooperatively; ``read_direct`` is the load's own read
     path (verified reads of the given boxes). Collective: every rank of ``group`` calls this or
-    :func:`abstain`. Returns the plan, or None where each rank read on its own.
+    :func:`abstain`. Returns this rank's part of the plan, or None where each rank read on its own.
 
     ``share_whole=False`` (alike on every rank) leaves out chunks that every rank needing them needs
     whole, a replicated tensor or the same layout as saved: a store's restore from node tiers, where
     each node holds its own copy (or fetched it already) and reading it is a memory copy, which an
     exchange over the process group only slows down."""
-    mine: Needs = [(t.key, (tuple(t.box[0]), tuple(t.box[1]))) for t in targets]
-    answers = group.all_gather((manifest.planned, mine))
-    if any(n is None for n in answers):
-        read_direct(targets)  # a rank abstained: nobody exchanges
-        return None
-    # Every rank computes the plan from its own chunk table: the tables must agree on every chunk
-    # a plan can share. Whole manifests do; so do tables planned from an index where each rank's
-    # sharded chunks are its own part's (no other rank's box reaches into them, so no such chunk is
-    # ever shared). A mix (some rank read other writers' parts: a resharded load from an index)
-    # would give ranks different plans: each then reads its own boxes.
-    kinds = {kind for kind, _needs in answers}
-    if kinds not in ({""}, {"own"}):
+    me, world = group.rank, group.world
+    opening = group.max_int64(_opening(False, manifest.planned))
+    # A coordinator cuts units from its own table: the tables must agree on every chunk a unit can
+    # come from. Whole manifests do; so do tables planned from an index where each rank's sharded
+    # chunks are its own part's (no other rank's box reaches into them, so no such chunk is ever
+    # shared). A mix, or tables of the writers' parts, read each rank's boxes on its own.
+    if opening[0] or opening[3] or (opening[1] and opening[2]):
         read_direct(targets)
         return None
-    gathered = [needs for _kind, needs in answers]
-    the_plan = plan(manifest, gathered, buffer_bytes, where, share_whole=share_whole)
-    if not the_plan.rounds:
-        read_direct(targets)  # reads are disjoint already
-        return None
-    me = group.rank
-    for units in the_plan.rounds:
-        failure = _round(group, manifest, units, targets, read_direct)
-        if failure is not None:
-            owner_errors, local = failure
-            if local is not None:
-                raise local
-            for owner, record in sorted(owner_errors.items()):
-                hit = _failed_units(units, owner, record, manifest)
-                if any(r == me for u in hit for r, _i, _ov in u.needers):
-                    raise _relayed(record, owner)
-            # Nothing this rank needs was lost: it reads all of its boxes itself (an error path;
-            # the rounds stop on every rank).
-            read_direct(targets)
+
+    # 1. The boxes this rank loads, to each tensor's coordinator.
+    asks: dict[int, dict[str, list[Any]]] = {}
+    for i, target in enumerate(targets):
+        asks.setdefault(coordinator(target.key, world), {}).setdefault(target.key, []).append(
+            [i, list(target.box[0]), list(target.box[1])])
+    got = group.send_bytes({c: _json(v) for c, v in asks.items()})
+
+    # 2. Units of this rank's tensors, to their owners and needers.
+    holders: dict[str, list[tuple[int, int, Box]]] = {}
+    for r in sorted(got):
+        for key, entries in json.loads(got[r]).items():
+            holders.setdefault(key, []).extend((r, int(i), _box(lo, sz)) for i, lo, sz in entries)
+    try:
+        planned = units(manifest, holders, world, buffer_bytes, where, share_whole=share_whole, me=me)
+    except CheckpointError:
+        # The table names a dtype it cannot read: nothing is shared of these tensors (each needer
+        # reads its own boxes, and meets the error there itself).
+        planned = []
+    # The owner learns the whole unit; another rank its own entries, the owner and the chunk (the
+    # tensor is its target's, and the bytes its target's element size).
+    tell: dict[int, list[Any]] = {}
+    for u in planned:
+        everyone = [[r, i, list(ov[0]), list(ov[1])] for r, i, ov in u.needers]
+        tell.setdefault(u.owner, []).append([u.order[1], u.key, list(u.origin), list(u.box[0]), list(u.box[1]),
+                                             everyone])
+        for r in dict.fromkeys(r for r, _i, _ov in u.needers if r != u.owner):
+            tell.setdefault(r, []).append([u.order[1], u.owner, list(u.origin),
+                                           [e[1:] for e in everyone if e[0] == r]])
+    got = group.send_bytes({r: _json(v) for r, v in tell.items()})
+    index: dict[str, dict[tuple[int, ...], int]] = {}
+
+    def chunk_of(key: str, origin: Any) -> tuple[int, tuple[int, ...]]:
+        chunks = index.get(key)
+        if chunks is None:
+            entry = manifest.tensors.get(key)
+            chunks = index[key] = {tuple(c.offsets): ci for ci, c in enumerate(entry.chunks)} if entry else {}
+        at = tuple(int(v) for v in origin)
+        return chunks.get(at, -1), at
+
+    mine: list[Unit] = []
+    for c in sorted(got):
+        for record in json.loads(got[c]):
+            if len(record) == 6:  # a unit this rank owns
+                n, key, origin, lo, sz, entries = record
+                box = _box(lo, sz)
+                es = element_size(dtype_from_name(manifest.tensors[key].dtype, where=where))
+                ci, at = chunk_of(key, origin)
+                mine.append(Unit(key, ci, box, me, tuple((int(r), int(i), _box(olo, osz)) for r, i, olo, osz in entries),
+                                 volume(box) * es, at, (c, int(n))))
+            else:
+                n, owner, origin, entries = record
+                needs = tuple((me, int(i), _box(olo, osz)) for i, olo, osz in entries)
+                key = targets[needs[0][1]].key
+                box = _bounding([ov for _r, _i, ov in needs])
+                ci, at = chunk_of(key, origin)
+                mine.append(Unit(key, ci, box, int(owner), needs, volume(box) * targets[needs[0][1]].local.element_size(),
+                                 at, (c, int(n))))
+    mine.sort(key=lambda u: u.order)
+    owned = [u for u in mine if u.owner == me]
+    incoming = [u for u in mine if u.owner != me]
+
+    # 3. How many owners this rank receives from, to each of them: each keeps its share of the budget.
+    senders = sorted({u.owner for u in incoming})
+    got = group.send_bytes({o: _json(len(senders)) for o in senders})
+    caps = caps_of({r: int(json.loads(v)) for r, v in got.items()}, buffer_bytes)
+
+    # 4. The round of each unit, from its owner to the ranks it brings bytes to.
+    rounds_owned = schedule(owned, me, caps, buffer_bytes)
+    told: dict[int, list[int]] = {}
+    for u, t in zip(owned, rounds_owned):
+        for r in dict.fromkeys(r for r, _i, _ov in u.needers if r != me):
+            told.setdefault(r, []).append(t)
+    got = group.send_bytes({r: _json(v) for r, v in told.items()})
+    local: BaseException | None = None
+    rounds_in: list[int] = []
+    from_owner = {o: [int(t) for t in json.loads(v)] for o, v in got.items()}
+    for o in senders:
+        theirs = [u for u in incoming if u.owner == o]
+        when = from_owner.get(o, [])
+        if len(when) != len(theirs):
+            local = CheckpointError(f"{where}: rank {o} scheduled {len(when)} units for this rank, which expects "
+                                    f"{len(theirs)} (ranks planned from different tables)")
+            when = [0] * len(theirs)
+        rounds_in.extend(when)
+    incoming = [u for o in senders for u in incoming if u.owner == o]
+    the_plan = _local_plan(me, world, owned, rounds_owned, incoming, rounds_in)
+
+    last = max(rounds_owned + rounds_in, default=-1)
+    t = 0
+    while True:
+        now = [u for u, r in zip(owned, rounds_owned) if r == t]
+        bufs: dict[int, torch.Tensor] = {}
+        if local is None and now:
+            try:
+                for n, u in enumerate(now):
+                    bufs[n] = torch.empty(u.box[1], dtype=dtype_from_name(manifest.tensors[u.key].dtype, where=u.key))
+                read_direct([ReadTarget(u.key, [], bufs[n], u.box) for n, u in enumerate(now)])
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below; none may be left waiting
+                local = exc
+        failed, active = group.max_int64([int(local is not None), int(t <= last)])
+        if failed:
+            _fail(group, manifest, now, local)
+            read_direct(targets)  # nothing this rank needs was lost: it reads all of its boxes itself
             return the_plan
+        if not active:
+            break
+        _exchange(group, [(u, bufs[n]) for n, u in enumerate(now)],
+                  [u for u, r in zip(incoming, rounds_in) if r == t], targets)
+        t += 1
     _read_solo(manifest, targets, the_plan.shared, read_direct)
     return the_plan
 
 
-def _round(group: Group, manifest: Manifest, units: list[Unit], targets: list[ReadTarget],
-           read_direct: Callable[[list[ReadTarget]], None]) -> tuple[dict[int, dict[str, Any]], BaseException | None] | None:
-    """One round: read what this rank owns, agree that every read succeeded, exchange the slices.
-    Returns None on success, else (failure of each failing owner, this rank's own error)."""
-    me, world = group.rank, group.world
-    owned = [u for u in units if u.owner == me]
-    bufs: dict[int, torch.Tensor] = {}
-    for n, u in enumerate(units):
-        if u.owner == me:
-            dtype = dtype_from_name(manifest.tensors[u.key].dtype, where=u.key)
-            bufs[n] = torch.empty(u.box[1], dtype=dtype)
-    local: BaseException | None = None
-    try:
-        if owned:
-            read_direct([ReadTarget(u.key, [], bufs[n], u.box) for n, u in enumerate(units) if u.owner == me])
-    except Exception as exc:  # noqa: BLE001 - every rank learns it below; none may be left waiting
-        local = exc
-    if group.max_int64([0 if local is None else 1])[0]:
-        records = group.all_gather(None if local is None else _describe(local))
-        return {r: rec for r, rec in enumerate(records) if rec is not None}, local
-    send_sizes, recv_sizes = [0] * world, [0] * world
-    for u in units:
+def _local_plan(me: int, world: int, owned: list[Unit], rounds_owned: list[int], incoming: list[Unit],
+                rounds_in: list[int]) -> Plan:
+    """This rank's part of the plan: its units by round, what it reads, and its fullest round."""
+    count = max(rounds_owned + rounds_in, default=-1) + 1
+    rounds: list[list[Unit]] = [[] for _ in range(count)]
+    cost = [0] * count
+    for u, t in zip(owned, rounds_owned):
+        rounds[t].append(u)
+        cost[t] += u.nbytes + sum(_slices(u, me).values())
+    for u, t in zip(incoming, rounds_in):
+        rounds[t].append(u)
         es = u.nbytes // max(1, volume(u.box))
-        for r, _i, ov in u.needers:
-            n = _padded(volume(ov) * es)
-            if u.owner == me and r != me:
-                send_sizes[r] += n
-            elif r == me and u.owner != me:
-                recv_sizes[u.owner] += n
+        cost[t] += sum(_padded(volume(ov) * es) for r, _i, ov in u.needers if r == me)
+    for units_t in rounds:
+        units_t.sort(key=lambda u: u.order)
+    read_bytes, peak = [0] * world, [0] * world
+    read_bytes[me] = sum(u.nbytes for u in owned)
+    peak[me] = max(cost, default=0)
+    shared = {(u.key, u.chunk) for u in owned + incoming if u.chunk >= 0}
+    return Plan(rounds, shared, read_bytes, peak, {"units": len(owned) + len(incoming), "rounds": count})
+
+
+def _fail(group: Group, manifest: Manifest, now: list[Unit], local: BaseException | None) -> None:
+    """A round failed somewhere: each owner that failed tells the ranks that needed its lost units
+    (only those), and raises its own error; a rank told raises the owner's error; others return."""
+    me = group.rank
+    messages: dict[int, bytes] = {}
+    if local is not None:
+        record = _describe(local)
+        hit = {r for u in _failed_units(now, me, record, manifest) for r, _i, _ov in u.needers if r != me}
+        messages = {r: _json(record) for r in hit}
+    got = group.send_bytes(messages)
+    if local is not None:
+        raise local
+    for owner in sorted(got):
+        raise _relayed(json.loads(got[owner]), owner)
+
+
+def _exchange(group: Group, read: list[tuple[Unit, torch.Tensor]], incoming: list[Unit],
+              targets: list[ReadTarget]) -> None:
+    """One round's slices: each owner's read units to the ranks needing them (its own part copied
+    in place), packed for each rank in the common order of units, in one all_to_all."""
+    me, world = group.rank, group.world
+    send_sizes, recv_sizes = [0] * world, [0] * world
+    for u, _buf in read:
+        for r, n in _slices(u, me).items():
+            send_sizes[r] += n
+    for u in incoming:
+        es = u.nbytes // max(1, volume(u.box))
+        recv_sizes[u.owner] += sum(_padded(volume(ov) * es) for _r, _i, ov in u.needers)
     send = torch.empty(sum(send_sizes), dtype=torch.uint8)
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
     pos = [sum(send_sizes[:r]) for r in range(world)]
-    for n, u in enumerate(units):
-        if u.owner != me:
-            continue
+    for u, buf in read:
         for r, i, ov in u.needers:
-            part = _region(bufs[n], u.box, ov)
+            part = _region(buf, u.box, ov)
             if r == me:
                 _region(targets[i].local, targets[i].box, ov).copy_(part)
                 continue
             nb = part.numel() * part.element_size()
             send[pos[r]:pos[r] + nb].view(part.dtype).view(part.shape).copy_(part)
             pos[r] += _padded(nb)
-    bufs.clear()
+    read.clear()
     group.all_to_all(recv, send, recv_sizes, send_sizes)  # every rank, even one with nothing to move
     at = [sum(recv_sizes[:r]) for r in range(world)]
-    for u in units:
-        if u.owner == me:
-            continue
-        for r, i, ov in u.needers:
-            if r != me:
-                continue
+    for u in incoming:
+        for _r, i, ov in u.needers:
             t = targets[i]
             nb = volume(ov) * t.local.element_size()
             src = recv[at[u.owner]:at[u.owner] + nb].view(t.local.dtype).view(ov[1])
             _region(t.local, t.box, ov).copy_(src)
             at[u.owner] += _padded(nb)
-    return None
 
 
 def _read_solo(manifest: Manifest, targets: list[ReadTarget], shared: set[tuple[str, int]],

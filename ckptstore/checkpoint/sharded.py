@@ -710,16 +710,16 @@ def save(
             verdict = str(exc)
         except OSError as exc:
             verdict = f"cannot prepare {directory.display}: {exc}"
-    verdict = group.all_gather(verdict)[0]
+    verdict = group.broadcast(verdict)
     if verdict is not None:
         raise CheckpointError(verdict)
     if rank != 0 and directory.base.path is not None:
         directory.makedirs()
 
     # Planning is local: which boxes this rank writes follows from its own boxes and placements
-    # (see my_writes); the ranks exchange a digest of what they hold, and only when the digests
-    # differ (pipeline stages, experts) the representatives' tables (agree_structure), so the cost
-    # does not grow with ranks x tensors.
+    # (see my_writes); the ranks check that they hold one structure with one all-reduce of its
+    # digest (_digests), and only when the digests differ (pipeline stages, experts) exchange them
+    # and the representatives' tables (agree_structure), so the cost does not grow with the ranks.
     status: dict[str, Any]
     try:
         local = collect(state, rank, encode_per_rank)
@@ -728,9 +728,8 @@ def save(
         status = {"ok": False, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
     written: list[str] = []  # the files this rank wrote: a failed or losing save removes these, no others
     try:
-        gathered = group.all_gather(status)
-        _raise_if_failed(gathered)
-        structure = agree_structure(group, local, [g["digest"] for g in gathered])
+        digests = _digests(group, status)  # raises where some rank could not collect its state
+        structure = agree_structure(group, local, digests)
         mine = my_writes(local, group.world, rank, same=structure.same, skip=structure.skip)
         t_plan = time.perf_counter()
 
@@ -742,7 +741,7 @@ def save(
                 result["shared"] = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather, or the others hang
             result = {"ok": False, "error": f"rank {rank} ({socket.gethostname()}): {exc}"}
-        results = group.gather_to_root(result)  # parts go to rank 0 only
+        results = _to_coordinator(group, result)  # parts go to rank 0 only
 
         commit: Any = None
         if rank == 0:
@@ -764,7 +763,7 @@ def save(
                 commit = {"exists": True}
             except Exception as exc:  # noqa: BLE001 - the other ranks wait for this verdict
                 commit = str(exc) if str(exc).startswith("save_sharded failed") else f"rank 0 could not commit {directory.display}: {exc}"
-        commit = group.all_gather(commit)[0]
+        commit = group.broadcast(commit)
         if isinstance(commit, dict):
             raise CheckpointExistsError(
                 f"{directory.display} was committed by another writer while this save wrote it; this save's files "
@@ -785,13 +784,50 @@ def _undo(directory: Directory, group: Group, rank: int, created: list[str], wri
             directory.remove(rel)
         except OSError:
             pass  # the error being raised says more than this one
-    group.all_gather(None)  # every rank's files are gone before rank 0 removes the directories
+    group.max_int64([0])  # a barrier: every rank's files are gone before rank 0 removes the directories
     if rank == 0 and directory.base.path is not None:
         for path in created:  # deepest first
             try:
                 os.rmdir(path)
             except OSError:
                 pass  # not empty: something else lives there, leave it
+
+
+def _to_coordinator(group: Group, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``result`` on rank 0 (an empty list elsewhere), point to point: a gather pads
+    every rank's message to the largest (the representative's, with the tree and tensor table) and
+    makes every rank learn every rank's size. Torch's threaded process group (benchmarks run
+    thousands of ranks as threads on it) has no point-to-point messages: a gather there."""
+    if group.world == 1:
+        return [result]
+    import torch.distributed as dist
+
+    try:
+        threaded = str(dist.get_backend(group.pg)) == "threaded"
+    except (RuntimeError, ValueError):
+        threaded = False
+    if threaded:
+        return group.gather_to_root(result)
+    got = group.from_senders(result, list(range(group.world)))
+    return [got[r] for r in range(group.world)] if group.rank == 0 else []
+
+
+def _digests(group: Group, status: dict[str, Any]) -> list[str]:
+    """Every rank's structure digest, or the CheckpointError of the ranks that failed to collect
+    their state. One all-reduce of a flag and of 63 bits of the digest (negated too, for the
+    minimum) settles the usual case, every rank of one structure, whatever the number of ranks;
+    only a failure, or ranks of several structures (pipeline stages, experts), gathers what every
+    rank holds."""
+    if group.world == 1:
+        _raise_if_failed([status])
+        return [status["digest"]]
+    mark = int(hashlib.sha256(status["digest"].encode()).hexdigest()[:16], 16) >> 1 if status["ok"] else 0
+    failed, high, low = group.max_int64([0 if status["ok"] else 1, mark, -mark])
+    if failed:
+        _raise_if_failed(group.all_gather(status))
+    if high == -low:
+        return [status["digest"]] * group.world
+    return [g["digest"] for g in group.all_gather(status)]
 
 
 def _raise_if_failed(statuses: list[dict[str, Any]]) -> None:
