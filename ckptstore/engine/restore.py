@@ -87,13 +87,16 @@ class Found:
     """What :meth:`Restorer.newest` found: the step loaded (None: none) and the tiers it came from;
     ``dead``: the newer steps that could not be restored because they are incomplete
     (the store drops their node copies); ``uncounted``: those of them no tier outside the nodes
-    lists, which no longer count as saved; ``counted``: the newest step held that still counts."""
+    lists, which no longer count as saved; ``counted``: the newest step held that still counts;
+    ``newer``: every step held that is newer than the one loaded (all of them when none was), each
+    of which was tried and failed, whatever the reason: the branch of history the restore left."""
 
     step: int | None
     tiers: str = ""
     dead: list[int] = field(default_factory=list)
     uncounted: set[int] = field(default_factory=set)
     counted: int | None = None
+    newer: list[int] = field(default_factory=list)
 
 
 class Restorer:
@@ -272,7 +275,9 @@ class Restorer:
         # one that failed for another reason (an I/O error, a peer that did not answer) may be complete.
         dead = sorted(s for s, v in verdicts.items() if v == _MISSING)
         uncounted = set(dead) - durable
-        return Found(step, tiers, dead, uncounted, max((c for c in candidates if c not in uncounted), default=None))
+        newer = sorted(c for c in candidates if step is None or c > step)
+        return Found(step, tiers, dead, uncounted, max((c for c in candidates if c not in uncounted), default=None),
+                     newer)
 
     def exact(self, state: Any, step: int, per_rank: str) -> str:
         """Load exactly ``step`` into ``state``, never another one; returns the tiers it came from.

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._aio import LoopThread
+from .._aio import LoopThread, run_sync
 from .._gc import gc_paused
 from ..collective import Group, StoreGroups, store_groups
 from ..errors import CheckpointError, InvalidArgumentError
@@ -412,12 +412,14 @@ class CheckpointStore:
             self._settle()  # after the restore took the durable listing: it is known by then
             last = self._pipeline.last_step
             found, tiers = result.step, result.tiers
-            if result.dead:
-                self._drop_dead_branch(result.dead, found)
-            if last is not None and last in result.uncounted:
-                # What the store counted as saved was the dead branch: a save may use those numbers
-                # again. A newer step that failed for another reason (an I/O error) still counts.
-                last = result.counted
+            if result.newer:
+                # The job goes on from the step loaded: every newer step held is a dead branch,
+                # whatever kept it from loading (a part lost with a node, damaged bytes, a copy that
+                # could not be read), and its numbers are the new branch's to save. Only a step some
+                # tier still holds (its removal failed) keeps counting: a new save of it beside the
+                # old copy could be shadowed by it, or mixed with it, on a later restore.
+                kept = self._drop_dead_branch(result.newer, found, incomplete=result.dead)
+                last = max(kept, default=found)
                 if found is None:
                     self._pipeline.last_step = last
                     self._pipeline.resume({}, durable_holds_it=False)  # the cadence was the dead branch's
@@ -445,16 +447,20 @@ class CheckpointStore:
             self._pipeline.promote_restored(found, meta)
         return found
 
-    def _drop_dead_branch(self, dead: list[int], restored: int | None) -> None:
-        """Remove this rank's node-tier copies of ``dead``, steps newer than the one restored that
-        cannot be restored: never restored later in place of a newer save, never counted as saved,
-        and never beside a new save of the same number. Collective: no rank saves before every
-        rank's node is clean (a directory shared by a node's ranks is cleaned by its owner).
+    def _drop_dead_branch(self, dead: list[int], restored: int | None, *, incomplete: list[int]) -> list[int]:
+        """Remove every copy of ``dead``, the steps newer than the one restored (all of them when
+        none was), from every tier: this rank's RAM slots and the peer replicas it holds, its node's
+        local directory and replicas on disk (by the rank that owns that directory), and the durable
+        tier (rank 0). Returns the steps some rank could not remove from some tier (the same list
+        on every rank): they still count as saved. Collective: no rank saves before every tier is
+        clean, so no new copy of a step lies beside an old one, and a crash meanwhile restarts from
+        the restored step, or from an old copy when nothing of the new branch was committed yet.
 
-        The durable tier is left alone: a durable copy is complete, or it would have been restored
-        (damaged bytes there are the operator's to inspect, and the step stays counted)."""
+        The restored step and older ones are never touched. ``incomplete``: those of ``dead`` the
+        restore found incomplete (a part lost with a node); the others failed otherwise (damaged
+        bytes, whose details the restore's warnings gave, or a copy that could not be read)."""
         owner = self.local is not None and self.local.manifest_writer
-        ram, peer = self.ram, self.peer
+        ram, peer, durable = self.ram, self.peer, self.durable
         assert ram is not None and peer is not None
         listings: list[tuple[str, Callable[[], set[int]], Callable[[int], None]]] = [
             ("ram", lambda: set(ram.steps_sync()), ram.remove_sync),
@@ -464,24 +470,42 @@ class CheckpointStore:
             assert self.local is not None
             listings += [("local", self.local.node_steps, self.local.remove_sync),
                          ("peer replicas on disk", peer.disk_steps, peer.remove_from_disk)]
+        if durable is not None and durable.manifest_writer:
+            self._swept()  # the start's sweep of the durable tier, over before anything is removed there
+            # Listed from the oldest dead step on: on an object store each step is a request.
+            listings.append(("durable", lambda: set(run_sync(durable.steps(since=min(dead)))), durable.remove_sync))
         dropped: list[str] = []
+        failed: set[int] = set()
         for name, listed, remove in listings:
             try:
                 held = sorted(set(dead) & listed())
-                for step in held:
-                    remove(step)
             except (CheckpointError, OSError) as exc:
-                log.warning("ckptstore: cannot drop steps %s, which cannot be restored, from the %s tier (a new save "
-                            "of one of them may fail): %s", dead, name, exc)
+                log.warning("ckptstore: cannot list the %s tier to drop steps %s, newer than the one restored, from "
+                            "it: they still count as saved, and the job saves only steps after them: %s",
+                            name, dead, exc)
+                failed.update(dead)
                 continue
-            dropped += [f"step {step} in {name}" for step in held]
+            for step in held:
+                try:
+                    remove(step)
+                except (CheckpointError, OSError) as exc:
+                    log.warning("ckptstore: cannot drop step %d, newer than the one restored, from the %s tier: it "
+                                "still counts as saved, and the job saves only steps after it: %s", step, name, exc)
+                    failed.add(step)
+                    continue
+                dropped.append(f"step {step} in {name}")
         if dropped:
             what = f"step {dead[0]}" if len(dead) == 1 else "steps " + ", ".join(map(str, dead))
-            log.warning("ckptstore: %s cannot be restored (%s): a dead branch; rank %d dropped this node's copies (%s), "
-                        "so that the job can save %s again", what,
+            why = ("incomplete" if set(dead) <= set(incomplete)
+                   else "could not be restored" if not incomplete
+                   else f"could not be restored ({', '.join(map(str, incomplete))} incomplete)")
+            log.warning("ckptstore: %s %s (%s): a dead branch; rank %d dropped its copies (%s), so that the job "
+                        "can save %s again", what, why,
                         "no step could be" if restored is None else f"the restore loaded step {restored}", self.rank,
                         ", ".join(dropped), "that step" if len(dead) == 1 else "those steps")
-        self._groups.trainer.all_gather(None)
+        if self.world == 1:
+            return sorted(failed)
+        return sorted(set().union(*map(set, self._groups.trainer.all_gather(sorted(failed)))))
 
     def latest_step(self) -> int | None:
         """The newest step any tier of any rank holds committed, without loading it (collective);
