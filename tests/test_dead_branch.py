@@ -116,3 +116,17 @@ def test_a_restore_past_a_damaged_step_lets_the_job_save_that_step_again(job, tm
         import shutil
 
         shutil.rmtree(ram_dir, ignore_errors=True)
+
+
+def test_two_ranks_restore_past_a_step_one_rank_holds_damaged_then_save_it_again(tmp_path, job, ram_root):
+    """What a crash-loop run met: step 10 committed in RAM on both nodes when both ranks die
+    (SIGKILL), before its local write, replication and promotion; rank 1's RAM copy of it is then
+    damaged. The restart restores step 5 (from the nodes), and the job's saves of 8 and 10 are not
+    refused ("not after the last saved step 10" stopped that run). A later restart restores the new
+    step 10 bitwise from RAM, from the local tier and from the durable tier."""
+    args = dict(name=job, ram_root=ram_root, local_root=str(tmp_path / "local"), durable=str(tmp_path / "durable"))
+    dist_workers.crash_both(tmp_path, "dead_branch_workers:crash_job", **args)
+    _damage_ram(os.path.join(ram_root, "node1"), job, 10)
+    dist_workers.spawn(2, "dead_branch_workers:restart_job", tmp_path, **args)
+    assert _committed(args["durable"]) == [5, 8, 10]
+    dist_workers.spawn(2, "dead_branch_workers:check_job", tmp_path, **args)
