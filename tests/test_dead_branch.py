@@ -66,7 +66,8 @@ def _committed(root: str) -> list[int]:
 
 def test_a_restore_past_a_damaged_step_lets_the_job_save_that_step_again(job, tmp_path):
     """Steps 5 and 10 are committed in RAM, local and durable; every copy of step 10 is then
-    damaged. The restart restores step 5, drops the dead step 10 from every tier (a restart before
+    damaged. The restart restores step 5, drops the dead step 10 from every tier (its damaged local
+    copy moved aside for inspection, not deleted; a restart before
     the new save finds step 5 and nothing newer), and counts on from step 5: ``save(5)`` is refused,
     ``save(10)`` commits. Every later restart restores the new step 10 bit for bit, from RAM, from
     the local tier and from the durable tier alike, never the old one."""
@@ -92,6 +93,10 @@ def test_a_restore_past_a_damaged_step_lets_the_job_save_that_step_again(job, tm
             assert store.latest_step() == 5
             store.close(keep_ram=True)  # dies before its next save: the dead branch is gone already
         assert _committed(local) == [5] and _committed(durable) == [5]
+        # The damaged local copy is evidence: moved aside whole, where no store reads it.
+        (aside,) = os.listdir(os.path.join(local, "damaged"))
+        assert aside.startswith("step-000000000010.")
+        assert os.path.exists(os.path.join(local, "damaged", aside, "manifest.json"))
         assert all(r.step != 10 for r in inventory(ram_dir, job, owners=False))
 
         with CheckpointStore(job, **opts) as store:

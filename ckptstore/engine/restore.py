@@ -89,7 +89,8 @@ class Found:
     (the store drops their node copies); ``uncounted``: those of them no tier outside the nodes
     lists, which no longer count as saved; ``counted``: the newest step held that still counts;
     ``newer``: every step held that is newer than the one loaded (all of them when none was), each
-    of which was tried and failed, whatever the reason: the branch of history the restore left."""
+    of which was tried and failed, whatever the reason: the branch of history the restore left;
+    ``damaged``: those of them that failed on bytes that were not sound (evidence to keep)."""
 
     step: int | None
     tiers: str = ""
@@ -97,6 +98,7 @@ class Found:
     uncounted: set[int] = field(default_factory=set)
     counted: int | None = None
     newer: list[int] = field(default_factory=list)
+    damaged: list[int] = field(default_factory=list)
 
 
 class Restorer:
@@ -277,7 +279,7 @@ class Restorer:
         uncounted = set(dead) - durable
         newer = sorted(c for c in candidates if step is None or c > step)
         return Found(step, tiers, dead, uncounted, max((c for c in candidates if c not in uncounted), default=None),
-                     newer)
+                     newer, sorted(s for s, v in verdicts.items() if v == _DAMAGED))
 
     def exact(self, state: Any, step: int, per_rank: str) -> str:
         """Load exactly ``step`` into ``state``, never another one; returns the tiers it came from.

@@ -30,7 +30,7 @@ from .._gc import gc_paused
 from ..collective import Group, StoreGroups, store_groups
 from ..errors import CheckpointError, InvalidArgumentError
 from ..goodput.tracker import GoodputTracker
-from ..names import PEER_DIR, data_file, step_dir
+from ..names import DAMAGED_DIR, PEER_DIR, data_file, step_dir
 from ..planning.placement import node_of_ranks, replica_holders, replicas_held
 from ..tiers.directory import DirectoryTier, committed_steps
 from ..tiers.peer import PeerTier
@@ -418,7 +418,7 @@ class CheckpointStore:
                 # could not be read), and its numbers are the new branch's to save. Only a step some
                 # tier still holds (its removal failed) keeps counting: a new save of it beside the
                 # old copy could be shadowed by it, or mixed with it, on a later restore.
-                kept = self._drop_dead_branch(result.newer, found, incomplete=result.dead)
+                kept = self._drop_dead_branch(result.newer, found, incomplete=result.dead, damaged=result.damaged)
                 last = max(kept, default=found)
                 if found is None:
                     self._pipeline.last_step = last
@@ -447,7 +447,8 @@ class CheckpointStore:
             self._pipeline.promote_restored(found, meta)
         return found
 
-    def _drop_dead_branch(self, dead: list[int], restored: int | None, *, incomplete: list[int]) -> list[int]:
+    def _drop_dead_branch(self, dead: list[int], restored: int | None, *, incomplete: list[int],
+                          damaged: list[int]) -> list[int]:
         """Remove every copy of ``dead``, the steps newer than the one restored (all of them when
         none was), from every tier: this rank's RAM slots and the peer replicas it holds, its node's
         local directory and replicas on disk (by the rank that owns that directory), and the durable
@@ -457,8 +458,10 @@ class CheckpointStore:
         the restored step, or from an old copy when nothing of the new branch was committed yet.
 
         The restored step and older ones are never touched. ``incomplete``: those of ``dead`` the
-        restore found incomplete (a part lost with a node); the others failed otherwise (damaged
-        bytes, whose details the restore's warnings gave, or a copy that could not be read)."""
+        restore found incomplete (a part lost with a node); ``damaged``: those it found damaged (a
+        checksum mismatch, a replica check that refused the step), whose local copy is evidence for
+        whoever investigates: it is moved aside (:meth:`_set_aside`), not deleted. The others failed
+        otherwise (a copy that could not be read)."""
         owner = self.local is not None and self.local.manifest_writer
         ram, peer, durable = self.ram, self.peer, self.durable
         assert ram is not None and peer is not None
@@ -468,7 +471,15 @@ class CheckpointStore:
         ]
         if owner:
             assert self.local is not None
-            listings += [("local", self.local.node_steps, self.local.remove_sync),
+            local = self.local
+
+            def drop_local(step: int) -> None:
+                if step in damaged:
+                    self._set_aside(step)
+                else:
+                    local.remove_sync(step)
+
+            listings += [("local", local.node_steps, drop_local),
                          ("peer replicas on disk", peer.disk_steps, peer.remove_from_disk)]
         if durable is not None and durable.manifest_writer:
             self._swept()  # the start's sweep of the durable tier, over before anything is removed there
@@ -506,6 +517,24 @@ class CheckpointStore:
         if self.world == 1:
             return sorted(failed)
         return sorted(set().union(*map(set, self._groups.trainer.all_gather(sorted(failed)))))
+
+    def _set_aside(self, step: int) -> None:
+        """Move this node's local copy of a damaged dead step to ``<local>/damaged/`` under a name of
+        its own (one rename: the step leaves the tier whole), where no store reads, sweeps or
+        removes it: the bytes a checksum or replica check refused stay for whoever investigates."""
+        root = self.options.local
+        assert root is not None
+        aside = os.path.join(root, DAMAGED_DIR)
+        os.makedirs(aside, exist_ok=True)
+        where = os.path.join(aside, f"{step_dir(step)}.{time.time_ns()}")
+        os.rename(os.path.join(root, step_dir(step)), where)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)  # the step leaves the tier for good: a power loss must not bring it back
+        finally:
+            os.close(fd)
+        log.warning("ckptstore: the local copy of step %d, damaged, is kept for inspection in %s (no store reads or "
+                    "removes it; delete it when done)", step, where)
 
     def latest_step(self) -> int | None:
         """The newest step any tier of any rank holds committed, without loading it (collective);
