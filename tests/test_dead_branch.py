@@ -17,7 +17,6 @@ import pytest
 import torch
 from conftest import assert_same
 
-import ckptstore
 from ckptstore import CheckpointStore, InvalidArgumentError
 from ckptstore.tiers.segments import inventory
 

@@ -14,8 +14,9 @@ with no sound copy of any step left, that is an error, never a fresh start. It i
 a part was written by a rank whose node now holds no copy of its own of the step (the node was
 lost, or retention dropped its copies while another node's replica of the step stayed) and no
 other node nor the durable tier has it: nothing was damaged, the part never got out, and with no
-complete step left the job starts fresh. Either way the steps newer than the one restored are a
-dead branch, which the store drops from the node tiers (store.py).
+complete step left the job starts fresh. Either way (or when a newer step's copies could not be
+read) the steps newer than the one restored are a dead branch, which the store drops from every
+tier (store.py).
 """
 
 from __future__ import annotations

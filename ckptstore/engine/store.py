@@ -370,11 +370,14 @@ class CheckpointStore:
         damaged; with ``step``, CheckpointNotFoundError when no tier of any rank holds it, and
         CorruptCheckpointError when it cannot be loaded. Collective: every rank calls it.
 
-        Without ``step``, the steps newer than the one loaded (or all, on a fresh start) that
-        were found incomplete are a dead branch (damaged ones are kept, and counted, for whoever
-        investigates them): every rank drops its RAM, local and
-        peer copies of them (a warning names them; the durable tier is left alone), and they no
-        longer count toward :attr:`last_step`, so the job saves those step numbers again.
+        Without ``step``, every step newer than the one loaded (or all, on a fresh start) is a dead
+        branch, whatever kept it from loading: every rank removes its copies of them from every
+        tier, RAM, peer, local and durable, before this returns (a warning names them; a damaged
+        step's local copy is moved to ``<local>/damaged/`` for inspection instead), and
+        :attr:`last_step` becomes the step loaded, so the job saves any step after it, those step
+        numbers included, and no later restore returns an old copy. A step that cannot be removed
+        from some tier still counts, and saves must go past it. With ``step``, nothing is removed
+        and saves still go past the newest step held.
 
         ``state`` is a state dict (tensors filled in place, other leaves replaced) or a
         :class:`~ckptstore.TrainState` (every part restored, the RNG states last).
@@ -420,6 +423,7 @@ class CheckpointStore:
                 # old copy could be shadowed by it, or mixed with it, on a later restore.
                 kept = self._drop_dead_branch(result.newer, found, incomplete=result.dead, damaged=result.damaged)
                 last = max(kept, default=found)
+                self._restorer.forget_listing()  # the durable listing it kept named what is gone now
                 if found is None:
                     self._pipeline.last_step = last
                     self._pipeline.resume({}, durable_holds_it=False)  # the cadence was the dead branch's
@@ -675,8 +679,9 @@ class CheckpointStore:
 
     @property
     def last_step(self) -> int | None:
-        """The newest step this store saved or restored (steps only grow), else the newest one the
-        tiers held at its start; None when there is none. The constructor does not wait for the
+        """The newest step this store saved or restored (steps only grow, but a ``restore()`` that
+        falls back to an older step, removing the newer ones, counts on from it), else the newest
+        one the tiers held at its start; None when there is none. The constructor does not wait for the
         durable tier's listing: in a process group, until the first restore, save or latest_step
         (collective calls, which take it in), the durable tier counts here only if its listing had
         come back by the end of the constructor; a single process takes it in here."""
