@@ -111,7 +111,9 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k.endswith("_s")}
-    print(json.dumps({"ckptstore": ckptstore.__file__, "loadavg": open("/proc/loadavg").read().split()[:3],
+    with open("/proc/loadavg") as fh:
+        load = fh.read().split()[:3]
+    print(json.dumps({"ckptstore": ckptstore.__file__, "loadavg": load,
                       "rounds": rounds, "medians": medians}, indent=1))
 
 
