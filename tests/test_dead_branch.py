@@ -11,6 +11,7 @@ step's RAM commit (as a crash-loop run was when its restore fell back past a ste
 from __future__ import annotations
 
 import os
+import shutil
 
 import dist_workers
 import pytest
@@ -117,8 +118,42 @@ def test_a_restore_past_a_damaged_step_lets_the_job_save_that_step_again(job, tm
                     store.save(10, _state(10, run=2))
                 store.close(keep_ram=True)
     finally:
-        import shutil
+        shutil.rmtree(ram_dir, ignore_errors=True)
 
+
+def test_a_restore_past_an_unreadable_durable_step_replaces_it_there(job, tmp_path):
+    """Step 10 is held by the durable tier alone (the node's copies are gone), and its data file
+    cannot be read there (a directory stands in its place). The restart restores step 5 from the
+    node and removes the durable step 10 (only a damaged local copy is kept aside), so the new
+    branch's step 10 reaches the durable tier (a second manifest of a step is refused there) and is
+    the one a restore from it returns."""
+    ram_dir = f"/dev/shm/{job}-single"
+    os.makedirs(ram_dir)
+    try:
+        local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+        opts = dict(local=local, durable=durable, durable_every=1, keep_local=None, ram_dir=ram_dir)
+        with CheckpointStore(job, **opts) as store:
+            for step in (5, 10):
+                store.save(step, _state(step)).wait("durable")
+            store.close()
+        shutil.rmtree(os.path.join(local, f"step-{10:012d}"))
+        data = os.path.join(durable, f"step-{10:012d}", "data")
+        for name in os.listdir(data):
+            os.remove(os.path.join(data, name))
+            os.mkdir(os.path.join(data, name))  # opening it fails: EISDIR
+        with CheckpointStore(job, **opts) as store:
+            state = _blank()
+            assert store.restore(state) == 5
+            assert_same(state, _state(5))
+            assert _committed(durable) == [5] and not os.path.exists(os.path.join(local, "damaged"))
+            store.save(10, _state(10, run=1)).wait("durable")
+            store.close()
+        assert _committed(durable) == [5, 10]
+        with CheckpointStore(job, **dict(opts, local=None, ram_dir=str(tmp_path))) as store:
+            state = _blank()
+            assert store.restore(state) == 10
+            assert_same(state, _state(10, run=1))
+    finally:
         shutil.rmtree(ram_dir, ignore_errors=True)
 
 
