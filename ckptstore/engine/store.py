@@ -456,8 +456,8 @@ class CheckpointStore:
         """Remove every copy of ``dead``, the steps newer than the one restored (all of them when
         none was), from every tier: this rank's RAM slots and the peer replicas it holds, its node's
         local directory and replicas on disk (by the rank that owns that directory), and the durable
-        tier (rank 0). Returns the steps some rank could not remove from some tier (the same list
-        on every rank): they still count as saved. Collective: no rank saves before every tier is
+        tier (rank 0). Returns the steps some rank could not remove from a tier that holds them
+        (the same list on every rank): they still count as saved. Collective: no rank saves before every tier is
         clean, so no new copy of a step lies beside an old one, and a crash meanwhile restarts from
         the restored step, or from an old copy when nothing of the new branch was committed yet.
 
@@ -495,10 +495,12 @@ class CheckpointStore:
             try:
                 held = sorted(set(dead) & listed())
             except (CheckpointError, OSError) as exc:
+                # Nothing known to be there (the durable tier in an outage, which the restore could
+                # not list either): the job goes on; a copy there would make the new save of that
+                # step fail in that tier, which says so, rather than stop the job now.
                 log.warning("ckptstore: cannot list the %s tier to drop steps %s, newer than the one restored, from "
-                            "it: they still count as saved, and the job saves only steps after them: %s",
+                            "it: a copy of one of them there stays, and a new save of that step may fail there: %s",
                             name, dead, exc)
-                failed.update(dead)
                 continue
             for step in held:
                 try:
