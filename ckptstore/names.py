@@ -28,6 +28,8 @@ MANIFEST = "manifest.json"
 # Beside the manifest: what one rank reads to plan its load (checkpoint/index.py).
 INDEX = "index.json"
 PEER_DIR = "peer"
+# Under a local root: the copies of damaged steps a restore went past, kept for inspection.
+DAMAGED_DIR = "damaged"
 EVENTS_FILE = "events.jsonl"
 # Part of every temporary name: a sweep after a crash removes what carries it.
 TMP_MARK = ".ckptstore-tmp-"

@@ -367,7 +367,10 @@ def test_replicas_are_compared_and_every_rank_plans_alike(tmp_path, capsys):
         assert "silent data corruption suspected at step 2" in out["raised"]
         assert "tensor 'w'" in out["raised"] and "suspect rank(s) 2" in out["raised"]
         assert out["restored"] == 1 and out["restored_step_value"] == 1
-    raised = json.loads((tmp_path / "raise" / "step-000000000002" / "manifest.json").read_text())["meta"]
+    # The restore went past step 2: it left the local tier, and its copy was set aside for inspection.
+    assert not (tmp_path / "raise" / "step-000000000002").exists()
+    (refused,) = (tmp_path / "raise" / "damaged").glob("step-000000000002.*")
+    raised = json.loads((refused / "manifest.json").read_text())["meta"]
     assert raised["sdc"]["policy"] == "raise" and len(raised["sdc"]["mismatches"]) == 3
     assert all(out["peer_restored"] == 100 and out["peer_equal"] for out in outs)
 
@@ -380,5 +383,5 @@ def test_replicas_are_compared_and_every_rank_plans_alike(tmp_path, capsys):
     assert main(["inspect", "--timings", str(warn)]) == 0
     out = capsys.readouterr().out
     assert "step 100, 3 ranks" in out and "local" in out and "hash" in out
-    assert main(["inspect", "--timings", str(tmp_path / "raise" / "step-000000000002")]) == 0
+    assert main(["inspect", "--timings", str(refused)]) == 0
     assert "silent data corruption suspected" in capsys.readouterr().out

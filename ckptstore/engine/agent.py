@@ -276,7 +276,7 @@ class NodeAgent:
             out.local.append(step)
         if need_durable:
             assert durable is not None
-            missing = await self._commit_durable(durable, step, manifest, ranks, snaps, sid, cadence, sdc)
+            missing = await self._commit_durable(durable, step, manifest, ranks, snaps, sid, cadence, sdc, held)
             if missing:
                 report = log.debug if (step, "waiting") in self._warned else log.warning  # once, not every pass
                 report("ckptstore agent: step %d: parts of ranks %s are in the durable tier %s; the manifest "
@@ -333,9 +333,11 @@ class NodeAgent:
 
     async def _commit_durable(self, tier: DirectoryTier, step: int, manifest: Manifest, ranks: list[int],
                               snaps: Callable[[], list[Snapshot]], sid: str, cadence: dict[str, Any],
-                              sdc: dict[str, Any] | None) -> list[int]:
+                              sdc: dict[str, Any] | None, held: Callable[[], bool]) -> list[int]:
         """Put this node's parts (those not there from an earlier run), then commit when every rank's
-        part of the snapshot is there; returns the ranks still missing."""
+        part of the snapshot is there; returns the ranks still missing. Nothing is committed once
+        the node's segments of the step left the RAM tier (``held``): a restarted store dropped the
+        step as a dead branch, and its own save of that number is the one the durable tier takes."""
         world = manifest.meta["world_size"]
         found = await tier_parts(tier, step, sid, world)
         try:
@@ -350,6 +352,11 @@ class NodeAgent:
         missing = [r for r in range(world) if r not in found]
         if missing:
             return missing
+        if not held():
+            # The parts stay uncommitted: the next store start sweeps them (the tier lists no step).
+            log.info("ckptstore agent: step %d left the RAM tier while it was being persisted (a restarted store "
+                     "dropped it); not committing it in %s", step, tier.display(step))
+            return []
         shared = shared_of(manifest)
         # The chunks of the tensors a rank wrote whole go into their entries too, as the trainers'
         # coordinator puts them: a rank loading a replicated tensor then reads no other part.

@@ -86,7 +86,8 @@ class ReplicaCheck:
         message = sdc.describe(job.step, job.sdc)
         event("sdc", step=job.step, mismatches=job.sdc)
         if self.mode == "raise":
-            raise CheckpointError(message + " (the step is kept in RAM and local for inspection; restore skips it)")
+            raise CheckpointError(message + " (the step is kept in RAM and local for inspection; a restore skips it, "
+                                            "and moves its local copy to <local>/damaged/)")
         if self.rank == 0:
             log.warning("ckptstore: %s", message)
 

@@ -14,8 +14,9 @@ with no sound copy of any step left, that is an error, never a fresh start. It i
 a part was written by a rank whose node now holds no copy of its own of the step (the node was
 lost, or retention dropped its copies while another node's replica of the step stayed) and no
 other node nor the durable tier has it: nothing was damaged, the part never got out, and with no
-complete step left the job starts fresh. Either way the steps newer than the one restored are a
-dead branch, which the store drops from the node tiers (store.py).
+complete step left the job starts fresh. Either way (or when a newer step's copies could not be
+read) the steps newer than the one restored are a dead branch, which the store drops from every
+tier (store.py).
 """
 
 from __future__ import annotations
@@ -87,13 +88,18 @@ class Found:
     """What :meth:`Restorer.newest` found: the step loaded (None: none) and the tiers it came from;
     ``dead``: the newer steps that could not be restored because they are incomplete
     (the store drops their node copies); ``uncounted``: those of them no tier outside the nodes
-    lists, which no longer count as saved; ``counted``: the newest step held that still counts."""
+    lists, which no longer count as saved; ``counted``: the newest step held that still counts;
+    ``newer``: every step held that is newer than the one loaded (all of them when none was), each
+    of which was tried and failed, whatever the reason: the branch of history the restore left;
+    ``damaged``: those of them that failed on bytes that were not sound (evidence to keep)."""
 
     step: int | None
     tiers: str = ""
     dead: list[int] = field(default_factory=list)
     uncounted: set[int] = field(default_factory=set)
     counted: int | None = None
+    newer: list[int] = field(default_factory=list)
+    damaged: list[int] = field(default_factory=list)
 
 
 class Restorer:
@@ -272,7 +278,9 @@ class Restorer:
         # one that failed for another reason (an I/O error, a peer that did not answer) may be complete.
         dead = sorted(s for s, v in verdicts.items() if v == _MISSING)
         uncounted = set(dead) - durable
-        return Found(step, tiers, dead, uncounted, max((c for c in candidates if c not in uncounted), default=None))
+        newer = sorted(c for c in candidates if step is None or c > step)
+        return Found(step, tiers, dead, uncounted, max((c for c in candidates if c not in uncounted), default=None),
+                     newer, sorted(s for s, v in verdicts.items() if v == _DAMAGED))
 
     def exact(self, state: Any, step: int, per_rank: str) -> str:
         """Load exactly ``step`` into ``state``, never another one; returns the tiers it came from.

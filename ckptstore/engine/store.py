@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._aio import LoopThread
+from .._aio import LoopThread, run_sync
 from .._gc import gc_paused
 from ..collective import Group, StoreGroups, store_groups
 from ..errors import CheckpointError, InvalidArgumentError
 from ..goodput.tracker import GoodputTracker
-from ..names import PEER_DIR, data_file, step_dir
+from ..names import DAMAGED_DIR, PEER_DIR, data_file, step_dir
 from ..planning.placement import node_of_ranks, replica_holders, replicas_held
 from ..tiers.directory import DirectoryTier, committed_steps
 from ..tiers.peer import PeerTier
@@ -370,11 +370,14 @@ class CheckpointStore:
         damaged; with ``step``, CheckpointNotFoundError when no tier of any rank holds it, and
         CorruptCheckpointError when it cannot be loaded. Collective: every rank calls it.
 
-        Without ``step``, the steps newer than the one loaded (or all, on a fresh start) that
-        were found incomplete are a dead branch (damaged ones are kept, and counted, for whoever
-        investigates them): every rank drops its RAM, local and
-        peer copies of them (a warning names them; the durable tier is left alone), and they no
-        longer count toward :attr:`last_step`, so the job saves those step numbers again.
+        Without ``step``, every step newer than the one loaded (or all, on a fresh start) is a dead
+        branch, whatever kept it from loading: every rank removes its copies of them from every
+        tier, RAM, peer, local and durable, before this returns (a warning names them; a damaged
+        step's local copy is moved to ``<local>/damaged/`` for inspection instead), and
+        :attr:`last_step` becomes the step loaded, so the job saves any step after it, those step
+        numbers included, and no later restore returns an old copy. A step that cannot be removed
+        from some tier still counts, and saves must go past it. With ``step``, nothing is removed
+        and saves still go past the newest step held.
 
         ``state`` is a state dict (tensors filled in place, other leaves replaced) or a
         :class:`~ckptstore.TrainState` (every part restored, the RNG states last).
@@ -412,12 +415,15 @@ class CheckpointStore:
             self._settle()  # after the restore took the durable listing: it is known by then
             last = self._pipeline.last_step
             found, tiers = result.step, result.tiers
-            if result.dead:
-                self._drop_dead_branch(result.dead, found)
-            if last is not None and last in result.uncounted:
-                # What the store counted as saved was the dead branch: a save may use those numbers
-                # again. A newer step that failed for another reason (an I/O error) still counts.
-                last = result.counted
+            if result.newer:
+                # The job goes on from the step loaded: every newer step held is a dead branch,
+                # whatever kept it from loading (a part lost with a node, damaged bytes, a copy that
+                # could not be read), and its numbers are the new branch's to save. Only a step some
+                # tier still holds (its removal failed) keeps counting: a new save of it beside the
+                # old copy could be shadowed by it, or mixed with it, on a later restore.
+                kept = self._drop_dead_branch(result.newer, found, incomplete=result.dead, damaged=result.damaged)
+                last = max(kept, default=found)
+                self._restorer.forget_listing()  # the durable listing it kept named what is gone now
                 if found is None:
                     self._pipeline.last_step = last
                     self._pipeline.resume({}, durable_holds_it=False)  # the cadence was the dead branch's
@@ -445,16 +451,23 @@ class CheckpointStore:
             self._pipeline.promote_restored(found, meta)
         return found
 
-    def _drop_dead_branch(self, dead: list[int], restored: int | None) -> None:
-        """Remove this rank's node-tier copies of ``dead``, steps newer than the one restored that
-        cannot be restored: never restored later in place of a newer save, never counted as saved,
-        and never beside a new save of the same number. Collective: no rank saves before every
-        rank's node is clean (a directory shared by a node's ranks is cleaned by its owner).
+    def _drop_dead_branch(self, dead: list[int], restored: int | None, *, incomplete: list[int],
+                          damaged: list[int]) -> list[int]:
+        """Remove every copy of ``dead``, the steps newer than the one restored (all of them when
+        none was), from every tier: this rank's RAM slots and the peer replicas it holds, its node's
+        local directory and replicas on disk (by the rank that owns that directory), and the durable
+        tier (rank 0). Returns the steps some rank could not remove from a tier that holds them
+        (the same list on every rank): they still count as saved. Collective: no rank saves before every tier is
+        clean, so no new copy of a step lies beside an old one, and a crash meanwhile restarts from
+        the restored step, or from an old copy when nothing of the new branch was committed yet.
 
-        The durable tier is left alone: a durable copy is complete, or it would have been restored
-        (damaged bytes there are the operator's to inspect, and the step stays counted)."""
+        The restored step and older ones are never touched. ``incomplete``: those of ``dead`` the
+        restore found incomplete (a part lost with a node); ``damaged``: those it found damaged (a
+        checksum mismatch, a replica check that refused the step), whose local copy is evidence for
+        whoever investigates: it is moved aside (:meth:`_set_aside`), not deleted. The others failed
+        otherwise (a copy that could not be read)."""
         owner = self.local is not None and self.local.manifest_writer
-        ram, peer = self.ram, self.peer
+        ram, peer, durable = self.ram, self.peer, self.durable
         assert ram is not None and peer is not None
         listings: list[tuple[str, Callable[[], set[int]], Callable[[int], None]]] = [
             ("ram", lambda: set(ram.steps_sync()), ram.remove_sync),
@@ -462,26 +475,72 @@ class CheckpointStore:
         ]
         if owner:
             assert self.local is not None
-            listings += [("local", self.local.node_steps, self.local.remove_sync),
+            local = self.local
+
+            def drop_local(step: int) -> None:
+                if step in damaged:
+                    self._set_aside(step)
+                else:
+                    local.remove_sync(step)
+
+            listings += [("local", local.node_steps, drop_local),
                          ("peer replicas on disk", peer.disk_steps, peer.remove_from_disk)]
+        if durable is not None and durable.manifest_writer:
+            self._swept()  # the start's sweep of the durable tier, over before anything is removed there
+            # Listed from the oldest dead step on: on an object store each step is a request.
+            listings.append(("durable", lambda: set(run_sync(durable.steps(since=min(dead)))), durable.remove_sync))
         dropped: list[str] = []
+        failed: set[int] = set()
         for name, listed, remove in listings:
             try:
                 held = sorted(set(dead) & listed())
-                for step in held:
-                    remove(step)
             except (CheckpointError, OSError) as exc:
-                log.warning("ckptstore: cannot drop steps %s, which cannot be restored, from the %s tier (a new save "
-                            "of one of them may fail): %s", dead, name, exc)
+                # Nothing known to be there (the durable tier in an outage, which the restore could
+                # not list either): the job goes on; a copy there would make the new save of that
+                # step fail in that tier, which says so, rather than stop the job now.
+                log.warning("ckptstore: cannot list the %s tier to drop steps %s, newer than the one restored, from "
+                            "it: a copy of one of them there stays, and a new save of that step may fail there: %s",
+                            name, dead, exc)
                 continue
-            dropped += [f"step {step} in {name}" for step in held]
+            for step in held:
+                try:
+                    remove(step)
+                except (CheckpointError, OSError) as exc:
+                    log.warning("ckptstore: cannot drop step %d, newer than the one restored, from the %s tier: it "
+                                "still counts as saved, and the job saves only steps after it: %s", step, name, exc)
+                    failed.add(step)
+                    continue
+                dropped.append(f"step {step} in {name}")
         if dropped:
             what = f"step {dead[0]}" if len(dead) == 1 else "steps " + ", ".join(map(str, dead))
-            log.warning("ckptstore: %s cannot be restored (%s): a dead branch; rank %d dropped this node's copies (%s), "
-                        "so that the job can save %s again", what,
+            why = ("incomplete" if set(dead) <= set(incomplete)
+                   else "could not be restored" if not incomplete
+                   else f"could not be restored ({', '.join(map(str, incomplete))} incomplete)")
+            log.warning("ckptstore: %s %s (%s): a dead branch; rank %d dropped its copies (%s), so that the job "
+                        "can save %s again", what, why,
                         "no step could be" if restored is None else f"the restore loaded step {restored}", self.rank,
                         ", ".join(dropped), "that step" if len(dead) == 1 else "those steps")
-        self._groups.trainer.all_gather(None)
+        if self.world == 1:
+            return sorted(failed)
+        return sorted(set().union(*map(set, self._groups.trainer.all_gather(sorted(failed)))))
+
+    def _set_aside(self, step: int) -> None:
+        """Move this node's local copy of a damaged dead step to ``<local>/damaged/`` under a name of
+        its own (one rename: the step leaves the tier whole), where no store reads, sweeps or
+        removes it: the bytes a checksum or replica check refused stay for whoever investigates."""
+        root = self.options.local
+        assert root is not None
+        aside = os.path.join(root, DAMAGED_DIR)
+        os.makedirs(aside, exist_ok=True)
+        where = os.path.join(aside, f"{step_dir(step)}.{time.time_ns()}")
+        os.rename(os.path.join(root, step_dir(step)), where)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)  # the step leaves the tier for good: a power loss must not bring it back
+        finally:
+            os.close(fd)
+        log.warning("ckptstore: the local copy of step %d, damaged, is kept for inspection in %s (no store reads or "
+                    "removes it; delete it when done)", step, where)
 
     def latest_step(self) -> int | None:
         """The newest step any tier of any rank holds committed, without loading it (collective);
@@ -622,8 +681,9 @@ class CheckpointStore:
 
     @property
     def last_step(self) -> int | None:
-        """The newest step this store saved or restored (steps only grow), else the newest one the
-        tiers held at its start; None when there is none. The constructor does not wait for the
+        """The newest step this store saved or restored (steps only grow, but a ``restore()`` that
+        falls back to an older step, removing the newer ones, counts on from it), else the newest
+        one the tiers held at its start; None when there is none. The constructor does not wait for the
         durable tier's listing: in a process group, until the first restore, save or latest_step
         (collective calls, which take it in), the durable tier counts here only if its listing had
         come back by the end of the constructor; a single process takes it in here."""
