@@ -117,8 +117,8 @@ class Restorer:
         groups = dataclasses.replace(groups, trainer=Guarded(groups.trainer, self._broken))
         self.job, self.groups, self.node_tiers, self.durable = job, groups, list(node_tiers), durable
         self._doing: tuple[int | None, str] = (None, "starting")  # (step, phase) for _broken
-        # Rank 0 lists the durable tier for every rank (one listing per question, shared through the
-        # gather each question makes anyway: every rank decides on the same listing). The store's
+        # Rank 0 lists the durable tier for every rank (one listing per question, handed out by a
+        # broadcast or an all-reduce: every rank decides on the same listing). The store's
         # start lists it in the background while it builds the rest; the first question takes that.
         self._prelisted = durable_listing
         self._last_listed: Listing | None = None
@@ -155,7 +155,7 @@ class Restorer:
 
     def _durable_steps(self, oldest: int | None = None) -> set[int]:
         """Rank 0's listing of the durable tier's committed steps (an empty set elsewhere, and when
-        it cannot be listed); :meth:`_shared` hands it to every rank. ``oldest`` (rank 0's): the
+        it cannot be listed); :meth:`_listing` (or :meth:`newest_held`'s all-reduce) hands it to every rank. ``oldest`` (rank 0's): the
         oldest step the caller asks about; the listing may leave out older ones (None: none)."""
         listed = self._listed_durable(oldest) if self.rank == 0 else None
         return set() if listed is None else listed
@@ -192,11 +192,6 @@ class Restorer:
     def _listing_pending(self) -> bool:
         """Whether rank 0's listing of the durable tier, started with the store, is still under way."""
         return self.rank == 0 and self._prelisted is not None and not self._prelisted.done()
-
-    @staticmethod
-    def _shared(gathered: list[tuple[Any, list[int] | None]]) -> tuple[list[Any], set[int]]:
-        """Every rank's own answer, and rank 0's listing of the durable tier, from one gather."""
-        return [mine for mine, _listed in gathered], set(gathered[0][1] or ())
 
     def _listing(self, listed: set[int]) -> set[int]:
         """Rank 0's listing of the durable tier on every rank (one broadcast: what every rank
