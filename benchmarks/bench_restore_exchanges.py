@@ -44,7 +44,7 @@ def _state(rank: int, world: int, step: int, zeros: bool = False) -> dict[str, A
 def _store(job: str, rank: int, root: str, durable: str, replicas: int) -> Any:
     import ckptstore
 
-    ram_dir = os.path.join(root, "ram", f"node{rank}")
+    ram_dir = os.path.join("/dev/shm", f"{job}-nodes", f"node{rank}")
     os.makedirs(ram_dir, exist_ok=True)
     return ckptstore.CheckpointStore(job, local=os.path.join(root, "local", f"node{rank}"), ram_dir=ram_dir,
                                      node=rank, peer_replicas=replicas, durable=durable, durable_every=1)
@@ -161,6 +161,7 @@ def run_world(world: int, durable_steps: int, replicas: int, tensors: int) -> li
             if p.is_alive():
                 p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(os.path.join("/dev/shm", f"{job}-nodes"), ignore_errors=True)
         for name in os.listdir("/dev/shm"):
             if job in name:
                 os.unlink(os.path.join("/dev/shm", name))
@@ -201,13 +202,28 @@ def main() -> None:
             for k, (b, c) in sorted(sites.items(), key=lambda kv: -kv[1][0]):
                 print(f"    {k:60s} {b:8d} B in {c} calls")
     worlds = [int(w) for w in results["worlds"]]
-    if len(worlds) > 1:
+    print("\n| world | phase | received, rank > 0 (max / median) | of it the restorer's | rank 0 | CPU per rank > 0 (mean) |")
+    print("|---|---|---|---|---|---|")
+    summary: dict[str, list[tuple[int, float]]] = {}
+    for w in worlds:
+        ranks = results["worlds"][str(w)]
         for phase in ("start", "restore"):
-            pts = [(w, max(r[phase]["received"] for r in results["worlds"][str(w)][1:])) for w in worlds]
+            other = [r[phase] for r in ranks[1:]]
+            got = sorted(o["received"] for o in other)
+            ours = max(sum(b for k, (b, _c) in o["sites"].items() if k.split(":")[0] in ("restore.py", "exchange.py"))
+                       for o in other)
+            cpu = sum(o["cpu_s"] for o in other) / len(other)
+            print(f"| {w} | {phase} | {got[-1]} / {got[len(got) // 2]} B | {ours} B | {ranks[0][phase]['received']} B "
+                  f"| {cpu:.3f} s |")
+            summary.setdefault(f"{phase} max", []).append((w, got[-1]))
+            summary.setdefault(f"{phase} restorer", []).append((w, ours))
+    if len(worlds) > 1:
+        for name, pts in summary.items():
             k = fit(pts)
             if k is not None:
                 w0, b0 = pts[-1]
-                print(f"{phase}: exponent {k:.2f}; extrapolated to 4,096 ranks: {b0 * (4096 / w0) ** k:,.0f} B")
+                print(f"{name}: exponent {k:.2f}; extrapolated to 4,096 ranks: {b0 * (4096 / w0) ** k:,.0f} B")
+    results["summary"] = summary
     results["load_after"] = _read("/proc/loadavg").split()[:3]
     if args.out:
         with open(args.out, "w") as fh:
