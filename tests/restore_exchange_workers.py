@@ -79,6 +79,9 @@ def restore_job(rank: int, world: int, name: str, root: str, ram_root: str, out:
 
     store = _store(name, rank, root, ram_root)
     target = _state(rank, world, 0, zeros=True)
+    # The start's listing of the durable tier, taken now if the constructor went on without it
+    # (rank 0 lists in the background): otherwise the restore would take it, on some runs only.
+    store.latest_step()
     with counting() as traffic:
         found = store.restore(target)
         latest = store.latest_step()
