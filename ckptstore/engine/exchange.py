@@ -21,8 +21,10 @@ A restore runs, per candidate step and layout, as one collective round:
    one; where the node copies hold their own ranks' parts, each rank plans its manifest from its
    own part, with only the chunks of other writers its load needs (:func:`own_manifest`);
 3. each rank plans the files its state needs, and for each file its node lacks picks an owner
-   among the ranks whose node has it (:func:`exchange`: nothing is gathered when every node
-   holds what its ranks need); every owner learns who will ask it;
+   among the ranks whose node has it (:func:`exchange`: one all-reduced flag when every node
+   holds what its ranks need; else offers and requests meet at each file's directory rank, and
+   nothing is gathered from every rank unless some file is offered by none); every owner learns
+   who will ask it;
 4. each rank loads, reading its node's copies directly and another node's through a
    :class:`RemoteSource`: every read the load makes (the rows it needs, in whole checksum
    blocks, within the load's ``buffer_bytes``) is one request to the owner, answered from the
