@@ -600,49 +600,52 @@ def _home(name: str, world: int) -> int:
 
 def _directory(group: Group, sizes: dict[str, int], remote: list[str], bad_owners: set[tuple[str, int]]
                ) -> tuple[dict[int, list[str]], dict[int, list[str]], dict[str, int], list[str]]:
-    """Who serves whom (collective): every file's offers and requests meet at the rank its name
-    hashes to (:func:`_home`), which answers each requester with the ranks offering the file; the
-    requester picks one (as the gather of every rank's files did: the candidates in rank order,
-    spread by the requester's rank, never an owner it excludes) and tells it the files it will
-    ask for. Three exchanges of what each rank offers, wants and asks (``Group.send_bytes``), not
-    a gather of every rank's files to every rank. Returns the files this rank asks of each owner,
+    """Who serves whom (collective): every file's offers and requests meet at the rank that keeps
+    its entry (:func:`_home`), which picks each requester's owner as the gather of every rank's
+    files did (the ranks offering it in rank order, less the requester and the owners it excludes,
+    which it sends along, spread by the requester's rank) and tells both: two exchanges of what
+    each rank offers and wants, then of what it asks and serves (``Group.send_bytes``), not a
+    gather of every rank's files to every rank. Returns the files this rank asks of each owner,
     those each requester will ask of it (in the same order on both sides: by name), each asked
     file's size as its owner offered it, and the files some rank wants that no rank offers (the
     same list on every rank: one all-reduced flag, and a gather only when there are any)."""
-    world, me = group.world, group.rank
+    world = group.world
     to_home: dict[int, dict[str, list[Any]]] = {}
     for name, size in sorted(sizes.items()):
         to_home.setdefault(_home(name, world), {"has": [], "want": []})["has"].append([name, size])
     for name in remote:
-        to_home.setdefault(_home(name, world), {"has": [], "want": []})["want"].append(name)
+        to_home.setdefault(_home(name, world), {"has": [], "want": []})["want"].append(
+            [name, sorted(o for n, o in bad_owners if n == name)])
     got = group.send_bytes({d: _encode(v) for d, v in to_home.items()})
-    owners: dict[str, list[list[int]]] = {}
-    wants: list[tuple[int, str]] = []
+    owners: dict[str, list[tuple[int, int]]] = {}
+    wants: list[tuple[int, str, set[int]]] = []
     for sender, data in sorted(got.items()):
         message = _decode(data)
         for name, size in message["has"]:
-            owners.setdefault(name, []).append([sender, int(size)])
-        wants.extend((sender, name) for name in message["want"])
-    answers: dict[int, list[Any]] = {}
+            owners.setdefault(name, []).append((sender, int(size)))
+        wants.extend((sender, name, {int(o) for o in shunned}) for name, shunned in message["want"])
+    told: dict[int, dict[str, list[Any]]] = {}
     unowned: set[str] = set()
-    for requester, name in wants:
+    for requester, name, shunned in wants:
         if not owners.get(name):
             unowned.add(name)
-        answers.setdefault(requester, []).append([name, [o for o in owners.get(name, []) if o[0] != requester]])
-    replies = group.send_bytes({r: _encode(a) for r, a in answers.items()})
+        usable = [(o, size) for o, size in owners.get(name, []) if o != requester and o not in shunned]
+        if usable:  # else the load reads it from durable, or reports it missing
+            owner, size = usable[requester % len(usable)]
+            told.setdefault(requester, {"ask": [], "serve": []})["ask"].append([name, owner, size])
+            told.setdefault(owner, {"ask": [], "serve": []})["serve"].append([requester, name])
     asked: dict[int, list[str]] = {}
+    serving: dict[int, list[str]] = {}
     offered: dict[str, int] = {}
-    for data in replies.values():
-        for name, candidates in _decode(data):
-            usable = [(int(o), int(size)) for o, size in candidates if (name, int(o)) not in bad_owners]
-            if usable:  # else the load reads it from durable, or reports it missing
-                owner, size = usable[me % len(usable)]
-                asked.setdefault(owner, []).append(name)
-                offered[name] = size
-    for names in asked.values():
+    for data in group.send_bytes({r: _encode(m) for r, m in told.items()}).values():
+        message = _decode(data)
+        for name, owner, size in message["ask"]:
+            asked.setdefault(int(owner), []).append(str(name))
+            offered[str(name)] = int(size)
+        for requester, name in message["serve"]:
+            serving.setdefault(int(requester), []).append(str(name))
+    for names in (*asked.values(), *serving.values()):
         names.sort()
-    told = group.send_bytes({o: _encode(names) for o, names in asked.items()})
-    serving = {r: [str(n) for n in _decode(data)] for r, data in sorted(told.items())}
     everywhere: list[str] = []
     if group.max_int64([int(bool(unowned))])[0]:
         everywhere = sorted(set().union(*map(set, group.all_gather(sorted(unowned)))))
