@@ -21,8 +21,10 @@ A restore runs, per candidate step and layout, as one collective round:
    one; where the node copies hold their own ranks' parts, each rank plans its manifest from its
    own part, with only the chunks of other writers its load needs (:func:`own_manifest`);
 3. each rank plans the files its state needs, and for each file its node lacks picks an owner
-   among the ranks whose node has it (:func:`exchange`: nothing is gathered when every node
-   holds what its ranks need); every owner learns who will ask it;
+   among the ranks whose node has it (:func:`exchange`: one all-reduced flag when every node
+   holds what its ranks need; else offers and requests meet at each file's directory rank, and
+   nothing is gathered from every rank unless some file is offered by none); every owner learns
+   who will ask it;
 4. each rank loads, reading its node's copies directly and another node's through a
    :class:`RemoteSource`: every read the load makes (the rows it needs, in whole checksum
    blocks, within the load's ``buffer_bytes``) is one request to the owner, answered from the
@@ -44,13 +46,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from ..checkpoint.index import add_chunks, part_boxes, part_digest, plan_from_part
 from ..collective import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError, UnsupportedFormatVersionError
 from ..format.manifest import Manifest, combine_digests, layout_digest, parse_manifest
+from ..names import data_file_rank
 from ..storage.targets import ShortRead, Source
 from ..tiers.base import Held, NodePart, PartsMissing, Tier, manifest_of_parts, ranks_shown
+from .guard import broadcast_from
 
 log = logging.getLogger("ckptstore")
 
@@ -311,11 +316,13 @@ def own_manifest(group: Group, inv: Inventory, state: Any, where: str, *, layout
         if group.max_int64([int(not covered)])[0]:
             return None
     if layout:
+        # Rank 0 combines every rank's digest and hands out the result: the other ranks receive
+        # one digest, not a vector of one int64 per rank (an all-reduce of 32 KiB at 4,096 ranks).
         assert digest is not None
-        vector = [_NONE] * world
-        vector[me] = digest
-        per_rank = {r: f"xxh3_64:{v % (1 << 64):016x}" for r, v in enumerate(group.max_int64(vector)) if v != _NONE}
-        inv.layout = combine_digests(per_rank)
+        digests = group.gather_to_root(digest)
+        combined = combine_digests({r: f"xxh3_64:{v % (1 << 64):016x}" for r, v in enumerate(digests)}) if (
+            me == 0) else None
+        inv.layout = group.broadcast(combined)
     return plan.manifest
 
 
@@ -396,17 +403,19 @@ def get_manifest(group: Group, inv: Inventory, where: str, state: Any = None, *,
         if manifest is not None and layout:
             inv.layout = layout_digest(manifest)
         return manifest
-    has = group.all_gather(inv.manifest is not None) if group.world > 1 else [inv.manifest is not None]
-    if not any(has):
-        return None
+    held = inv.manifest is not None
     body = inv.manifest
-    if group.world > 1 and not all(has):
-        import torch.distributed as dist
-
-        holder = has.index(True)
-        box = [body if group.rank == holder else None]
-        dist.broadcast_object_list(box, src=group.global_rank(holder), group=group.pg)
-        body = box[0]
+    if group.world == 1:
+        if not held:
+            return None
+    else:
+        # Whether any rank holds a copy, whether some lacks one, and the lowest holder: one
+        # all-reduce, whatever the world (a gather of every rank's flag grew with it).
+        some, lacking, lowest = group.max_int64([int(held), int(not held), -group.rank if held else _NONE])
+        if not some:
+            return None
+        if lacking:
+            body = broadcast_from(group, body if held else None, -lowest)
     assert body is not None
     if body is inv.manifest and inv.parsed is not None:
         parsed, inv.parsed = inv.parsed, None  # handed out once: a load fills its tree in place
@@ -563,41 +572,84 @@ def exchange(group: Group, p2p: Group, inv: Inventory, wanted: Sequence[str], ex
         return Transfers()
     sizes = _sizes(inv, excluded)
     remote = sorted({w for w in wanted if w not in sizes})
-    mine: dict[str, Any] = {"has": sizes, "want": remote}
-    gathered: list[dict[str, Any]] = group.all_gather(mine) if group.world > 1 else [mine]
-    owners: dict[str, list[int]] = {}
-    for r, g in enumerate(gathered):
-        for name in g["has"]:
-            owners.setdefault(name, []).append(r)
-    plan: list[tuple[int, int, str]] = []  # (requester, owner, file)
-    for r, g in enumerate(gathered):
-        for name in g["want"]:
-            candidates = [o for o in owners.get(name, []) if o != r]
-            if r == group.rank:
-                candidates = [o for o in candidates if (name, o) not in bad_owners]
-            if candidates:  # else the load reads it from durable, or reports it missing
-                plan.append((r, _pick(candidates, r), name))
-    plan = _agree_plan(group, plan)
     out = Transfers()
-    out.unowned = sorted({name for g in gathered for name in g["want"] if not owners.get(name)})
-    asked: dict[int, list[str]] = {}
-    serving: dict[int, list[str]] = {}
-    for requester, owner, name in plan:
-        if requester == group.rank:
-            asked.setdefault(owner, []).append(name)
-        elif owner == group.rank:
-            serving.setdefault(requester, []).append(name)
+    if group.world == 1:
+        out.unowned = remote
+        return out
+    asked, serving, offered, out.unowned = _directory(group, sizes, remote, bad_owners)
     for owner, names in sorted(asked.items()):
         channel = _Channel(p2p, owner, names, tags, timeout_s, display)
         out.channels.append(channel)
-        offered: dict[str, int] = gathered[owner]["has"]
         for name in names:
-            size = int(offered[name])
-            out.sources[name] = RemoteSource(channel, name, size, f"rank {owner}'s copy of {display}/{name}")
+            out.sources[name] = RemoteSource(channel, name, offered[name], f"rank {owner}'s copy of {display}/{name}")
     for requester, names in sorted(serving.items()):
         _start(threading.Thread(target=_serve, args=(p2p, inv, excluded, requester, names, tags), daemon=True,
                          name="ckptstore-serve"))
     return out
+
+
+def _home(name: str, world: int) -> int:
+    """The rank that keeps the directory entry of the file ``name`` (the same on every rank): its
+    writer for a rank's data file, which serves it anyway (a replicated tensor's file is wanted by
+    every rank, and its directory entry with it); a hash of the name otherwise."""
+    writer = data_file_rank(name)
+    if writer is not None and 0 <= writer < world:
+        return writer
+    return xxhash.xxh3_64_intdigest(name.encode()) % world
+
+
+def _directory(group: Group, sizes: dict[str, int], remote: list[str], bad_owners: set[tuple[str, int]]
+               ) -> tuple[dict[int, list[str]], dict[int, list[str]], dict[str, int], list[str]]:
+    """Who serves whom (collective): every file's offers and requests meet at the rank that keeps
+    its entry (:func:`_home`), which picks each requester's owner as the gather of every rank's
+    files did (the ranks offering it in rank order, less the requester and the owners it excludes,
+    which it sends along, spread by the requester's rank) and tells both: two exchanges of what
+    each rank offers and wants, then of what it asks and serves (``Group.send_bytes``), not a
+    gather of every rank's files to every rank. Returns the files this rank asks of each owner,
+    those each requester will ask of it (in the same order on both sides: by name), each asked
+    file's size as its owner offered it, and the files some rank wants that no rank offers (the
+    same list on every rank: one all-reduced flag, and a gather only when there are any)."""
+    world = group.world
+    to_home: dict[int, dict[str, list[Any]]] = {}
+    for name, size in sorted(sizes.items()):
+        to_home.setdefault(_home(name, world), {"has": [], "want": []})["has"].append([name, size])
+    for name in remote:
+        to_home.setdefault(_home(name, world), {"has": [], "want": []})["want"].append(
+            [name, sorted(o for n, o in bad_owners if n == name)])
+    got = group.send_bytes({d: _encode(v) for d, v in to_home.items()})
+    owners: dict[str, list[tuple[int, int]]] = {}
+    wants: list[tuple[int, str, set[int]]] = []
+    for sender, data in sorted(got.items()):
+        message = _decode(data)
+        for name, size in message["has"]:
+            owners.setdefault(name, []).append((sender, int(size)))
+        wants.extend((sender, name, {int(o) for o in shunned}) for name, shunned in message["want"])
+    told: dict[int, dict[str, list[Any]]] = {}
+    unowned: set[str] = set()
+    for requester, name, shunned in wants:
+        if not owners.get(name):
+            unowned.add(name)
+        usable = [(o, size) for o, size in owners.get(name, []) if o != requester and o not in shunned]
+        if usable:  # else the load reads it from durable, or reports it missing
+            owner, size = usable[requester % len(usable)]
+            told.setdefault(requester, {"ask": [], "serve": []})["ask"].append([name, owner, size])
+            told.setdefault(owner, {"ask": [], "serve": []})["serve"].append([requester, name])
+    asked: dict[int, list[str]] = {}
+    serving: dict[int, list[str]] = {}
+    offered: dict[str, int] = {}
+    for data in group.send_bytes({r: _encode(m) for r, m in told.items()}).values():
+        message = _decode(data)
+        for name, owner, size in message["ask"]:
+            asked.setdefault(int(owner), []).append(str(name))
+            offered[str(name)] = int(size)
+        for requester, name in message["serve"]:
+            serving.setdefault(int(requester), []).append(str(name))
+    for names in (*asked.values(), *serving.values()):
+        names.sort()
+    everywhere: list[str] = []
+    if group.max_int64([int(bool(unowned))])[0]:
+        everywhere = sorted(set().union(*map(set, group.all_gather(sorted(unowned)))))
+    return asked, serving, offered, everywhere
 
 
 def _opens(inv: Inventory, name: str, excluded: set[str]) -> bool:
@@ -781,19 +833,6 @@ class _Mapped:
                 self.mapping.close()
             except BufferError:
                 pass  # a send still holds a view; the mapping goes with its last reference
-
-
-def _pick(candidates: list[int], requester: int) -> int:
-    # Spread requests over owners instead of sending them all to the lowest rank.
-    return candidates[requester % len(candidates)]
-
-
-def _agree_plan(group: Group, plan: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
-    """Each requester's own entries are authoritative (only it knows which owners it excludes)."""
-    if group.world == 1:
-        return plan
-    mine = [p for p in plan if p[0] == group.rank]
-    return sorted(p for lst in group.all_gather(mine) for p in lst)
 
 
 __all__ = ["DURABLE_PREFERENCE", "assembled", "assemble_manifest", "own_manifest", "Inventory", "NodeInventory", "PeerUnavailable", "RemoteSource", "Transfers",

@@ -22,8 +22,10 @@ tier (store.py).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +40,11 @@ from ..collective import StoreGroups, failure_record, failures_from
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CollectiveError,
     CorruptCheckpointError,
+    RankFailure,
     StorageError,
+    also,
     collective_error,
 )
 from ..format.manifest import Manifest
@@ -58,6 +63,7 @@ from .exchange import (
     get_manifest,
     layout_digest,
 )
+from .guard import Guarded, broadcast_from
 from .replicas import ReplicaCheck
 
 log = logging.getLogger("ckptstore")
@@ -66,6 +72,10 @@ _ATTEMPTS = 3
 # What went wrong in one rank's attempt: a part no node holds (its writer's node holds nothing of the
 # step, the durable tier lacks it), bytes that are not sound, or anything else (I/O, a peer gone).
 _MISSING, _DAMAGED, _OTHER = "missing", "damaged", "other"
+_NONE = -(1 << 63)  # the MAX identity of an int64 all-reduce
+# What a restore raises when a collective's transport fails (a rank died, or stopped answering):
+# a CollectiveError, and still the RuntimeError gloo raised, for handlers written for that.
+BrokenRestore = also(CollectiveError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -109,9 +119,12 @@ class Restorer:
     def __init__(self, job: str, groups: StoreGroups, node_tiers: Sequence[Tier], durable: Tier | None,
                  check: ReplicaCheck, peer_timeout_s: float,
                  durable_listing: concurrent.futures.Future[Listing | None] | None = None) -> None:
+        # The trainer group's collectives raise what _broken says when a rank is gone (guard.py).
+        groups = dataclasses.replace(groups, trainer=Guarded(groups.trainer, self._broken))
         self.job, self.groups, self.node_tiers, self.durable = job, groups, list(node_tiers), durable
-        # Rank 0 lists the durable tier for every rank (one listing per question, shared through the
-        # gather each question makes anyway: every rank decides on the same listing). The store's
+        self._doing: tuple[int | None, str] = (None, "starting")  # (step, phase) for _broken
+        # Rank 0 lists the durable tier for every rank (one listing per question, handed out by a
+        # broadcast or an all-reduce: every rank decides on the same listing). The store's
         # start lists it in the background while it builds the rest; the first question takes that.
         self._prelisted = durable_listing
         self._last_listed: Listing | None = None
@@ -131,9 +144,24 @@ class Restorer:
         # A body that changed is other bytes, parsed anew; only the newest step's are kept.
         self._known: tuple[int | None, dict[bytes, tuple[str, Manifest]]] = (None, {})
 
+    def _at(self, step: int | None, phase: str) -> None:
+        """Where the restore is, for the error a failed collective raises (:meth:`_broken`)."""
+        self._doing = (step, phase)
+
+    def _broken(self, exc: BaseException) -> CollectiveError:
+        step, phase = self._doing
+        what = f"step {step}" if step is not None else "the newest step"
+        message = (f"restore of {what} of job {self.job}: rank {self.rank} of {self.world} lost the other ranks while "
+                   f"{phase} (a collective of the store's gloo group failed: {exc}). Another rank died or did not "
+                   "answer within the store's timeout_s. Restart the job (every rank): the checkpoints are intact, "
+                   "a restore only reads them.")
+        err = BrokenRestore(message, {self.rank: RankFailure.of(self.rank, exc, socket.gethostname())})
+        err.step, err.phase = step, phase  # type: ignore[attr-defined]
+        return err
+
     def _durable_steps(self, oldest: int | None = None) -> set[int]:
         """Rank 0's listing of the durable tier's committed steps (an empty set elsewhere, and when
-        it cannot be listed); :meth:`_shared` hands it to every rank. ``oldest`` (rank 0's): the
+        it cannot be listed); :meth:`_listing` (or :meth:`newest_held`'s all-reduce) hands it to every rank. ``oldest`` (rank 0's): the
         oldest step the caller asks about; the listing may leave out older ones (None: none)."""
         listed = self._listed_durable(oldest) if self.rank == 0 else None
         return set() if listed is None else listed
@@ -171,11 +199,6 @@ class Restorer:
         """Whether rank 0's listing of the durable tier, started with the store, is still under way."""
         return self.rank == 0 and self._prelisted is not None and not self._prelisted.done()
 
-    @staticmethod
-    def _shared(gathered: list[tuple[Any, list[int] | None]]) -> tuple[list[Any], set[int]]:
-        """Every rank's own answer, and rank 0's listing of the durable tier, from one gather."""
-        return [mine for mine, _listed in gathered], set(gathered[0][1] or ())
-
     def _listing(self, listed: set[int]) -> set[int]:
         """Rank 0's listing of the durable tier on every rank (one broadcast: what every rank
         receives is the listing, whatever the number of ranks)."""
@@ -210,12 +233,14 @@ class Restorer:
         # The node tiers' newest step first, with a listing of the durable tier from that step on
         # (_early); when the durable tier holds a newer step, or that step cannot be loaded, every
         # step any tier holds is a candidate, newest first, with the whole listing.
+        self._at(None, "choosing the step to restore")
         pending = self._listing_pending()
         if self.world > 1:
             pending = bool(self.groups.trainer.max_int64([int(pending)])[0])
         found, failed = self._early(state, per_rank, self._node_union(), pending)
         if found is not None:
             return found
+        self._at(None, "listing the steps every tier holds")
         node, durable = self._held_steps()
         candidates = sorted(node | durable, reverse=True)
         tried: list[str] = []
@@ -258,6 +283,7 @@ class Restorer:
             # Not in the durable tier as far as this attempt knows: a part the nodes lack fails it,
             # and the candidates are then tried with the listing, this step first again.
             ok, detail = self._attempt(state, step, False, per_rank)[:2]
+        self._at(step, "listing the durable tier")
         listed = self._durable_steps(step)
         durable = self._listing(listed) if self.world > 1 else listed
         if not ok or any(s > step for s in durable):
@@ -286,6 +312,7 @@ class Restorer:
         """Load exactly ``step`` into ``state``, never another one; returns the tiers it came from.
         Raises CheckpointNotFoundError when no tier of any rank holds the step, CorruptCheckpointError
         when no sound copy of it is left."""
+        self._at(step, "looking up which tiers hold the step")
         listed = self._durable_steps(step)
         mine = step in self._node_steps()
         held = bool(self.groups.trainer.max_int64([int(mine)])[0]) if self.world > 1 else mine
@@ -301,6 +328,7 @@ class Restorer:
     def latest(self) -> int | None:
         """The newest step any tier of any rank holds committed (collective)."""
         # Rank 0's node's newest step bounds the answer from below: older durable steps cannot be it.
+        self._at(None, "finding the newest step any tier holds")
         node, durable = self._held_steps(max(self._node_steps(), default=None) if self.rank == 0 else None)
         steps = node | durable
         return max(steps) if steps else None
@@ -315,25 +343,38 @@ class Restorer:
         rank), and the caller asks again (waiting) before it relies on the answer."""
         pending = not wait and self._listing_pending()
         node = self._node_steps()
-        # Rank 0's: the others learn it from the gather; from rank 0's node's newest step on, as
-        # the newest step held is at least that one.
+        # Rank 0's: from rank 0's node's newest step on, as the newest step held is at least that one.
         listed = set() if pending else self._durable_steps(max(node, default=None))
         newest = max(node | listed, default=None)
-        mine = None if newest is None else (newest, self._meta(newest, newest in listed))
-        gathered = self.groups.trainer.all_gather((mine, sorted(listed) if self.rank == 0 else None, pending))
-        answers, durable = self._shared([(m, held) for m, held, _pending in gathered])
-        pending = gathered[0][2]
-        found = [m for m in answers if m is not None]
-        if not found:
+        if self.world == 1:
+            if newest is None:
+                return None, pending
+            return (newest, self._meta(newest, newest in listed), newest in listed), pending
+        # Fixed-size, whatever the world: the newest step held is the maximum of every rank's newest;
+        # the durable tier holds it when it is rank 0's newest listed step (no listed step is newer
+        # than rank 0's newest); rank 0's pending travels alike. Its meta is the lowest rank's whose
+        # newest it is (what the gather of every rank's answer picked): rank 0 when every rank holds
+        # the same newest step, the usual restart; else one more all-reduce finds that rank.
+        self._at(None, "finding the newest step any tier holds")
+        fg = self.groups.trainer
+        mine = _NONE if newest is None else newest
+        top = max(listed, default=_NONE) if self.rank == 0 else _NONE
+        step, least, none, top, pending_at_0 = fg.max_int64(
+            [mine, _NONE if newest is None else -newest, int(newest is None), top,
+             int(pending) if self.rank == 0 else 0])
+        pending = bool(pending_at_0)
+        if step == _NONE:
             return None, pending
-        step = max(m[0] for m in found)
-        meta: dict[str, Any] = next((m[1] for m in found if m[0] == step and m[1] is not None), {})
-        return (step, meta, step in durable), pending
+        holder = 0 if (step == -least and not none) else -fg.max_int64([-self.rank if mine == step else _NONE])[0]
+        in_durable = top == step
+        meta = broadcast_from(fg, self._meta(step, in_durable) if self.rank == holder else None, holder)
+        return (step, meta if meta is not None else {}, in_durable), pending
 
     def meta_of(self, step: int) -> tuple[dict[str, Any], bool | None]:
         """The ``meta`` of ``step``'s manifest as this node or the durable tier holds it, and whether
         the durable tier holds the step: None when it could not be listed (collective: every rank
         gets rank 0's answer)."""
+        self._at(step, "reading the step's meta (it was loaded)")
         mine = None
         if self.rank == 0:
             # A step the restore's own listing showed is still there (only this job's retention
@@ -430,6 +471,7 @@ class Restorer:
         grows with the node's ranks, not with this rank's bytes). Their copies join the layouts
         then, and a layout tried already is tried again only when some rank's node holds more
         copies of it than the first inventory listed."""
+        self._at(step, "agreeing on the copies of the step each node holds")
         fg = self.groups.trainer
         first_tiers = [t for t in self.node_tiers if t.name in FIRST_TIERS]
         quick = None
@@ -480,6 +522,7 @@ class Restorer:
             if details and order:
                 log.warning("ckptstore: %s; trying the next copy of the step laid out differently", details[-1])
             for digest in order:
+                self._at(step, "agreeing on the copies of the step each node holds")
                 ok, detail = self._attempt_layout(state, step, node, digest, in_durable, excluded, per_rank, bare,
                                                   kinds, ownless)
                 if ok:
@@ -539,6 +582,7 @@ class Restorer:
             retry = False
             used: set[str] = set()
             missing: PartsMissing | CorruptCheckpointError | None = None
+            self._at(step, "planning each rank's load from the step's manifest")
             try:
                 # A layout of parts is planned from each rank's own part where it can be (the same
                 # world loading the layout it saved), and its layout digest is known to every rank
@@ -576,6 +620,7 @@ class Restorer:
             except Exception as exc:  # noqa: BLE001 - the state does not match the checkpoint
                 wanted, fatal = [], exc
             self._round += 1  # every rank counts the same rounds: the tags of this one are its own
+            self._at(step, "arranging which ranks send each other the step's files")
             transfers = Transfers() if solo else exchange(
                 fg, self.groups.transfer, inv, wanted, excluded, bad_owners, display,
                 tags=(2 * self._round + 1, 2 * self._round + 2), timeout_s=self.peer_timeout_s)
@@ -593,6 +638,7 @@ class Restorer:
                                          "the durable tier lacks the step"), _MISSING
                 elif not problem and fatal is None:
                     assert manifest is not None
+                    self._at(step, "loading the step")
                     opener = _Opener(transfers.sources, inv, excluded, durable.opener(step) if durable else None,
                                      display, used)
                     problem, kind, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers,
@@ -605,6 +651,7 @@ class Restorer:
             mine: dict[str, Any] = {"fatal": None if fatal is None else f"rank {self.rank}: {fatal}",
                                     "failure": None if fatal is None else failure_record(self.rank, fatal),
                                     "problem": problem, "kind": kind, "retry": retry, "used": sorted(used)}
+            self._at(step, "agreeing on the outcome of loading the step")
             outcomes = self._outcomes(mine)
             if any(o["fatal"] for o in outcomes):
                 if fatal is not None:
