@@ -412,15 +412,21 @@ def install_counters() -> None:
     except ImportError:  # the code before cooperative reads
         _coop = None
     if _coop is not None:
-        real_plan = _coop.plan
+        # A load's exchange makes only this rank's part of the plan (coop.read; the code before
+        # session 10 made the whole plan on every rank, coop.plan): either holds this rank's peak.
+        def peak(real: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                out = real(*args, **kwargs)
+                rank = current_rank()
+                if out is not None and rank < len(out.peak_bytes):
+                    PEAKS[rank] = max(PEAKS.get(rank, 0), out.peak_bytes[rank])
+                return out
+            return wrapped
 
-        def plan(*args: Any, **kwargs: Any) -> Any:
-            out = real_plan(*args, **kwargs)
-            rank = current_rank()
-            PEAKS[rank] = max(PEAKS.get(rank, 0), out.peak_bytes[rank] if rank < len(out.peak_bytes) else 0)
-            return out
-
-        _coop.plan = plan
+        if hasattr(_coop, "read"):
+            _coop.read = peak(_coop.read)
+        else:
+            _coop.plan = peak(_coop.plan)
     install_counters.done = True  # type: ignore[attr-defined]
 
 

@@ -178,12 +178,12 @@ def export_step(store: CheckpointStore, directory: str | os.PathLike[str], *, ke
     ``step``) as safetensors shards; returns the step. Collective when the store spans ranks."""
     state: dict[str, Any] = {key: None}
     if step is None:
-        found = store.restore(state)
+        found = store.restore(state, resume=False)  # an export reads: it removes nothing
         if found is None:
             raise CheckpointNotFoundError(f"job {store.job} has no checkpoint in any tier")
         step = found
     else:
-        store.restore(state, step=step)
+        store.restore(state, step=step, resume=False)
     weights = state[key]
     if not isinstance(weights, Mapping):
         raise InvalidArgumentError(f"step {step} of job {store.job}: {key!r} is {type(weights).__name__}, not a state dict")
@@ -266,12 +266,12 @@ def write_trainer_checkpoint(store: CheckpointStore, directory: str | os.PathLik
     state: dict[str, Any] = {"model": None, "optimizer": None, "scheduler": None, "trainer_state": None,
                              "rng": PerRank(None)}
     if step is None:
-        found = store.restore(state)
+        found = store.restore(state, resume=False)  # an export reads: it removes nothing
         if found is None:
             raise CheckpointNotFoundError(f"job {store.job} has no checkpoint in any tier")
         step = found
     else:
-        store.restore(state, step=step)
+        store.restore(state, step=step, resume=False)
     directory = os.fspath(directory)
     export_safetensors(state["model"], directory, overwrite=True)
     state["rng"] = state["rng"].value

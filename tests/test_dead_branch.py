@@ -121,6 +121,42 @@ def test_a_restore_past_a_damaged_step_lets_the_job_save_that_step_again(job, tm
         shutil.rmtree(ram_dir, ignore_errors=True)
 
 
+def test_an_export_that_falls_back_past_a_damaged_step_removes_nothing(job, tmp_path):
+    """An export reads a step; it is not the training job resuming. ``hf.export_step`` of the
+    newest sound step (step 5, every copy of step 10 damaged) leaves step 10 where it is in every
+    tier and the store's numbering as it was: only the training job's own restore declares it a
+    dead branch."""
+    pytest.importorskip("safetensors")
+    from ckptstore import hf
+
+    ram_dir = f"/dev/shm/{job}-export"
+    os.makedirs(ram_dir)
+    try:
+        local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+        opts = dict(local=local, durable=durable, durable_every=1, keep_local=None, ram_dir=ram_dir)
+        with CheckpointStore(job, **opts) as store:
+            for step in (5, 10):
+                store.save(step, {"model": {"w": _state(step)["w"]}}).wait("durable")
+            store.close(keep_ram=True)
+        _damage_ram(ram_dir, job, 10)
+        _damage_step(local, 10)
+        _damage_step(durable, 10)
+        with CheckpointStore(job, **opts) as store:
+            assert hf.export_step(store, tmp_path / "export") == 5
+            assert_same(hf.import_safetensors(tmp_path / "export"), {"w": _state(5)["w"]})
+            assert store.last_step == 10
+            with pytest.raises(InvalidArgumentError, match="step 10 is not after the last saved step 10"):
+                store.save(10, {"model": {"w": _state(10, run=1)["w"]}})
+            store.close(keep_ram=True)
+        assert _committed(local) == [5, 10] and _committed(durable) == [5, 10]
+        assert not os.path.exists(os.path.join(local, "damaged"))
+        assert any(r.step == 10 for r in inventory(ram_dir, job, owners=False))
+        with CheckpointStore(job, **opts) as store, pytest.raises(InvalidArgumentError, match="resume must be True or False"):
+            store.restore({"model": {"w": torch.zeros(16384)}}, resume="no")
+    finally:
+        shutil.rmtree(ram_dir, ignore_errors=True)
+
+
 def test_a_restore_past_an_unreadable_durable_step_replaces_it_there(job, tmp_path):
     """Step 10 is held by the durable tier alone (the node's copies are gone), and its data file
     cannot be read there (a directory stands in its place). The restart restores step 5 from the

@@ -198,5 +198,6 @@ def test_checkpoint_store_signature():
         ("state", P.POSITIONAL_OR_KEYWORD, P.empty),
         ("step", P.KEYWORD_ONLY, None),
         ("per_rank", P.KEYWORD_ONLY, "error"),
+        ("resume", P.KEYWORD_ONLY, True),
     ]
     assert [n for n in dir(ckptstore.SaveHandle) if not n.startswith("_")] == ["done", "wait"]

@@ -358,7 +358,8 @@ class CheckpointStore:
     # ------------------------------------------------------------------------------ restoring
 
     @gc_paused
-    def restore(self, state: Any, *, step: int | None = None, per_rank: str = "error") -> int | None:
+    def restore(self, state: Any, *, step: int | None = None, per_rank: str = "error",
+                resume: bool = True) -> int | None:
         """Load the newest step with a sound copy into ``state`` in place, or exactly ``step``.
 
         Returns the step loaded; None when no tier holds any checkpoint of this job, or when every
@@ -382,14 +383,24 @@ class CheckpointStore:
         ``state`` is a state dict (tensors filled in place, other leaves replaced) or a
         :class:`~ckptstore.TrainState` (every part restored, the RNG states last).
         ``per_rank="skip"`` keeps the current per-rank values (RNG states, per-rank loader
-        positions) when the checkpoint was saved at another world size."""
+        positions) when the checkpoint was saved at another world size.
+
+        ``resume=False`` reads a step without acting on the store, for an export or an evaluation
+        of the job's steps: a fallback past newer steps removes nothing (only the training job's
+        own restore decides what is a dead branch), and :attr:`last_step`, the durable cadence and
+        the tiers stay as they were."""
         self._check_open()
         if per_rank not in ("error", "skip"):
             raise InvalidArgumentError(f"per_rank={per_rank!r}: use 'error' or 'skip'")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise InvalidArgumentError(f"step must be a non-negative int (or None for the newest), not {step!r}")
+        if not isinstance(resume, bool):
+            raise InvalidArgumentError(f"resume must be True or False, not {resume!r}")
+        return self._restore_state(state, step, per_rank, resume=resume)
+
+    def _restore_state(self, state: Any, step: int | None, per_rank: str, *, resume: bool) -> int | None:
         if not isinstance(state, TrainState):
-            return self._restore(state, step, per_rank)
+            return self._restore(state, step, per_rank, resume=resume)
         # Building the skeleton initialises a fresh optimizer's state (DCP's helpers take a
         # zero-learning-rate step); with nothing to restore, that must not stay behind, or the
         # run would differ from one that never called restore.
@@ -397,7 +408,7 @@ class CheckpointStore:
         skeleton = state.skeleton()
         found: int | None = None
         try:
-            found = self._restore(skeleton, step, per_rank)
+            found = self._restore(skeleton, step, per_rank, resume=resume)
         finally:
             if found is None:
                 for opt in fresh:
@@ -406,7 +417,7 @@ class CheckpointStore:
             state.load_skeleton(skeleton)
         return found
 
-    def _restore(self, state: Any, step: int | None, per_rank: str) -> int | None:
+    def _restore(self, state: Any, step: int | None, per_rank: str, *, resume: bool = True) -> int | None:
         assert self._tracker is not None
         t0 = time.perf_counter()
         self._pipeline.drain()
@@ -415,7 +426,7 @@ class CheckpointStore:
             self._settle()  # after the restore took the durable listing: it is known by then
             last = self._pipeline.last_step
             found, tiers = result.step, result.tiers
-            if result.newer:
+            if result.newer and resume:
                 # The job goes on from the step loaded: every newer step held is a dead branch,
                 # whatever kept it from loading (a part lost with a node, damaged bytes, a copy that
                 # could not be read), and its numbers are the new branch's to save. Only a step some
@@ -436,6 +447,8 @@ class CheckpointStore:
             self._tracker.event("restore", step=None, tier=None, seconds=seconds)
             return None
         log.info("ckptstore: restored step %d from the %s tier", found, tiers)
+        if not resume:
+            return found
         self._pipeline.last_step = found if last is None else max(last, found)
         self._tracker.event("restore", step=found, tier=tiers, seconds=seconds)
         meta, in_durable = self._restorer.meta_of(found)
