@@ -32,7 +32,8 @@ from .errors import RankFailure, collective_error
 class Traffic:
     """What this process received through the store's collectives while :func:`counting`: bytes
     (as the transport carries them: an object all-gather pads every rank's message to the largest,
-    a ring all-reduce receives at most twice the tensor) and collectives, by group role."""
+    a ring all-reduce receives at most twice the tensor, recursive doubling the tensor once per
+    message step it receives) and collectives, by group role."""
 
     def __init__(self) -> None:
         self.received = 0
@@ -68,6 +69,15 @@ def counting() -> Iterator[Traffic]:
 
 def _size(obj: Any) -> int:
     return len(pickle.dumps(obj))
+
+
+DOUBLING_FROM = 8
+"""The number of ranks from which :meth:`Group.max_int64` uses recursive doubling over point-to-point
+messages instead of gloo's ring all-reduce (benchmarks/bench_allreduce.py measures both)."""
+
+
+_FLAG_TAG = 0x5F1A6
+"""The tag of recursive doubling's messages: apart from any other point-to-point traffic on a group."""
 
 
 class Group:
@@ -185,17 +195,74 @@ class Group:
         return out
 
     def max_int64(self, values: list[int]) -> list[int]:
-        """The element-wise maximum over the ranks of ``values`` (int64; negate one for a minimum):
-        one all-reduce of a few bytes, whatever the number of ranks (gloo reduces int64 with MAX)."""
+        """The element-wise maximum over the ranks of ``values`` (int64; negate one for a minimum),
+        a few bytes whatever the number of ranks, in log2(ranks) + 2 message steps on gloo from
+        :data:`DOUBLING_FROM` ranks on (see :meth:`_doubling_max`), one all-reduce below that."""
         if self.world == 1:
             return list(values)
         import torch
 
         t = torch.tensor(values, dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.pg)
+        if self.world >= DOUBLING_FROM and self._gloo():
+            received = self._doubling_max(t)
+        else:
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.pg)
+            received = 2 * t.numel()
         if _traffic is not None:
-            _traffic.add(self.role, 2 * t.numel() * t.element_size())
+            _traffic.add(self.role, received * t.element_size())
         return [int(v) for v in t.tolist()]
+
+    def _gloo(self) -> bool:
+        """Whether CPU tensors travel point to point on this group (gloo, alone or beside NCCL)."""
+        try:
+            return "gloo" in str(self._dist.get_backend(self.pg))
+        except (RuntimeError, ValueError):
+            return False
+
+    def _doubling_max(self, t: Any) -> int:
+        """``t`` becomes the element-wise maximum over the ranks by recursive doubling; returns the
+        elements this rank received.
+
+        gloo's all-reduce is a ring: 2 x (ranks - 1) message steps one after the other, however few
+        the bytes (8,190 at 4,096 ranks, a few hundred milliseconds for a flag). Here the ranks
+        beyond the largest power of two ``p`` fold into a partner below it, the ``p`` ranks swap
+        with the rank that differs in one bit per round (log2(p) rounds), and the partners hand the
+        result back: log2(p) + 2 steps (14 at 4,096 ranks, 16 at 16,384). Every rank takes the same
+        steps in the same order, so a dead peer fails this rank's receive after the group's timeout,
+        as it fails a ring."""
+        import torch
+
+        # The group's own send and recv (group ranks, no wrapper): torch.distributed.isend/recv
+        # cost several times more CPU per message in their Python layers, and a round here is two
+        # messages.
+        pg = self.pg if self.pg is not None else self._dist.group.WORLD
+        n, rank = self.world, self.rank
+        p = 1 << (n.bit_length() - 1)
+        buf = torch.empty_like(t)
+
+        def swap(peer: int, send: bool, recv: bool, into: Any) -> None:
+            works = ([pg.recv([into], peer, _FLAG_TAG)] if recv else []) + ([pg.send([t], peer, _FLAG_TAG)] if send else [])
+            for work in works:
+                work.wait()
+
+        if rank >= p:  # fold in, then take the result
+            swap(rank - p, True, False, t)
+            swap(rank - p, False, True, t)
+            return t.numel()
+        received = 0
+        if rank + p < n:
+            swap(rank + p, False, True, buf)
+            torch.maximum(t, buf, out=t)
+            received += t.numel()
+        bit = 1
+        while bit < p:
+            swap(rank ^ bit, True, True, buf)  # t changes only after both messages are done
+            torch.maximum(t, buf, out=t)
+            received += t.numel()
+            bit <<= 1
+        if rank + p < n:
+            swap(rank + p, True, False, t)
+        return received
 
 
 def failure_record(rank: int, exc: BaseException) -> dict[str, Any]:
