@@ -329,3 +329,37 @@ def control_plane_job(rank: int, world: int, url: str, out: str, tensors: int = 
         assert _equal(target[f"p{j}"], _slab(tensors + j, 4, 0, 4, 4)), f"rank {rank}: p{j} differs"
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as fh:
         json.dump({"save": saved, "load": loaded}, fh)
+
+
+def index_reads_job(rank: int, world: int, url: str) -> None:
+    """Issue 19: a resharded load reads no rank's whole table. Rows saved by every rank load as
+    columns, an uneven cut of rows and replicated; each rank reads the step's manifest (a 2.0
+    manifest, the index) once and, of the part files, only its own (writer ``w`` is read by rank
+    ``w % world``), never every rank's; the tensors are bitwise equal to what was saved. Before,
+    every rank of a resharded load read every part file (the whole chunk table)."""
+    ckptstore.save_sharded(_boxes({0: (world, rank)}, zeros=False), url)
+    dist.barrier()
+    reads: list[str] = []
+    real = _sharded.Directory.read_small
+
+    def read_small(self: Any, rel: str) -> bytes:
+        reads.append(rel)
+        return real(self, rel)
+
+    _sharded.Directory.read_small = read_small  # type: ignore[method-assign]
+    try:
+        cases = {
+            "Shard(1)": lambda: _boxes({1: (world, rank)}),
+            "Replicate": lambda: _boxes({}),
+            "uneven Shard(0)": lambda: _boxes({0: (world - 1, rank)} if rank < world - 1 else {0: (world, world)}),
+        }
+        for case, make in cases.items():
+            target = make()
+            reads.clear()
+            ckptstore.load_sharded(target, url)
+            _check(target, case, rank)
+            parts = sorted(r for r in reads if r.startswith("parts/"))
+            assert parts == [f"parts/rank-{rank:05d}.json"], f"rank {rank}: {case}: read {parts}"
+            assert reads.count("manifest.json") <= 1, f"rank {rank}: {case}: read {reads}"
+    finally:
+        _sharded.Directory.read_small = real  # type: ignore[method-assign]
