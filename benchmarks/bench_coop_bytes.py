@@ -9,6 +9,10 @@ world size, so what it receives should be too. Counted with ``ckptstore.collecti
 The worker is tests/coop_workers.py ``control_plane_job``, the one tests/test_coop_read.py runs.
 
     python benchmarks/bench_coop_bytes.py --worlds 2 4 6 8 10
+    python benchmarks/bench_coop_bytes.py --plan --worlds 2 4 8 --tensors 1000
+
+(``--plan``: what each rank of a resharded load reads through the Directory to plan it, manifest,
+index and part files, and the CPU of its load_plan and of its whole load, largest over the ranks.)
 
 (Even worlds of at most 10: tests/dist_workers.py `spawn` compares its result files in name order,
 which puts ok-10 before ok-2.)
@@ -41,10 +45,40 @@ def fit(worlds: list[int], values: list[float]) -> tuple[float, float]:
     return k, math.exp(my + k * (math.log(4096) - mx))
 
 
+def plan_main(worlds: list[int], tensors: int) -> None:
+    """--plan: what each rank of a resharded load reads to plan it (coop_workers.plan_bytes_job)."""
+    from dist_workers import spawn
+
+    rows = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as d:
+            tmp = pathlib.Path(d)
+            out = tmp / "plan"
+            out.mkdir()
+            spawn(world, "coop_workers:plan_bytes_job", tmp, url=str(tmp / "ckpt"), out=str(out), tensors=tensors)
+            got = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+        row = {"world": world, "read_max": max(g["read"] for g in got), "parts_max": max(g["parts"] for g in got),
+               "plan_cpu_max": max(g["plan_cpu"] for g in got), "load_cpu_max": max(g["load_cpu"] for g in got)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if len(rows) > 1:
+        ws = [r["world"] for r in rows]
+        for name in ("read_max", "parts_max", "plan_cpu_max", "load_cpu_max"):
+            k, at = fit(ws, [r[name] * (1e6 if "cpu" in name else 1) for r in rows])
+            at = at / 1e6 if "cpu" in name else at
+            print(f"{name}: exponent {k:.2f} in ranks; at 4,096 ranks x {tensors} tensors: {at:.4g}"
+                  f" (x {10000 / tensors:.0f} for 10,000 tensors, linear in tensors: {at * 10000 / tensors:.4g})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--plan", action="store_true", help="per-rank planning reads and CPU of a resharded load")
+    ap.add_argument("--tensors", type=int, default=1000, help="with --plan: row-sharded tensors")
     args = ap.parse_args()
+    if args.plan:
+        plan_main(args.worlds, args.tensors)
+        return
     from dist_workers import spawn
 
     rows = []

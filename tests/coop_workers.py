@@ -329,3 +329,98 @@ def control_plane_job(rank: int, world: int, url: str, out: str, tensors: int = 
         assert _equal(target[f"p{j}"], _slab(tensors + j, 4, 0, 4, 4)), f"rank {rank}: p{j} differs"
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as fh:
         json.dump({"save": saved, "load": loaded}, fh)
+
+
+def index_reads_job(rank: int, world: int, url: str) -> None:
+    """Issue 19: a resharded load reads no rank's whole table. Rows saved by every rank load as
+    columns, an uneven cut of rows and replicated; each rank reads the step's manifest (a 2.0
+    manifest, the index) once and, of the part files, only its own (writer ``w`` is read by rank
+    ``w % world``), never every rank's; the tensors are bitwise equal to what was saved. Before,
+    every rank of a resharded load read every part file (the whole chunk table)."""
+    ckptstore.save_sharded(_boxes({0: (world, rank)}, zeros=False), url)
+    dist.barrier()
+    reads: list[str] = []
+    real = _sharded.Directory.read_small
+
+    def read_small(self: Any, rel: str) -> bytes:
+        reads.append(rel)
+        return real(self, rel)
+
+    _sharded.Directory.read_small = read_small  # type: ignore[method-assign]
+    try:
+        cases = {
+            "Shard(1)": lambda: _boxes({1: (world, rank)}),
+            "Replicate": lambda: _boxes({}),
+            "uneven Shard(0)": lambda: _boxes({0: (world - 1, rank)} if rank < world - 1 else {0: (world, world)}),
+        }
+        for case, make in cases.items():
+            target = make()
+            reads.clear()
+            ckptstore.load_sharded(target, url)
+            _check(target, case, rank)
+            parts = sorted(r for r in reads if r.startswith("parts/"))
+            assert parts == [f"parts/rank-{rank:05d}.json"], f"rank {rank}: {case}: read {parts}"
+            assert reads.count("manifest.json") <= 1, f"rank {rank}: {case}: read {reads}"
+    finally:
+        _sharded.Directory.read_small = real  # type: ignore[method-assign]
+
+
+def plan_bytes_job(rank: int, world: int, url: str, out: str, tensors: int = 1000) -> None:
+    """What a rank of a resharded load_sharded reads to plan it (benchmarks/bench_coop_bytes.py
+    --plan): ``tensors`` row-sharded tensors (2 rows of 8 float32 per rank) saved by every rank,
+    loaded with the rows cut as a world of one rank less cuts them (each rank needs two saved
+    slabs of every tensor). Writes the bytes this rank read through Directory.read_small (the
+    manifest, index and part files), the CPU time of its load_plan and of its whole load."""
+    import json as _json
+
+    from ckptstore.checkpoint import index as _index
+
+    def state(parts: int, me: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for i in range(tensors):
+            rows = 2 * world
+            lo, n = _rows(rows, parts, me) if me < parts else (rows, 0)
+            data = torch.arange(lo * 8, (lo + n) * 8, dtype=torch.float32).reshape(n, 8) + i
+            out[f"t{i}"] = GlobalBox(data if n else None, (lo, 0), (rows, 8), torch.float32)
+        return out
+
+    ckptstore.save_sharded(state(world, rank), url)
+    dist.barrier()
+    reads: dict[str, int] = {}
+    real = _sharded.Directory.read_small
+
+    def read_small(self: Any, rel: str) -> bytes:
+        data = real(self, rel)
+        reads[rel] = reads.get(rel, 0) + len(data)
+        return data
+
+    plan_cpu = [0.0]
+    real_plan = _index.load_plan
+
+    def load_plan(*args: Any, **kwargs: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return real_plan(*args, **kwargs)
+        finally:
+            plan_cpu[0] += time.thread_time() - t
+
+    _sharded.Directory.read_small = read_small  # type: ignore[method-assign]
+    _index.load_plan = load_plan
+    try:
+        target = state(world - 1, rank)
+        t = time.thread_time()
+        ckptstore.load_sharded(target, url)
+        load_cpu = time.thread_time() - t
+    finally:
+        _sharded.Directory.read_small = real  # type: ignore[method-assign]
+        _index.load_plan = real_plan
+    for i in (0, tensors - 1):
+        box = target[f"t{i}"]
+        if box.tensor is not None:
+            lo = box.offsets[0]
+            want = torch.arange(lo * 8, (lo + box.tensor.shape[0]) * 8, dtype=torch.float32).reshape(-1, 8) + i
+            assert torch.equal(box.tensor, want), (rank, i)
+    parts = sum(n for rel, n in reads.items() if rel.startswith("parts/"))
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as fh:
+        _json.dump({"read": sum(reads.values()), "parts": parts, "files": len(reads),
+                    "plan_cpu": plan_cpu[0], "load_cpu": load_cpu}, fh)

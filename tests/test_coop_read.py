@@ -19,6 +19,10 @@ def test_coop_reads_at_4_ranks_layouts_damage_and_restore(tmp_path):
     spawn(4, "coop_workers:all_job", tmp_path, tmp=str(tmp_path))
 
 
+def test_a_resharded_load_reads_only_its_share_of_the_part_files(tmp_path):
+    spawn(4, "coop_workers:index_reads_job", tmp_path, url=str(tmp_path / "ckpt"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_coop_reads_at_other_world_sizes(tmp_path, world):

@@ -53,12 +53,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..collective import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..format.dtypes import dtype_from_name, element_size
-from ..format.manifest import Manifest
+from ..format.manifest import Chunk, Manifest, TensorEntry
 from ..planning.sharding import Box, intersect, volume
 
 # Slices are packed back to back in a round's send buffer and viewed as their dtype on arrival: an
@@ -109,6 +110,25 @@ class Plan:
 Needs = list[tuple[str, Box]]
 
 
+@dataclass
+class Spread(Manifest):
+    """A rank's table for a resharded load planned from an index (checkpoint/index.py), whose
+    chunks of sharded tensors travel instead of being read by every rank that needs them: this
+    rank read the part files assigned to it (``routed``: their chunks as stored, by entry key), and
+    in the cooperative read sends them to each tensor's coordinator, which sends each rank that
+    loads a box of the tensor the chunks overlapping its boxes (``adopt`` puts them in the table
+    and checks they cover the boxes). ``sharded``: the keys whose chunks travel (the others' are
+    in the table); ``parse``: stored chunks of a key as Chunk objects, validated; ``complete``:
+    this rank reads its tensors' writers' parts itself instead (where no exchange runs)."""
+
+    routed: dict[str, list[Any]] = field(default_factory=dict, repr=False, compare=False)
+    sharded: set[str] = field(default_factory=set, repr=False, compare=False)
+    parse: Callable[[str, list[Any]], list[Chunk]] | None = field(default=None, repr=False, compare=False)
+    adopt: Callable[[dict[str, Any], list[tuple[str, Box]]], None] | None = field(default=None, repr=False,
+                                                                                 compare=False)
+    complete: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+
 def _backend_carries_cpu(group: Group) -> bool:
     import torch.distributed as dist
 
@@ -126,10 +146,11 @@ def usable(group: Group) -> bool:
 
 
 # The first collective of a load, on a rank that reads and on one that abstains alike: (abstains,
-# holds a whole manifest, holds a table planned from its own part, holds another kind of table).
+# holds a whole manifest, holds a table planned from its own part, holds another kind of table,
+# holds a Spread table whose chunks travel through the coordinators).
 def _opening(abstains: bool, planned: str = "") -> list[int]:
     return [int(abstains), int(not abstains and planned == ""), int(not abstains and planned == "own"),
-            int(not abstains and planned not in ("", "own"))]
+            int(not abstains and planned not in ("", "own", "spread")), int(not abstains and planned == "spread")]
 
 
 def abstain(group: Group) -> None:
@@ -350,36 +371,61 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
     each node holds its own copy (or fetched it already) and reading it is a memory copy, which an
     exchange over the process group only slows down."""
     me, world = group.rank, group.world
+    spread = manifest if isinstance(manifest, Spread) and manifest.planned == "spread" else None
     opening = group.max_int64(_opening(False, manifest.planned))
     # A coordinator cuts units from its own table: the tables must agree on every chunk a unit can
     # come from. Whole manifests do; so do tables planned from an index where each rank's sharded
     # chunks are its own part's (no other rank's box reaches into them, so no such chunk is ever
-    # shared). A mix, or tables of the writers' parts, read each rank's boxes on its own.
-    if opening[0] or opening[3] or (opening[1] and opening[2]):
+    # shared), and Spread tables, whose coordinators get every chunk of their tensors from the
+    # ranks that read the part files. A mix, or tables of the writers' parts, read each rank's
+    # boxes on its own (a Spread rank first reads its tensors' writers' parts itself).
+    if (opening[0] or opening[3] or (opening[1] and opening[2])
+            or (opening[4] and (opening[1] or opening[2] or not spread))):
+        if spread is not None and spread.complete is not None:
+            spread.complete()
         read_direct(targets)
         return None
 
-    # 1. The boxes this rank loads, to each tensor's coordinator.
+    # 1. The boxes this rank loads, to each tensor's coordinator (with a Spread table, also the
+    # chunks of the part files this rank read, each to its tensor's coordinator).
     asks: dict[int, dict[str, list[Any]]] = {}
     for i, target in enumerate(targets):
         asks.setdefault(coordinator(target.key, world), {}).setdefault(target.key, []).append(
             [i, list(target.box[0]), list(target.box[1])])
-    got = group.send_bytes({c: _json(v) for c, v in asks.items()})
+    if spread is None:
+        got = group.send_bytes({c: _json(v) for c, v in asks.items()})
+    else:
+        routed: dict[int, dict[str, list[Any]]] = {}
+        for key, raws in spread.routed.items():
+            routed.setdefault(coordinator(key, world), {})[key] = raws
+        spread.routed = {}
+        got = group.send_bytes({c: _json([asks.get(c, {}), routed.get(c, {})]) for c in set(asks) | set(routed)})
+        routed.clear()
 
     # 2. Units of this rank's tensors, to their owners and needers.
     holders: dict[str, list[tuple[int, int, Box]]] = {}
+    stored: dict[str, list[Any]] = {}  # Spread: the chunks of this rank's tensors, as stored
     for r in sorted(got):
-        for key, entries in json.loads(got[r]).items():
+        doc = json.loads(got[r])
+        if spread is not None:
+            doc, theirs = doc
+            for key, raws in theirs.items():
+                stored.setdefault(key, []).extend(raws)
+        for key, entries in doc.items():
             holders.setdefault(key, []).extend((r, int(i), _box(lo, sz)) for i, lo, sz in entries)
+    table = manifest
+    tell: dict[int, list[Any]] = {}
+    if spread is not None:
+        table = _coordinated(spread, holders, stored, tell, where)
+        stored.clear()
     try:
-        planned = units(manifest, holders, world, buffer_bytes, where, share_whole=share_whole, me=me)
+        planned = units(table, holders, world, buffer_bytes, where, share_whole=share_whole, me=me)
     except CheckpointError:
         # The table names a dtype it cannot read: nothing is shared of these tensors (each needer
         # reads its own boxes, and meets the error there itself).
         planned = []
     # The owner learns the whole unit; another rank its own entries, the owner and the chunk (the
     # tensor is its target's, and the bytes its target's element size).
-    tell: dict[int, list[Any]] = {}
     for u in planned:
         everyone = [[r, i, list(ov[0]), list(ov[1])] for r, i, ov in u.needers]
         tell.setdefault(u.owner, []).append([u.order[1], u.key, list(u.origin), list(u.box[0]), list(u.box[1]),
@@ -398,9 +444,21 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
         at = tuple(int(v) for v in origin)
         return chunks.get(at, -1), at
 
+    local: BaseException | None = None
+    records = {c: json.loads(got[c]) for c in sorted(got)}
+    if spread is not None:
+        # The chunks of this rank's boxes of sharded tensors, from their coordinators, into its table.
+        found = {record[0]: record[1:] for c in records for record in records[c] if len(record) == 3}
+        try:
+            if spread.adopt is not None:
+                spread.adopt(found, [(t.key, t.box) for t in targets])
+        except Exception as exc:  # noqa: BLE001 - every rank learns it in the first round; none may be left waiting
+            local = exc
     mine: list[Unit] = []
-    for c in sorted(got):
-        for record in json.loads(got[c]):
+    for c in records:
+        for record in records[c]:
+            if len(record) == 3:
+                continue
             if len(record) == 6:  # a unit this rank owns
                 n, key, origin, lo, sz, entries = record
                 box = _box(lo, sz)
@@ -432,15 +490,15 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
         for r in dict.fromkeys(r for r, _i, _ov in u.needers if r != me):
             told.setdefault(r, []).append(t)
     got = group.send_bytes({r: _json(v) for r, v in told.items()})
-    local: BaseException | None = None
     rounds_in: list[int] = []
     from_owner = {o: [int(t) for t in json.loads(v)] for o, v in got.items()}
     for o in senders:
         theirs = [u for u in incoming if u.owner == o]
         when = from_owner.get(o, [])
         if len(when) != len(theirs):
-            local = CheckpointError(f"{where}: rank {o} scheduled {len(when)} units for this rank, which expects "
-                                    f"{len(theirs)} (ranks planned from different tables)")
+            if local is None:
+                local = CheckpointError(f"{where}: rank {o} scheduled {len(when)} units for this rank, which "
+                                        f"expects {len(theirs)} (ranks planned from different tables)")
             when = [0] * len(theirs)
         rounds_in.extend(when)
     incoming = [u for o in senders for u in incoming if u.owner == o]
@@ -470,6 +528,57 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
         t += 1
     _read_solo(manifest, targets, the_plan.shared, read_direct)
     return the_plan
+
+
+def _coordinated(spread: Spread, holders: dict[str, list[tuple[int, int, Box]]], stored: dict[str, list[Any]],
+                 tell: dict[int, list[Any]], where: str) -> Manifest:
+    """A coordinator's table of its tensors, from the chunks the part files' readers sent it (the
+    sharded ones) and its own table (the others'); and, added to ``tell``, to each rank loading
+    boxes of a sharded tensor, ``[key, chunks as stored that overlap its boxes, None]``, or
+    ``[key, None, error]`` where the chunks do not parse (every such rank raises it)."""
+    tensors: dict[str, TensorEntry] = {}
+    for key in sorted(holders):
+        entry = spread.tensors.get(key)
+        if entry is None:
+            continue
+        if key not in spread.sharded:
+            tensors[key] = entry
+            continue
+        raws = stored.get(key, [])
+        needers = sorted({r for r, _i, _b in holders[key]})
+        try:
+            assert spread.parse is not None
+            chunks = spread.parse(key, raws)
+        except CheckpointError as exc:
+            for r in needers:
+                tell.setdefault(r, []).append([key, None, str(exc)])
+            continue
+        order = sorted(range(len(chunks)), key=lambda j: chunks[j].offsets)
+        chunks, raws = [chunks[j] for j in order], [raws[j] for j in order]
+        tensors[key] = TensorEntry(entry.dtype, entry.shape, chunks)
+        rows = [r for r, _i, _b in holders[key]]
+        sent: dict[int, set[int]] = {r: set() for r in needers}
+        for j, h in zip(*_overlaps(chunks, [b for _r, _i, b in holders[key]], len(entry.shape))):
+            sent[rows[h]].add(j)
+        for r in needers:
+            tell.setdefault(r, []).append([key, [raws[j] for j in sorted(sent[r])], None])
+    return Manifest(kind="sharded", tensors=tensors, tree=None, meta=spread.meta)
+
+
+def _overlaps(chunks: list[Chunk], boxes: list[Box], ndim: int) -> tuple[list[int], list[int]]:
+    """The (chunk, box) index pairs that overlap, for all pairs at once (numpy: a coordinator
+    tests every chunk of a tensor against every box loaded of it)."""
+    if not chunks or not boxes:
+        return [], []
+    clo = np.asarray([c.offsets for c in chunks], dtype=np.int64).reshape(len(chunks), ndim)
+    chi = clo + np.asarray([c.sizes for c in chunks], dtype=np.int64).reshape(len(chunks), ndim)
+    blo = np.asarray([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    bhi = blo + np.asarray([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    hit = np.ones((len(chunks), len(boxes)), dtype=bool)
+    for d in range(ndim):
+        hit &= (np.minimum(chi[:, d:d + 1], bhi[None, :, d]) > np.maximum(clo[:, d:d + 1], blo[None, :, d]))
+    js, hs = np.nonzero(hit)
+    return js.tolist(), hs.tolist()
 
 
 def _local_plan(me: int, world: int, owned: list[Unit], rounds_owned: list[int], incoming: list[Unit],

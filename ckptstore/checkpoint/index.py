@@ -45,6 +45,7 @@ from ..format.manifest import (
     Manifest,
     Parted,
     TensorEntry,
+    _check_coverage,
     check_byte_ranges,
     check_manifest_size,
     check_version,
@@ -57,6 +58,7 @@ from ..format.manifest import (
 )
 from ..names import INDEX, MANIFEST, data_file_rank
 from ..planning.sharding import Box, intersect
+from . import coop
 from .sharded import Directory, _unalias, load_boxes, read_manifest
 
 log = logging.getLogger("ckptstore")
@@ -77,6 +79,9 @@ class Index:
     layout: str
     # Each part file's size, where the document names it (a format 2.0 manifest does).
     sizes: dict[int, int] | None = None
+    # A format 2.0 manifest's: the one writer of each tensor that names one (the others' chunks may
+    # be in any part).
+    owners: dict[str, int] | None = None
 
     def writers(self, key: str) -> list[int]:
         return [r for a, b in self.sharded[key] for r in range(a, b + 1)]
@@ -254,7 +259,7 @@ def index_of(parted: Parted) -> Index:
                for key, entry in parted.header.tensors.items() if not entry.chunks}
     parts = {r: (rel, check) for r, (rel, _size, check) in enumerate(parted.parts)}
     sizes = {r: size for r, (_rel, size, _check) in enumerate(parted.parts)}
-    return Index(parted.header, sharded, parts, parted.layout, sizes)
+    return Index(parted.header, sharded, parts, parted.layout, sizes, dict(parted.writers))
 
 
 def plan_from_index(read: Reader, state: Any, rank: int, world: int, display: str,
@@ -321,8 +326,15 @@ def _plan(read: Reader, state: Any, rank: int, world: int, display: str, index: 
     return index.header
 
 
-def _read_part(read: Reader, index: Index, writer: int, display: str, keys: set[str]) -> dict[str, TensorEntry]:
-    """The chunks of ``keys`` in ``writer``'s part, checked against the index's checksum of it."""
+def _read_part(read: Reader, index: Index, writer: int, display: str, keys: set[str] | None) -> dict[str, TensorEntry]:
+    """The chunks of ``keys`` (None: all) in ``writer``'s part, checked against the index's checksum of it."""
+    where = f"{display}/{index.parts[writer][0]}"
+    return _entries(index, _part_chunks(read, index, writer, display, keys), where)
+
+
+def _part_chunks(read: Reader, index: Index, writer: int, display: str, keys: set[str] | None) -> dict[str, list[Any]]:
+    """The chunks (as stored) of ``keys`` (None: all) in ``writer``'s part by entry key, the part
+    checked against the index's checksum of it."""
     rel, expected = index.parts[writer]
     where = f"{display}/{rel}"
     try:
@@ -346,15 +358,22 @@ def _read_part(read: Reader, index: Index, writer: int, display: str, keys: set[
     grouped: dict[str, list[Any]] = {}
     for alias, chunks in doc["chunks"].items():
         key = _unalias(alias)
-        if key in keys and isinstance(chunks, list):
+        if (keys is None or key in keys) and isinstance(chunks, list):
             if key in grouped:
                 grouped[key].extend(chunks)
             else:
                 grouped[key] = chunks
+    return grouped
+
+
+def _entries(index: Index, grouped: dict[str, list[Any]], where: str) -> dict[str, TensorEntry]:
     out = {}
     files: set[str] = set()  # file names already found safe
     for key, chunks in grouped.items():
-        entry = index.header.tensors[key]
+        entry = index.header.tensors.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(f"{where}: chunks of entry {key!r}, which the index does not list",
+                                         location=where, key=key)
         fast = _plain_chunks(entry, chunks, files)
         out[key] = TensorEntry(entry.dtype, entry.shape, fast) if fast is not None else parse_entry(
             key, {"dtype": entry.dtype, "shape": list(entry.shape), "chunks": chunks}, where, coverage=False)
@@ -567,26 +586,178 @@ def write_index(directory: Directory, manifest: Manifest, parts: list[dict[str, 
                     directory.display, exc)
 
 
+def assigned_parts(index: Index, rank: int, world: int) -> list[int]:
+    """The writers whose part files ``rank`` of ``world`` reads for everyone in a resharded load:
+    writer ``w`` goes to rank ``w % world``, so each part is read once across the job, and at the
+    layout it saved each rank reads its own part (which it reads anyway)."""
+    return [w for w in sorted(index.parts) if w % world == rank]
+
+
+def plan_spread(read: Reader, state: Any, rank: int, world: int, display: str) -> coop.Spread | None:
+    """``rank``'s table for a load of ``state``, planned from the step's index (None without one):
+    the index's header and inline chunks, this rank's own part's chunks of the sharded tensors it
+    loads (``planned == "own"`` when they cover its boxes, ``"spread"`` otherwise), and in
+    ``routed`` every chunk of the sharded tensors in the part files assigned to it
+    (:func:`assigned_parts`), for the cooperative read to hand to the tensors' coordinators. No
+    rank reads more than its share of the part files. Raises as :func:`plan_from_index`."""
+    with _collector_paused():
+        index = read_index(read, display)
+        if index is None:
+            return None
+        h = index.header
+        table = coop.Spread(kind=h.kind, tensors=h.tensors, tree=h.tree, pickled=h.pickled, meta=h.meta,
+                            format_version=h.format_version, writer=h.writer, sharded=set(index.sharded))
+        targets = [(key, box) for key, box in load_boxes(state, table, display, rank, world) if key in index.sharded]
+        keys = {key for key, _box in targets}
+        mine = assigned_parts(index, rank, world)
+        for writer in sorted(set(mine) | ({rank} & set(index.parts))):
+            grouped = _part_chunks(read, index, writer, display, None)
+            if writer == rank:
+                for key, entry in _entries(index, {k: v for k, v in grouped.items() if k in keys},
+                                           f"{display}/{index.parts[writer][0]}").items():
+                    h.tensors[key].chunks.extend(entry.chunks)
+            if writer in mine:
+                _check_part(index, writer, grouped, f"{display}/{index.parts[writer][0]}")
+                for key, raws in grouped.items():
+                    if key in index.sharded:
+                        table.routed.setdefault(key, []).extend(raws)
+        covered = all(_covered(h.tensors[key], box) for key, box in targets)
+        for key in keys:
+            if len(h.tensors[key].chunks) > 1:
+                h.tensors[key].chunks.sort(key=lambda c: c.offsets)
+        _check_byte_ranges({k: h.tensors[k] for k in keys}, f"{display}/{INDEX}")
+        table.planned = "own" if covered else "spread"
+        where = f"{display}/{INDEX}"
+        table.parse = lambda key, raws: _parse_stored(index, key, raws, where)
+        table.adopt = lambda found, boxes: _adopt(index, table, found, boxes, where)
+        table.complete = lambda: _complete(read, index, table, targets, rank, display)
+        return table
+
+
+def _check_part(index: Index, writer: int, grouped: dict[str, list[Any]], where: str) -> None:
+    """What a reader of the whole table checks of each part file (format.md 10.10), on the one rank
+    that reads it for everyone: it names only entries the header lists, of a 2.0 manifest no chunk
+    of an entry another rank wrote whole, and the chunks the manifest lists of an entry it wrote."""
+    tensors = index.header.tensors
+    for key, raws in grouped.items():
+        entry = tensors.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(f"{where}: tensor {key!r} is not in the manifest", location=where, key=key)
+        if index.owners is None:
+            continue
+        owner = index.owners.get(key)
+        if owner is not None and owner != writer:
+            raise CorruptCheckpointError(f"{where}: rank {writer} names chunks of tensor {key!r}, which the manifest "
+                                         f"says rank {owner} wrote whole", location=where, key=key)
+        if key not in index.sharded and entry.chunks:
+            got = sorted(_entries(index, {key: raws}, where)[key].chunks, key=lambda c: c.offsets)
+            if got != entry.chunks:
+                raise CorruptCheckpointError(
+                    f"{where}: the chunks the manifest lists for tensor {key!r} are not those of its writer's part "
+                    "file: the checkpoint is damaged; load another copy or an earlier step", location=where, key=key)
+
+
+def _parse_stored(index: Index, key: str, raws: list[Any], where: str, whole: bool = True) -> list[Chunk]:
+    """Chunks of ``key`` as stored in part files, validated as a part's chunks are."""
+    if key not in index.sharded or not isinstance(raws, list):
+        raise CorruptCheckpointError(f"{where}: chunks of {key!r} that no part holds", location=where, key=key)
+    chunks = _entries(index, {key: raws}, where)[key].chunks if raws else []
+    if whole:
+        # The coordinator holds every chunk of the tensor: they cover it, and do not overlap.
+        _check_coverage(key, index.header.tensors[key].shape, chunks, where)
+    return chunks
+
+
+def _adopt(index: Index, table: coop.Spread, found: dict[str, Any], boxes: list[tuple[str, Box]], where: str) -> None:
+    """Put in ``table`` the chunks the coordinators sent this rank (key -> [chunks as stored, error])
+    in place of its own part's, and check they cover every box it loads."""
+    with _collector_paused():
+        tensors = table.tensors
+        keys = {key for key, _box in boxes if key in table.sharded}
+        for key in keys:
+            raws, error = found.get(key, (None, f"no coordinator sent the chunks of {key!r}"))
+            if raws is None:
+                raise CorruptCheckpointError(f"{where}: {error}", location=where, key=key)
+            chunks = _parse_stored(index, key, raws, where, whole=False)
+            chunks.sort(key=lambda c: c.offsets)
+            tensors[key].chunks = chunks
+        for key, box in boxes:
+            if key in keys and not _covered(tensors[key], box):
+                raise CorruptCheckpointError(
+                    f"{where}: the part files do not cover the box {list(box[0])} + {list(box[1])} of tensor {key!r} "
+                    "a load reads: the checkpoint is damaged", location=where, key=key)
+        _check_byte_ranges({k: tensors[k] for k in keys}, where)
+        table.planned = "writers"
+
+
+def _complete(read: Reader, index: Index, table: coop.Spread, targets: list[tuple[str, Box]], rank: int,
+              display: str) -> None:
+    """Where no exchange runs: this rank reads its tensors' writers' parts itself (as
+    :func:`plan_from_index` does), so that its table covers what it loads."""
+    with _collector_paused():
+        tensors = table.tensors
+        keys = {key for key, _box in targets}
+        for key in keys:
+            tensors[key].chunks = []
+        read_parts: set[int] = set()
+
+        def take(writer: int) -> None:
+            if writer not in read_parts:
+                read_parts.add(writer)
+                for key, entry in _read_part(read, index, writer, display, keys).items():
+                    tensors[key].chunks.extend(entry.chunks)
+
+        if rank in index.parts:
+            take(rank)
+        for key, box in targets:
+            if not _covered(tensors[key], box):
+                for writer in index.writers(key):
+                    take(writer)
+            if not _covered(tensors[key], box):
+                raise CorruptCheckpointError(
+                    f"{display}/{INDEX}: the parts of tensor {key!r}'s writers do not cover the box {list(box[0])} + "
+                    f"{list(box[1])} a load reads: the checkpoint is damaged", location=f"{display}/{INDEX}", key=key)
+        for key in keys:
+            tensors[key].chunks.sort(key=lambda c: c.offsets)
+        _check_byte_ranges({k: tensors[k] for k in keys}, f"{display}/{INDEX}")
+        table.planned = "writers"
+        table.routed = {}
+
+
+# What a rank's planning found, all-reduced with MAX so that every rank takes the same path.
+_OWN, _SPREAD, _WHOLE = 0, 1, 2
+
+
 def load_plan(state: Any, directory: Directory, group: Group) -> Manifest:
     """The manifest this rank loads ``state`` with: planned from the checkpoint's index and this
-    rank's own part file when every rank's own part covers what it loads (the layout it saved:
-    no rank reads the whole world's chunk table); ``manifest.json`` otherwise (no index, a damaged
-    one, or a resharded load, whose cooperative read plans from the whole table on every rank).
-    Ranks agree on the choice with one all-reduce of a flag."""
-    planned: Manifest | None = None
+    rank's own part file when every rank's own part covers what it loads (the layout it saved);
+    for a resharded load, the index and this rank's share of the part files (:func:`plan_spread`),
+    whose chunks the cooperative read hands to the tensors' coordinators and from them to the
+    ranks that load them (or, where no exchange can run, the parts of its tensors' writers): no
+    rank reads the whole world's chunk table. ``manifest.json``, whole, where the index is missing
+    or damaged on any rank. Ranks agree on the path with one all-reduce of a flag."""
+    planned: coop.Spread | None = None
     try:
         if not directory.exists(MANIFEST):
             raise CheckpointNotFoundError(f"{directory.display}: no {MANIFEST}")  # an index never commits
-        planned = plan_from_index(directory.read_small, state, group.rank, group.world, directory.display)
+        planned = plan_spread(directory.read_small, state, group.rank, group.world, directory.display)
     except CorruptCheckpointError as exc:
         log.warning("ckptstore: cannot plan the load of %s from its index (%s); reading its manifest",
                     directory.display, exc)
     except Exception:  # noqa: BLE001 - every rank must reach the flag's all-reduce below
         pass  # the state does not match, or the storage failed: the manifest's read says how
-    whole = planned is None or planned.planned != "own"
+    flag = _WHOLE if planned is None else _OWN if planned.planned == "own" else _SPREAD
     if group.world > 1:
-        whole = bool(group.max_int64([int(whole)])[0])
-    return read_manifest(directory) if whole else planned  # type: ignore[return-value]
+        flag = group.max_int64([flag])[0]
+    if flag == _WHOLE or planned is None:
+        return read_manifest(directory)
+    if flag == _OWN:
+        planned.routed = {}
+        return planned
+    planned.planned = "spread"  # every rank, its own part covering its boxes or not, takes part
+    if not coop.usable(group) and planned.complete is not None:
+        planned.complete()
+    return planned
 
 
-__all__ = ["Index", "OwnPlan", "add_chunks", "box_id", "build_index", "part_boxes", "part_digest", "index_of", "load_plan", "parse_index", "plan_from_index", "plan_from_part", "read_index", "write_index"]
+__all__ = ["Index", "OwnPlan", "add_chunks", "box_id", "build_index", "part_boxes", "part_digest", "assigned_parts", "index_of", "load_plan", "plan_spread", "parse_index", "plan_from_index", "plan_from_part", "read_index", "write_index"]
