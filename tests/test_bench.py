@@ -343,6 +343,53 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+# A store cell at 2 thread-ranks, in the default run (4-8 s): it hung for good when one rank raised
+# inside its `with CheckpointStore` (the harness read the local tier's format 2.0 manifest with
+# parse_manifest): the failing rank's close waited in the promotion flag's all-reduce, the other in
+# the cell's barrier. The second run makes a rank fail there on purpose: the cell reports it.
+_RANKS_DRIVER = """
+import importlib.util, sys, threading
+spec = importlib.util.spec_from_file_location("bench_ranks", sys.argv[1])
+br = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(br)
+if sys.argv[2] == "fail":
+    real = br._sharded.chunks_needed
+    def failing(*args, **kwargs):
+        if threading.current_thread().name == "rank-1":
+            raise ValueError("injected failure")
+        return real(*args, **kwargs)
+    br._sharded.chunks_needed = failing
+sys.exit(br.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_bench_ranks_store_cell_finishes_at_two_ranks(tmp_path, mode):
+    script = os.path.join(ROOT, "benchmarks", "bench_ranks.py")
+    proc = subprocess.Popen([sys.executable, "-c", _RANKS_DRIVER, script, mode, "--kinds", "store", "--worlds", "2",
+                             "--tensors", "2", "--out", str(tmp_path / "out"), "--no-plot", "--dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail("bench_ranks --kinds store hung at 2 ranks:\n" + stdout[-2000:] + stderr[-2000:])
+    finally:
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"ckptstore-benchranks-{proc.pid}-")]
+        for name in left:
+            os.remove(os.path.join("/dev/shm", name))
+    cells = json.loads((tmp_path / "out" / "ranks.json").read_text())["cells"]
+    assert [(c["kind"], c["world"]) for c in cells] == [("store", 2)]
+    if mode == "ok":
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        assert "error" not in cells[0] and cells[0]["manifest_bytes"] > 0
+    else:
+        assert proc.returncode == 1, stdout[-3000:] + stderr[-3000:]
+        assert cells[0]["error"] == "RuntimeError: rank 1 of 2 failed: ValueError: injected failure"
+    assert left == [], "bench_ranks left RAM segments in /dev/shm"
+
+
 # Slow, like the other benchmarks' smoke runs: the default run keeps the quick suite smoke above.
 @pytest.mark.slow
 def test_bench_ranks_smoke_measures_real_ranks_and_compares(tmp_path):
