@@ -55,6 +55,7 @@ The threaded process group is torch's private testing module
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import glob
 import json
@@ -68,7 +69,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -107,6 +108,26 @@ class ThreadedWorld:
 
     def __init__(self) -> None:
         self._installed = False
+        self._failures: list[tuple[int, BaseException]] = []
+
+    @contextlib.contextmanager
+    def failing_together(self) -> Iterator[None]:
+        """A rank that raises inside this block stops the world at once. Entered inside a
+        ``with CheckpointStore(...)`` (so it exits first): otherwise the store's close runs its
+        collectives (the promotion flag) on the failing rank while the other ranks wait in another
+        group's collective, a hang that hides the error (gloo would time out; threads never do). The
+        store's collectives then end in SystemExit on every rank, and the rank's own error is the
+        one :meth:`run` reports."""
+        try:
+            yield
+        except BaseException as exc:
+            self._fail(current_rank(), exc)
+            raise
+
+    def _fail(self, rank: int, exc: BaseException) -> None:
+        if not any(e is exc for _, e in self._failures):
+            self._failures.append((rank, exc))
+        self.mtpg.ProcessLocalGroup.exception_handle(exc)
 
     def install(self) -> None:
         if self._installed:
@@ -183,6 +204,7 @@ class ThreadedWorld:
         store = dist.HashStore()
         results: list[Any] = [None] * world
         failures: list[tuple[int, BaseException]] = []
+        self._failures = failures
 
         def main(rank: int) -> None:
             threading.current_thread()._bench_rank = rank  # type: ignore[attr-defined]
@@ -190,8 +212,7 @@ class ThreadedWorld:
             try:
                 results[rank] = fn(rank)
             except BaseException as exc:  # noqa: BLE001 - reported by the caller, the other ranks woken
-                failures.append((rank, exc))
-                self.mtpg.ProcessLocalGroup.exception_handle(exc)
+                self._fail(rank, exc)
             finally:
                 dist.destroy_process_group()
 
@@ -205,7 +226,10 @@ class ThreadedWorld:
         if any(t.is_alive() for t in threads):
             raise TimeoutError(f"a world of {world} thread-ranks did not finish in {timeout_s:.0f} s")
         if failures:
-            rank, exc = sorted(failures, key=lambda f: f[0])[0]
+            # The ranks the first failure stopped raise SystemExit from their collectives: the
+            # failure that stopped them is the one to report.
+            first = [f for f in failures if not isinstance(f[1], SystemExit)] or failures
+            rank, exc = sorted(first, key=lambda f: f[0])[0]
             raise RuntimeError(f"rank {rank} of {world} failed: {type(exc).__name__}: {exc}") from exc
         return results
 
@@ -519,7 +543,8 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
                  for i in range(tensors)}
         out: dict[str, Any] = {}
         late: list[int] = []
-        with CheckpointStore(job, local=local_dir, keep_local=2, ram_budget_bytes=None) as store:
+        with CheckpointStore(job, local=local_dir, keep_local=2, ram_budget_bytes=None) as store, \
+                WORLD.failing_together():
             for step in range(1, saves + 1):
                 marks: dict[str, tuple[float, float, dict[str, float]]] = {}
 
@@ -582,21 +607,32 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
             out["restore_meta_tensor_bytes"] = m1.get("meta_tensor_bytes", 0) - m0.get("meta_tensor_bytes", 0)
             out["own_bytes"] = sum(t.to_local().numel() * 4 for t in state.values())
             if rank == world // 2:
+                # The local tier commits a format 2.0 manifest (part files named, not chunks), which
+                # parse_manifest refuses: read_manifest assembles it from the parts, as a load does.
                 path = os.path.join(local_dir, f"step-{saves:012d}")
-                with open(os.path.join(path, "manifest.json"), "rb") as fh:
-                    body = fh.read()
+                read0 = METER.snapshot(rank).get("manifest_read_bytes", 0)
                 t = time.thread_time()
-                manifest = parse_manifest(body, where=path)
+                manifest = _sharded.read_manifest(_sharded.Directory(path, None))
                 out["manifest_parse_cpu_s"] = time.thread_time() - t
                 t = time.thread_time()
                 _sharded.chunks_needed(target, manifest, path, rank, world)
                 out["load_plan_cpu_s"] = time.thread_time() - t
-                manifest_info.update(manifest_bytes=len(body),
+                manifest_info.update(manifest_bytes=os.path.getsize(os.path.join(path, "manifest.json")),
+                                     manifest_read_bytes=METER.snapshot(rank).get("manifest_read_bytes", 0) - read0,
                                      checkpoint_bytes=sum(e.nbytes for e in manifest.tensors.values()))
             dist.barrier()
         return out
 
-    per_rank = WORLD.run(world, rank_main)
+    try:
+        per_rank = WORLD.run(world, rank_main)
+    except BaseException:
+        # A failed rank's store closes without releasing its RAM segments (its close stopped in a
+        # collective): they would stay in /dev/shm. A store that succeeded removes its own, which
+        # the tests check, so this is the failure's path only.
+        for seg in glob.glob(f"/dev/shm/ckptstore-{job}-*"):
+            with contextlib.suppress(OSError):
+                os.remove(seg)
+        raise
     return finish_cell("store", world, tensors, per_rank, manifest_info)
 
 
