@@ -235,7 +235,7 @@ class Group:
         # The group's own send and recv (group ranks, no wrapper): torch.distributed.isend/recv
         # cost several times more CPU per message in their Python layers, and a round here is two
         # messages.
-        pg = self.pg if self.pg is not None else self._dist.group.WORLD
+        pg: Any = self.pg if self.pg is not None else self._dist.group.WORLD
         n, rank = self.world, self.rank
         p = 1 << (n.bit_length() - 1)
         buf = torch.empty_like(t)
