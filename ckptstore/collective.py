@@ -196,7 +196,7 @@ class Group:
 
     def max_int64(self, values: list[int]) -> list[int]:
         """The element-wise maximum over the ranks of ``values`` (int64; negate one for a minimum),
-        a few bytes whatever the number of ranks, in log2(ranks) + 2 message steps on gloo from
+        a few bytes whatever the number of ranks, in at most log2(ranks) + 2 message steps on gloo from
         :data:`DOUBLING_FROM` ranks on (see :meth:`_doubling_max`), one all-reduce below that."""
         if self.world == 1:
             return list(values)
@@ -227,9 +227,9 @@ class Group:
         the bytes (8,190 at 4,096 ranks, a few hundred milliseconds for a flag). Here the ranks
         beyond the largest power of two ``p`` fold into a partner below it, the ``p`` ranks swap
         with the rank that differs in one bit per round (log2(p) rounds), and the partners hand the
-        result back: log2(p) + 2 steps (14 at 4,096 ranks, 16 at 16,384). Every rank takes the same
-        steps in the same order, so a dead peer fails this rank's receive after the group's timeout,
-        as it fails a ring."""
+        result back: log2(p) steps, 2 more when the world is not a power of two (12 at 4,096 ranks,
+        14 at 16,384). Every rank takes the same steps in the same order, so a dead peer fails this
+        rank's receive after the group's timeout, as it fails a ring."""
         import torch
 
         # The group's own send and recv (group ranks, no wrapper): torch.distributed.isend/recv

@@ -53,3 +53,22 @@ def test_a_dead_peer_fails_every_other_ranks_flag(tmp_path):
     spawn(5, "doubling_workers:dead_peer", tmp_path, out_dir=str(out))
     raised = sorted(p.name for p in out.iterdir())
     assert raised == [f"raised-{r}" for r in range(4)]
+
+
+def test_bench_allreduce_checks_both_ways_and_counts_steps(tmp_path):
+    """The benchmark asserts both ways' results on every rank and writes the step counts it
+    extrapolates with."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "allreduce.json"
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_allreduce.py"), "--worlds", "2", "3",
+                    "--ops", "2", "--blocks", "2", "--out", str(out)], check=True, timeout=300, cwd=root,
+                   env={**os.environ, "PYTHONPATH": root}, capture_output=True)
+    doc = json.loads(out.read_text())
+    assert [(c["world"], c["ring_steps"], c["doubling_steps"]) for c in doc["cells"]] == [(2, 2, 1), (3, 4, 3)]
+    assert doc["fits"]["ring"]["at"]["4096"] / doc["fits"]["ring"]["per_step_s"] == pytest.approx(8190)
+    assert doc["fits"]["doubling"]["at"]["4096"] / doc["fits"]["doubling"]["per_step_s"] == pytest.approx(12)
