@@ -1048,13 +1048,17 @@ class Pipeline:
         """Wait until every step handed to the background is done (committed or failed)."""
         concurrent.futures.wait(list(self._outstanding))
 
-    def close(self) -> None:
-        """Drain, promote the last snapshot if it was not; the caller stops the loop."""
+    def close(self, *, agree: bool = True) -> None:
+        """Drain, promote the last snapshot if it was not; the caller stops the loop. Without
+        ``agree`` (this rank alone is leaving on an exception) no collective runs and nothing is
+        promoted."""
         self.drain()
         self._handoff.close()
         last = self._last
-        promote = (self.durable is not None and last is not None and last.step not in self._promoted
+        promote = (agree and self.durable is not None and last is not None and last.step not in self._promoted
                    and self.errors.pending() is None)
+        if not agree:
+            return
         if self.world > 1:
             # Every rank must want it: one all-reduced flag (the MAX of "this rank does not"), whatever
             # the world, not a gather of every rank's answer.

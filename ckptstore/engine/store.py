@@ -577,12 +577,20 @@ class CheckpointStore:
         node that restores from RAM. A store without a local or durable tier keeps them in any case
         (they are the only copy), and says so in a warning, as it does for any it keeps because
         their step reached no lower tier; ``ckptstore ram`` lists what is left, ``ckptstore ram rm
-        JOB`` removes it."""
+        JOB`` removes it.
+
+        Leaving a ``with`` block on an exception closes this rank alone: no agreement with the
+        other ranks (they may never close), so the last snapshot is not promoted here (a restart
+        promotes a step whose promotion was due), and a failure of the close is logged instead of
+        hiding the exception."""
+        self._close(keep_ram=keep_ram, agree=True)
+
+    def _close(self, *, keep_ram: bool, agree: bool) -> None:
         if self._closed:
             return
         try:
             self._swept()
-            self._pipeline.close()
+            self._pipeline.close(agree=agree)
             if not keep_ram:
                 assert self.ram is not None
                 self.ram.stop_preparing()  # a segment made after the listing below would stay behind
@@ -687,8 +695,21 @@ class CheckpointStore:
     def __enter__(self) -> CheckpointStore:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            self.close()
+            return
+        # This rank is leaving on an exception. The other ranks may never reach close() (an elastic
+        # agent takes them down once this process exits), so no collective runs here: close()'s
+        # agreement on the last promotion would hold this rank for up to timeout_s (10 minutes by
+        # default) and delay the restart by as much. The pipeline still drains, since the other
+        # ranks' background work goes on without their trainers. A failure of the close is logged,
+        # not raised: the caller's exception is the one to see.
+        try:
+            self._close(keep_ram=False, agree=False)
+        except Exception as failure:  # noqa: BLE001 - logged, the exception in flight goes on
+            log.error("ckptstore: closing rank %d's store of job %s after %s: %s", self.rank, self.job,
+                      type(exc).__name__, failure)
 
     # ------------------------------------------------------------------------------ what it is
 
