@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .._faults import crashpoint
+from .._gc import gc_paused
 from ..checkpoint.index import build_index
 from ..checkpoint.sharded import Directory, read_manifest
 from ..checkpoint.single_file import write_raw
@@ -231,7 +232,9 @@ class DirectoryTier(Tier):
             "timings": {"write_s": round(time.perf_counter() - t0, 6), **snap.meta.get("timings", {})},
             **snap.meta.get("part", {}),  # members a writer adds to its part (the node agent: its snapshot)
         }
-        body = json.dumps(part, separators=(",", ":")).encode()
+        # Off the loop, the collector paused: a part of 10,000 chunks is some megabytes of JSON,
+        # and encoding it on the loop held the other lanes and set off a full collection.
+        body = await asyncio.to_thread(gc_paused(_json_bytes), part)
         await small.write(d.target(part_rel), body, exclusive=True)
         mine.append(part_rel)
         # Not in the file (they are about its bytes): what the committer's index names it by.
@@ -284,7 +287,7 @@ class DirectoryTier(Tier):
             return
         d = self._dir(step)
         body = manifest.to_json_bytes()
-        parse_manifest(body, where=f"{d.display}/{MANIFEST}")  # never commit what we would refuse to read
+        await _readable(parse_manifest, body, f"{d.display}/{MANIFEST}")
         await self._create_manifest(step, d, body)
         if parts is not None:
             await self._index(d, manifest, parts)
@@ -296,7 +299,7 @@ class DirectoryTier(Tier):
         if not self.manifest_writer:
             return
         d = self._dir(step)
-        parse_sharded(body, where=f"{d.display}/{MANIFEST}")  # never commit what we would refuse to read
+        await _readable(parse_sharded, body, f"{d.display}/{MANIFEST}")
         await self._create_manifest(step, d, body)
 
     async def _create_manifest(self, step: int, d: Directory, body: bytes) -> None:
@@ -586,7 +589,7 @@ async def write_node_part(root: str, step: int, rank: int, own: dict[str, Any], 
     with its part, the step's meta and its header (``own``, what its RAM document holds): the
     file appears by rename, after the data, so its presence is the commit of that part here."""
     path = os.path.join(root, step_dir(step), NODE_PARTS, f"rank-{rank:05d}.json")
-    body = json.dumps({"format": NODE_PART_FORMAT, "holder": holder, **own}, separators=(",", ":")).encode()
+    body = await asyncio.to_thread(gc_paused(_json_bytes), {"format": NODE_PART_FORMAT, "holder": holder, **own})
     await asyncio.to_thread(makedirs_private, os.path.dirname(path))
     await small.write(Target(display=path, path=path), body, exclusive=exclusive)
 
@@ -665,6 +668,19 @@ def directory_holdings(root: str | None, step: int, tier: str) -> Holdings:
 # How the reference writers begin a 1.x manifest (checkpoint/index.py): the local tier's copies of
 # steps written before 2.0. A manifest that begins otherwise (2.0) is read through the node parts.
 _V1_START = re.compile(rb'\{"format":"ckptstore","format_version":"1\.\d{1,6}"')
+
+
+def _json_bytes(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+async def _readable(parse: Callable[..., Any], body: bytes, where: str) -> None:
+    """Never commit what we would refuse to read: ``body`` parsed as its reader will, in a thread
+    with the collector paused. On the loop, the parse of a single node's manifest at 10,000
+    tensors a rank held every lane for its length, and its allocations set off full collections
+    over the trainer's heap (four passes of about 0.4 s each over six saves of 2 x 10,000 DTensors,
+    benchmarks/micro_save_parts.py)."""
+    await asyncio.to_thread(gc_paused(parse), body, where=where)
 
 
 _V2_START = re.compile(rb'\{"format":"ckptstore","format_version":"2\.\d{1,6}"')
