@@ -19,8 +19,7 @@ def test_an_exception_on_one_rank_leaves_its_store_without_waiting_for_the_other
               out_dir=str(out))
     finally:
         shutil.rmtree(ram_root, ignore_errors=True)
-    elapsed, raised = (out / "rank1-out").read_text().split("\n")
-    assert raised == "ValueError: injected failure on rank 1"
-    # Before: rank 1 waited in close()'s agreement until rank 0 reached its own close (45 s here,
-    # up to timeout_s in a job whose other ranks never close).
-    assert float(elapsed) < 20, elapsed
+    assert (out / "rank1-out").read_text() == "ValueError: injected failure on rank 1"
+    # Before: rank 1 waited in close()'s agreement until rank 0 reached its own close (up to
+    # timeout_s in a job whose other ranks never close), so rank 0 never saw it leave.
+    assert (out / "rank0-saw").read_text() == "rank 1 out first"
