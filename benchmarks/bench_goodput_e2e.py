@@ -378,6 +378,11 @@ class Store:
         handler = logging.Handler(logging.INFO)
         handler.emit = lambda r: self.found.extend(re.findall(r"restored step \d+ from the (\S+) tier", r.getMessage()))
         logging.getLogger("ckptstore").addHandler(handler)
+        # Warnings and worse go to the rank's output file as before this handler was added: a
+        # restore that skips a step says why there, and the check's findings can be traced to it.
+        loud = logging.StreamHandler()
+        loud.setLevel(logging.WARNING)
+        logging.getLogger("ckptstore").addHandler(loud)
         logging.getLogger("ckptstore").setLevel(logging.INFO)
 
     def restore(self) -> int | None:

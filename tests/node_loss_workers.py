@@ -142,3 +142,39 @@ def restores_job(rank: int, world: int, name: str, ram_root: str, local_root: st
     if expect is not None:
         assert _same(state, _state(rank, expect)), state
     store.close()
+
+
+def _frozen_store(name: str, rank: int, ram_root: str, local_root: str, replicas: int) -> ckptstore.CheckpointStore:
+    return _store(name, rank, ram_root, local_root, replicas, frozen=lambda key: key.startswith("frozen"))
+
+
+def _frozen_state(rank: int, step: int) -> dict:
+    """A state with a frozen tensor of 128 KiB, which the local tier keeps in a file of its own: a
+    rank's local copy is then laid out unlike its slot (and unlike the slot's peer replicas)."""
+    return {f"frozen{rank}": torch.full((32768,), float(rank + 1)), **_state(rank, step)}
+
+
+def frozen_saves_then_dies_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
+                               steps: list[int]) -> None:
+    """Save ``steps`` (a frozen tensor among the state), each on every tier, then die by SIGKILL."""
+    import signal
+
+    store = _frozen_store(name, rank, ram_root, local_root, replicas)
+    for step in steps:
+        handle = store.save(step, _frozen_state(rank, step))
+        handle.wait("local")
+        handle.wait("peer")
+    store._drain()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def frozen_restores_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
+                        expect: int) -> None:
+    records = _ckptstore_log()
+    store = _frozen_store(name, rank, ram_root, local_root, replicas)
+    state = {f"frozen{rank}": torch.zeros(32768), **_empty(rank)}
+    got = store.restore(state)
+    assert got == expect, (got, records)
+    assert _same(state, _frozen_state(rank, expect)), state
+    assert any(f"restored step {expect} from the local+peer tier" in m for m in records), records
+    store.close()

@@ -120,3 +120,25 @@ def test_a_restarted_job_keeps_its_part_of_the_newest_replicated_step_for_a_late
     dist_workers.crash_both(tmp_path, "node_loss_workers:saves_then_dies_job", steps=[4, 5], restore=3, **args)
     _lose_node(ram_root, local_root, 0)
     _spawn(2, "node_loss_workers:restores_job", tmp_path, expect=3, **args)
+
+
+def test_a_lost_nodes_replica_loads_beside_a_survivors_local_copy_laid_out_otherwise(tmp_path, job, ram_root):
+    """Steps 1 and 2 are on every tier (each rank's part also replicated to the other node) when the
+    job dies. Each rank's local copy is laid out unlike its slot (its frozen tensor in a file of its
+    own), and node 1's agent, finding both steps persisted and no store open, gives node 1's RAM
+    slots back. Node 0 is then lost: node 0's part of step 2 is left only as a byte copy of its slot
+    (the replica on node 1), node 1's only as its local copy, two layouts of the same save, each
+    lacking one part. The restart restores step 2 from the two, bitwise; a restore that read one
+    layout at a time found neither complete and lost the committed step (seen in the crash loop
+    of tests/test_goodput_e2e.py, where node 1's local copy was the agent's, written beside a
+    killed trainer's file)."""
+    from ckptstore.engine.agent import NodeAgent
+
+    local_root = str(tmp_path / "local")
+    args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1)
+    dist_workers.crash_both(tmp_path, "node_loss_workers:frozen_saves_then_dies_job", steps=[1, 2], **args)
+    agent = NodeAgent(job, local=os.path.join(local_root, "node1"), durable=None, ram_dir=os.path.join(ram_root, "node1"))
+    agent.run_once()
+    assert agent.release_persisted()[0] == 2  # node 1's own slots of steps 1 and 2; the replicas stay
+    _lose_node(ram_root, local_root, 0)
+    _spawn(2, "node_loss_workers:frozen_restores_job", tmp_path, expect=2, **args)

@@ -199,7 +199,35 @@ class NodeInventory:
 
 def assembled(digest: str | None) -> bool:
     """Whether the layout ``digest`` is one whose copies hold parts, not the whole manifest."""
-    return digest is not None and digest.startswith(("staged:", "local:"))
+    return digest is not None and digest.startswith(("staged:", "local:", "mixed:"))
+
+
+def save_of(digest: str) -> str:
+    """The save a layout of parts belongs to (its name past the kind)."""
+    return digest.split(":", 1)[1]
+
+
+def mixture(node: NodeInventory, name: str, choice: dict[int, str]) -> Inventory:
+    """This node's copies of one save in the layout ``name`` that takes each writer's part from
+    another layout of parts of that save: rank q's part, and the data files q wrote, from the layout
+    ``choice[q]`` (the same choice on every rank). Each part addresses only its own writer's files
+    (a data file's name carries its writer's rank), so parts of one save laid out differently
+    (a slot's byte copy, a local write beside a crashed one's file, a frozen file) load together
+    without one's chunk table reading another's bytes."""
+    used = [node.layouts[d] for d in dict.fromkeys(choice.values()) if d in node.layouts]
+    inv = Inventory(name, min((u.preference for u in used), default=NODE_PREFERENCE))
+    for q, d in sorted(choice.items()):
+        src = node.layouts.get(d)
+        if src is not None and q in src.parts:
+            inv.parts[q] = src.parts[q]
+            if inv.meta is None:
+                inv.meta = src.meta
+    for src in used:
+        for file, copies in src.files.items():
+            writer = data_file_rank(file)
+            if writer is not None and choice.get(writer) == src.digest:
+                inv.files.setdefault(file, []).extend(copies)
+    return inv
 
 
 def assemble_manifest(group: Group, inv: Inventory, where: str) -> Manifest | None:

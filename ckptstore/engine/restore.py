@@ -59,9 +59,12 @@ from .exchange import (
     PeerUnavailable,
     RemoteSource,
     Transfers,
+    assembled,
     exchange,
     get_manifest,
     layout_digest,
+    mixture,
+    save_of,
 )
 from .guard import Guarded, broadcast_from
 from .replicas import ReplicaCheck
@@ -533,6 +536,15 @@ class Restorer:
                 if digest != order[-1]:
                     log.warning("ckptstore: %s; trying the next copy of the step laid out differently", detail)
             if quick is None:
+                # Each layout of a save's parts lacked some writer's part: one layout per save
+                # taking each writer's part from whichever of them holds it.
+                for name in self._mixtures(node, preference):
+                    self._at(step, "agreeing on the copies of the step each node holds")
+                    ok, detail = self._attempt_layout(state, step, node, name, in_durable, excluded, per_rank, bare,
+                                                      kinds, ownless)
+                    if ok:
+                        return True, detail, ""
+                    details.append(detail)
                 break
             # The RAM tiers' layouts failed: every node tier now, agreed as the usual path does.
             node, quick = self._inventory(step), None
@@ -541,6 +553,40 @@ class Restorer:
             gathered = [said] * self.world if alike else fg.all_gather(said) if self.world > 1 else [said]
         verdict = _DAMAGED if _DAMAGED in kinds else _MISSING if kinds == {_MISSING} else _OTHER
         return False, "; then ".join(details), verdict
+
+    def _mixtures(self, node: NodeInventory, preference: dict[str, int]) -> list[str]:
+        """The layouts that mix the parts of one save from its layouts of parts (collective when
+        there are any: one gather of which parts each node holds in them), added to ``node``.
+
+        A node copy of a save is a byte copy of the slot (the RAM tier, a peer replica, a local
+        write of it) or laid out otherwise (a local write beside a crashed one's file, frozen
+        tensors in their own file): two layouts of one save. After a node loss the lost node's part
+        may be left only as a replica on another node (the slot's layout) while a surviving rank's
+        slot is gone (an agent gave its RAM back once it persisted it) and its local copy is laid
+        out otherwise: each layout then lacks a part, yet every part is held. Each writer's part is
+        taken from the first layout, in the agreed order, that some node holds it in."""
+        by_save: dict[str, list[str]] = {}
+        for d in sorted(preference, key=lambda d: (preference[d], d)):
+            if assembled(d) and not d.startswith("mixed:"):
+                by_save.setdefault(save_of(d), []).append(d)
+        groups = [(save, names) for save, names in by_save.items() if len(names) > 1]
+        if not groups:
+            return []
+        mine = [[sorted(node.layout(d).parts) for d in names] for _save, names in groups]
+        gathered = self.groups.trainer.all_gather(mine) if self.world > 1 else [mine]
+        out = []
+        for g, (save, names) in enumerate(groups):
+            choice: dict[int, str] = {}
+            for i, d in enumerate(names):
+                for held in gathered:
+                    for q in held[g][i]:
+                        choice.setdefault(q, d)
+            if len(set(choice.values())) < 2:
+                continue  # one layout holds every part any node holds: tried as it is
+            name = f"mixed:{save}"
+            node.layouts[name] = mixture(node, name, choice)
+            out.append(name)
+        return out
 
     def _lost(self, unowned: list[str], ownless: frozenset[int]) -> bool:
         """Whether every file no node offers was written by a rank whose node holds no copy of its
