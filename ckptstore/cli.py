@@ -135,7 +135,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         if not args.once:
             agent.watch(poll_s=args.poll, exit_when_idle=args.exit_when_idle, release=release,
-                        keep_ram=args.keep_ram)
+                        keep_ram=args.keep_ram, linger_s=args.linger)
             return 0
         out = agent.run_once()
         freed = (0, 0) if args.keep_ram else agent.release_persisted()
@@ -750,6 +750,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-when-idle", action="store_true",
                    help="exit once no CheckpointStore(agent=True) of the job is open on this node and nothing is "
                    "pending (how agent=True runs it)")
+    p.add_argument("--linger", type=float, default=60.0, metavar="SECONDS",
+                   help="with --exit-when-idle: how long no store may be open before the agent exits and gives "
+                   "back the persisted RAM segments (default 60): a crashed job restarting on this node restores "
+                   "from them")
     p.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_agent)
     p = sub.add_parser(

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import CheckpointStore, _faults
+from ckptstore.engine.agent import AGENT_LINGER_ENV
 
 
 def state(step: int) -> dict:
@@ -63,6 +64,8 @@ def train(cfg: dict, rank: int) -> None:
     node = cfg["nodes"][rank]  # the simulated node: its own RAM and local directories (keyed by str(node) in JSON)
     if world > 1:
         dist.init_process_group("gloo", init_method=cfg["init"], rank=rank, world_size=world)
+    if "agent_linger_s" in cfg:
+        os.environ[AGENT_LINGER_ENV] = str(cfg["agent_linger_s"])
     store = CheckpointStore(cfg["job"], local=cfg["local"][str(node)], durable=cfg["durable"],
                             durable_every=cfg["durable_every"], ram_dir=cfg["ram"][str(node)], node=node,
                             storage_options=cfg["storage_options"], agent=cfg.get("agent", False))

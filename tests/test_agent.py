@@ -26,7 +26,7 @@ from conftest import assert_same, s3_keys
 
 from ckptstore import CheckpointStore, load_sharded
 from ckptstore.engine.agent import NodeAgent, hold_agent_lock
-from ckptstore.names import agent_lock, step_dir
+from ckptstore.names import agent_lock, step_dir, stores_lock
 from ckptstore.tiers.directory import DirectoryTier, committed_steps
 from ckptstore.tiers.ram import owner_record
 
@@ -385,10 +385,10 @@ def test_an_agent_killed_at_a_commit_point_loses_nothing_and_a_rerun_finishes(tm
 def test_a_store_started_agent_persists_after_the_trainer_dies(tmp_path, shm, job, zygote):
     """CheckpointStore(agent=True) on two ranks of one node starts one agent; both ranks are
     SIGKILLed after step 2's RAM commit; the agent writes step 2 to local and durable and exits
-    once no store of the job is open on the node."""
+    once no store of the job is open on the node (at once: CKPTSTORE_AGENT_LINGER_S=0)."""
     n = _one_node(tmp_path, shm)
     cfg = {**n["cfg"], "world": 2, "nodes": [0, 0], "job": job, "durable_every": 1, "last": 2,
-           "point": "ram.committed", "agent": True, "count_agents": True}
+           "point": "ram.committed", "agent": True, "count_agents": True, "agent_linger_s": 0}
     run_trainers(zygote, tmp_path, cfg)
     assert [(tmp_path / f"agents-{r}").read_text() for r in (0, 1)] == ["1", "1"]
     lock = os.open(n["ram"] / agent_lock(job), os.O_RDWR)
@@ -412,6 +412,42 @@ def test_a_store_started_agent_persists_after_the_trainer_dies(tmp_path, shm, jo
     with CheckpointStore(job, durable=n["durable"], ram_dir=str(elsewhere)) as store:
         assert store.restore(target) == 2
     assert_same(target, state(2))
+
+
+def test_an_idle_agent_lingers_with_the_ram_a_restart_restores_from(tmp_path, shm, job, zygote):
+    """The trainer dies after step 2's RAM commit. An agent that exits when idle persists step 2 at
+    once, yet keeps its RAM segment for ``linger_s`` after the last store closed, and as long as a
+    store is open (the restarted trainer's, here the stores lock held shared): a crashed job that
+    restarts on the node restores from RAM. Then it exits and gives the segments back. An agent
+    that gave them back in the gap between the crash and the restart sent every such restart to
+    the local tier, and after a node loss left a survivor's part of a step in no layout that
+    matched the lost node's replicas."""
+    n = _one_node(tmp_path, shm)
+    run_trainers(zygote, tmp_path, {**n["cfg"], "job": job, "durable_every": 1, "last": 2, "point": "ram.committed"})
+    agent = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"]))
+    linger = 1.5
+    watcher = threading.Thread(target=agent.watch, kwargs={"poll_s": 0.1, "exit_when_idle": True, "linger_s": linger})
+    stores = os.open(n["ram"] / stores_lock(job), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        watcher.start()
+        deadline = time.monotonic() + 60
+        while committed_steps(str(n["local"])) != {1, 2}:
+            assert time.monotonic() < deadline, "the agent did not persist step 2"
+            time.sleep(0.05)
+        segments = sorted(p.name for p in n["ram"].glob("*.bin"))
+        assert segments and watcher.is_alive()
+        fcntl.flock(stores, fcntl.LOCK_SH)  # a restarted store opens on the node
+        time.sleep(2 * linger)
+        assert watcher.is_alive() and sorted(p.name for p in n["ram"].glob("*.bin")) == segments
+        fcntl.flock(stores, fcntl.LOCK_UN)  # and closes again: the linger starts over
+        closed = time.monotonic()
+        watcher.join(timeout=60)
+        assert not watcher.is_alive(), "the agent did not exit after its linger"
+        assert time.monotonic() - closed >= linger
+        assert list(n["ram"].glob("*.bin")) == []
+    finally:
+        os.close(stores)
+        watcher.join(timeout=60)
 
 
 def test_a_step_dropped_from_ram_while_being_persisted_is_not_committed(tmp_path, shm, job, zygote):

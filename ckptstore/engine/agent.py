@@ -60,6 +60,9 @@ log = logging.getLogger("ckptstore")
 # The environment variable through which a store hands its agent the durable tier's storage
 # options: a command line is readable by every user of the node, credentials must not go there.
 STORAGE_OPTIONS_ENV = "CKPTSTORE_AGENT_STORAGE_OPTIONS"
+# Seconds a store-started agent lingers with no store open before it exits and gives the persisted
+# RAM segments back (``ckptstore agent --linger``; its default when unset).
+AGENT_LINGER_ENV = "CKPTSTORE_AGENT_LINGER_S"
 
 
 def committed_segments(job: str, ram_dir: str) -> list[tuple[str, dict[str, Any]]]:
@@ -386,18 +389,31 @@ class NodeAgent:
     # ------------------------------------------------------------------------------ watching
 
     def watch(self, *, poll_s: float = 2.0, exit_when_idle: bool = False,
-              release: Callable[[], None] | None = None, keep_ram: bool = False) -> None:
+              release: Callable[[], None] | None = None, keep_ram: bool = False, linger_s: float = 0.0) -> None:
         """Pass after pass, ``poll_s`` apart. ``exit_when_idle`` (how a store's agent runs): return once
-        no store of the job on this node holds the stores lock and a last pass found nothing to do,
-        calling ``release`` (which gives up the agent lock) while still holding the stores lock."""
+        no store of the job on this node has held the stores lock for ``linger_s`` and a last pass
+        found nothing to do, calling ``release`` (which gives up the agent lock) while still holding
+        the stores lock.
+
+        The linger is for the restart of a crashed job: between its trainers' deaths and the new
+        trainers' stores no store is open, and an agent that exited then gave back the RAM slots
+        the restart restores from fastest (and, after a node loss, the survivors' own copies of
+        the step whose other parts live on as peer replicas)."""
         stores_fd = None
+        idle_since: float | None = None
         try:
             while True:
                 out = self.run_once()
                 if exit_when_idle and set(out.failed) <= set(out.given_up):
                     if stores_fd is None:
                         stores_fd = _open_lock(os.path.join(self.ram_dir, stores_lock(self.job)))
-                    if _try_lock(stores_fd, fcntl.LOCK_EX):
+                    free = _try_lock(stores_fd, fcntl.LOCK_EX)
+                    now = time.monotonic()
+                    since = now if idle_since is None else idle_since
+                    idle_since = since if free else None  # a store is open: the job runs on this node
+                    if free and now - since < linger_s:
+                        fcntl.flock(stores_fd, fcntl.LOCK_UN)  # lingering: a restarted store may open meanwhile
+                    elif free:
                         # No store is open; a new one blocks on its shared lock until this returns,
                         # and then finds the agent lock free and starts another agent.
                         last = self.run_once()
@@ -573,6 +589,15 @@ def start_agent(job: str, *, ram_dir: str, local: str | None, durable: str | Non
             return stores_fd, False  # the node's agent runs already (another rank's store started it)
         argv = [sys.executable, "-m", "ckptstore.cli", "agent", job, "--ram-dir", ram_dir, "--exit-when-idle",
                 "--lock-fd", str(agent_fd)]
+        linger = os.environ.get(AGENT_LINGER_ENV)
+        if linger is not None:
+            try:
+                if not float(linger) >= 0:
+                    raise ValueError(linger)
+            except ValueError:
+                raise InvalidArgumentError(f"{AGENT_LINGER_ENV}={linger!r}: the agent's linger must be a number of "
+                                           "seconds, 0 or more") from None
+            argv += ["--linger", linger]
         argv += ["--local", local] if local is not None else []
         argv += ["--durable", durable] if durable is not None else []
         env = {**os.environ, STORAGE_OPTIONS_ENV: options}
