@@ -97,7 +97,9 @@ class CheckpointStore:
     whichever rank's store comes first: when this process dies after ``save`` returned but before
     the snapshot reached the local tier, or the durable tier it was due in, the agent writes it
     there from the RAM tier, so a job rescheduled on other nodes still finds it. It exits once no
-    store of the job with ``agent=True`` is open on the node and nothing is left to persist.
+    store of the job with ``agent=True`` has been open on the node for 60 s (the environment's
+    ``CKPTSTORE_AGENT_LINGER_S``) and nothing is left to persist, keeping the RAM a crashed job
+    restarting on the node restores from until then.
     ``background_nice``: how many steps below the trainer's scheduling priority the store's
     background work runs (Linux; 0 to 19): the threads that hash, write, upload and replicate
     snapshots, and the node agent. On cores that the training step also needs, the step goes
