@@ -476,3 +476,31 @@ def test_a_step_dropped_from_ram_while_being_persisted_is_not_committed(tmp_path
     # Nothing of the agent's copy is left behind (empty directories wait for the next start's sweep,
     # and a new save of step 3 writes beside them).
     assert [p for p in (n["local"] / step_dir(3)).rglob("*") if p.is_file()] == []
+
+
+def test_a_slot_reused_while_the_agent_reads_it_is_not_reported_as_damage(tmp_path, shm, job, zygote, caplog,
+                                                                           monkeypatch):
+    """The agent reads a dead trainer's committed slot of step 3 while a restarted store stages a
+    new save into that slot (its document removed first, then its bytes overwritten): the bytes no
+    longer match the checksums, and that is no damage. The agent persists nothing of it and says so
+    quietly, instead of logging "checksum mismatch ... the file was damaged after it was written"
+    (seen on a surviving node in the crash-loop test)."""
+    import ckptstore.engine.agent as agent_module
+
+    n = _one_node(tmp_path, shm)
+    run_trainers(zygote, tmp_path, {**n["cfg"], "job": job, "durable_every": 2, "last": 3, "point": "ram.committed"})
+    read = agent_module.read_verified
+
+    def read_while_reused(path: str, doc: Any, manifest: Any, sid: str) -> Any:
+        Path(path).with_suffix(".json").unlink()  # the restarted store's stage: the document goes first
+        with open(path, "r+b") as fh:  # then the new save's bytes
+            fh.write(b"\xff" * 64)
+        return read(path, doc, manifest, sid)
+
+    monkeypatch.setattr(agent_module, "read_verified", read_while_reused)
+    caplog.set_level("INFO", logger="ckptstore")
+    out = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"])).run_once()
+    assert (out.local, out.durable, out.failed) == ([], [], [])
+    assert "left the RAM tier while it was being read" in caplog.text
+    assert "checksum mismatch" not in caplog.text and "was not persisted" not in caplog.text
+    assert committed_steps(str(n["local"])) == {1, 2}

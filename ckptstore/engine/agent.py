@@ -65,6 +65,13 @@ STORAGE_OPTIONS_ENV = "CKPTSTORE_AGENT_STORAGE_OPTIONS"
 AGENT_LINGER_ENV = "CKPTSTORE_AGENT_LINGER_S"
 
 
+def still_committed(job: str, ram_dir: str, step: int, segments: list[tuple[str, dict[str, Any]]]) -> bool:
+    """Whether ``segments`` (read earlier) are still the node's committed segments of ``step``."""
+    now = {(path, doc.get("committed_unix")) for path, doc in committed_segments(job, ram_dir)
+           if doc.get("step") == step}
+    return all((path, doc.get("committed_unix")) in now for path, doc in segments)
+
+
 def committed_segments(job: str, ram_dir: str) -> list[tuple[str, dict[str, Any]]]:
     """This node's committed RAM snapshots of ``job``: (segment path, document) of each rank's own
     slot (replicas held for other nodes are theirs to persist). The agent's one view of the RAM
@@ -212,6 +219,13 @@ class NodeAgent:
                     self._persisted.update((path, step) for path, _doc in segments)
                 self._failing.pop(settled, None)
             except Exception as exc:  # noqa: BLE001 - one bad segment must not stop the others
+                if isinstance(exc, CorruptCheckpointError) and not still_committed(self.job, self.ram_dir, step,
+                                                                                  segments):
+                    # Not damage: a restarted store took the slot over while it was being read
+                    # (its document goes before its bytes are overwritten).
+                    log.info("ckptstore agent: step %d left the RAM tier while it was being read (a restarted store "
+                             "reused its slot); not persisting it", step)
+                    continue
                 seen = settled in self._failing
                 first = self._failing.setdefault(settled, time.monotonic())
                 (log.debug if seen else log.error)(
@@ -263,9 +277,7 @@ class NodeAgent:
             restarted store that restored an older step drops a newer one it cannot restore (a dead
             branch) from RAM and local, and saves that step number again; the agent's copy of it,
             committed after that drop, would stand in the way of the new save."""
-            now = {(path, doc.get("committed_unix")) for path, doc in committed_segments(self.job, self.ram_dir)
-                   if doc.get("step") == step}
-            return all((path, doc.get("committed_unix")) in now for path, doc in segments)
+            return still_committed(self.job, self.ram_dir, step, segments)
 
         where = ", ".join(map(str, ranks))
         if need_local:
