@@ -10,8 +10,10 @@ round's figure per phase is the slower rank's.
     python benchmarks/bench_restart.py [--layers 4] [--rounds 3] [--out /tmp/restart]
 
 Each rank is a node of its own (its own RAM and local directories, so the peer replicas cross
-nodes); nothing is wiped between rounds but the processes (a crash, not a node loss). Writes
-<out>/restart.json. Before and after a change, in one run: PYTHONPATH=<other tree> on a second run.
+nodes); nothing is wiped between rounds but the processes (a crash, not a node loss), or with
+``--node-loss`` node 0 is lost before every restart too (its RAM and local directories and its
+agent gone: a replaced node, which restores from node 1's replicas). Writes
+<out>/restart.json (restart-node-loss.json). Before and after a change, in one run: PYTHONPATH=<other tree> on a second run.
 """
 
 from __future__ import annotations
@@ -207,6 +209,8 @@ def main() -> None:
     ap.add_argument("--preimport-s3fs", action="store_true",
                     help="import s3fs with torch and ckptstore, before the clock of the store starts (as the "
                          "crash loop's zygote has)")
+    ap.add_argument("--node-loss", action="store_true",
+                    help="lose node 0 (RAM, local directory, agent) before every restart, not only the processes")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
@@ -234,6 +238,8 @@ def main() -> None:
     rounds: list[dict[str, Any]] = []
     try:
         for i in range(args.rounds + 1):
+            if i and args.node_loss:
+                _lose_node(cfg["nodes"][0])
             ranks = _round(cfg, os.path.abspath(__file__))
             phases: dict[str, float] = {}
             for r in ranks:
@@ -244,20 +250,30 @@ def main() -> None:
             print(f"start {i}: restored {rounds[-1]['restored']}: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in sorted(phases.items())), flush=True)
     finally:
-        _wait_for_agents(ram_root)  # they persist what the last kill left, to the durable tier too
+        _wait_for_agents(ram_root, timeout_s=5.0)  # what the last kill left is not measured: they linger, and go
         s3.stop()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(ram_root, ignore_errors=True)
     restarts = rounds[1:]
     keys = sorted({k for r in restarts for k in r["phases"]})
     median = {k: statistics.median(r["phases"].get(k, 0.0) for r in restarts) for k in keys}
-    doc = {"benchmark": "restart", "layers": args.layers, "width": args.width, "rounds": rounds,
+    doc = {"benchmark": "restart", "node_loss": args.node_loss, "layers": args.layers, "width": args.width,
+           "rounds": rounds,
            "median_restart_seconds": median, "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
            "pythonpath": os.environ.get("PYTHONPATH", "")}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "restart.json"), "w") as fh:
+    with open(os.path.join(args.out, "restart-node-loss.json" if args.node_loss else "restart.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     print("median of the restarts: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))
+
+
+def _lose_node(node: dict[str, str]) -> None:
+    """The node is replaced: its agent, RAM directory and local directory are gone."""
+    for pid in agent_pids(node["ram"]):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(node["ram"], ignore_errors=True)
+    shutil.rmtree(node["local"], ignore_errors=True)
+    os.makedirs(node["ram"])
 
 
 def _wait_for_agents(ram_root: str, timeout_s: float = 60.0) -> None:

@@ -178,3 +178,24 @@ def frozen_restores_job(rank: int, world: int, name: str, ram_root: str, local_r
     assert _same(state, _frozen_state(rank, expect)), state
     assert any(f"restored step {expect} from the local+peer tier" in m for m in records), records
     store.close()
+
+
+def replaced_node_slot_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
+                           expect: int, slot_bytes: int) -> None:
+    """After node 0's loss: restore ``expect``; the next save's slot is then made ahead at the size
+    of the slot the step was staged in (``slot_bytes``), on the replaced node too, which had no local
+    file to say it when its store started; the save stages into that slot."""
+    store = _store(name, rank, ram_root, local_root, replicas)
+    state = _empty(rank)
+    assert store.restore(state) == expect
+    assert _same(state, _state(rank, expect)), state
+    ram = store.ram
+    index = ram.next_slot
+    ahead = ram._preparing.get(index)
+    assert ahead is not None, f"rank {rank}: no slot is being made for the next save"
+    slot = ahead.result(timeout=60)
+    assert slot is not None and slot.size == slot_bytes, (rank, slot and slot.size, slot_bytes)
+    handle = store.save(expect + 1, _state(rank, expect + 1))
+    handle.wait("local")
+    assert ram._slots[index] is slot  # staged into the slot made ahead, not one mapped by the save
+    store.close()

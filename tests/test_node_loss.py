@@ -142,3 +142,17 @@ def test_a_lost_nodes_replica_loads_beside_a_survivors_local_copy_laid_out_other
     assert agent.release_persisted()[0] == 2  # node 1's own slots of steps 1 and 2; the replicas stay
     _lose_node(ram_root, local_root, 0)
     _spawn(2, "node_loss_workers:frozen_restores_job", tmp_path, expect=2, **args)
+
+
+def test_a_replaced_node_makes_its_first_saves_slot_while_it_restores(tmp_path, job, ram_root):
+    """Node 0 is lost after step 2 reached every tier. Its replacement has no local file to size
+    the first save's RAM slot by when its store starts (the surviving node does); once the restore
+    read its data file of step 2 from node 1's replica, the slot is made ahead at that size, off
+    the trainer's path. Before, the first save after every node loss mapped it while the trainer
+    waited (1.0-1.6 s of the crash loop's checkpoint time)."""
+    local_root = str(tmp_path / "local")
+    args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1)
+    dist_workers.crash_both(tmp_path, "node_loss_workers:saves_then_dies_job", steps=[1, 2], **args)
+    slot_bytes = os.path.getsize(os.path.join(local_root, "node1", "step-000000000002", "data", "rank-00001.bin"))
+    _lose_node(ram_root, local_root, 0)
+    _spawn(2, "node_loss_workers:replaced_node_slot_job", tmp_path, expect=2, slot_bytes=slot_bytes, **args)

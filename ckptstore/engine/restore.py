@@ -48,7 +48,7 @@ from ..errors import (
     collective_error,
 )
 from ..format.manifest import Manifest
-from ..names import MANIFEST, data_file_rank
+from ..names import MANIFEST, data_file, data_file_rank
 from ..storage.targets import Source
 from ..tiers.base import PartsMissing, Tier
 from .exchange import (
@@ -146,6 +146,10 @@ class Restorer:
         # inventory, and parsing was most of that (0.01-0.02 s a copy at 144 tensors, two copies).
         # A body that changed is other bytes, parsed anew; only the newest step's are kept.
         self._known: tuple[int | None, dict[bytes, tuple[str, Manifest]]] = (None, {})
+        # The size of this rank's own data file of the step last loaded, wherever it was read (a
+        # replaced node's from a peer): a byte copy of the slot it was staged in, the size to make
+        # the next save's slot ahead at (the store's first save after a node loss waited for it).
+        self.own_file_size: int | None = None
 
     def _at(self, step: int | None, phase: str) -> None:
         """Where the restore is, for the error a failed collective raises (:meth:`_broken`)."""
@@ -627,6 +631,7 @@ class Restorer:
             problem = kind = ""
             retry = False
             used: set[str] = set()
+            opener: _Opener | None = None
             missing: PartsMissing | CorruptCheckpointError | None = None
             self._at(step, "planning each rank's load from the step's manifest")
             try:
@@ -686,7 +691,7 @@ class Restorer:
                     assert manifest is not None
                     self._at(step, "loading the step")
                     opener = _Opener(transfers.sources, inv, excluded, durable.opener(step) if durable else None,
-                                     display, used)
+                                     display, used, own=data_file(self.rank))
                     problem, kind, retry, fatal = self._load(state, manifest, display, opener, per_rank, transfers,
                                                              inv, excluded, bad_owners, share_whole=from_durable,
                                                              cooperate=not flat)
@@ -708,6 +713,7 @@ class Restorer:
             problems = [f"rank {r}: {o['problem']}" for r, o in enumerate(outcomes) if o["problem"]]
             kinds.update(o["kind"] for o in outcomes if o["kind"])
             if not problems:
+                self.own_file_size = None if opener is None else opener.own_size
                 tiers = sorted({k for o in outcomes for k in o["used"]})
                 return True, "+".join(tiers) if tiers else "ram"
             summary = f"step {step}: " + "; ".join(problems)
@@ -827,11 +833,19 @@ class _Opener:
     """Opens a chunk file for a restore: another node's copy, this node's, or the durable one."""
 
     def __init__(self, fetched: dict[str, RemoteSource], inv: Inventory, excluded: set[str],
-                 durable: Callable[[str | None], Source] | None, display: str, used: set[str]) -> None:
+                 durable: Callable[[str | None], Source] | None, display: str, used: set[str], own: str = "") -> None:
         self.fetched, self.inv, self.excluded, self.durable = fetched, inv, excluded, durable
-        self.display, self.used = display, used
+        self.display, self.used, self.own = display, used, own
+        self.own_size: int | None = None  # the size of the file named ``own`` (this rank's data file), once opened
 
     def __call__(self, rel: str | None) -> Source:
+        source = self._open(rel)
+        if rel == self.own:
+            size = getattr(source, "size", None)
+            self.own_size = size if type(size) is int else None
+        return source
+
+    def _open(self, rel: str | None) -> Source:
         if rel in self.fetched:
             self.used.add("peer")
             return self.fetched[rel]

@@ -254,16 +254,30 @@ class CheckpointStore:
         or the node was replaced): its size is that of this rank's local data file of ``step``,
         which holds the slot's bytes, and the restore of that step, then training, run meanwhile.
         A state that changed size since is staged into a slot the save resizes, as it would be."""
-        assert self.ram is not None
         opts = self.options
         if opts.local is None:
             return
         try:
             size = os.path.getsize(os.path.join(opts.local, step_dir(step), data_file(self.rank)))
         except OSError:
-            return
-        if opts.ram_budget_bytes is None or size <= opts.ram_budget_bytes:
+            return  # a replaced node: the restore finds the size (_prepare_slot_as_restored)
+        self._prepare_next_slot(size)
+
+    def _prepare_next_slot(self, size: int) -> None:
+        assert self.ram is not None
+        budget = self.options.ram_budget_bytes
+        if budget is None or size <= budget:
             self.ram.prepare(size, only_next=True)
+
+    def _prepare_slot_as_restored(self) -> None:
+        """Make the next save's slot in the background at the size of this rank's data file of the
+        step just restored, read wherever it was: on a replaced node no local file said it at the
+        start, and the first save after every node loss waited while its slot was mapped (1.0-1.6 s
+        of the crash loop's checkpoint time at 200 MB a rank). A slot made already is left alone."""
+        size = self._restorer.own_file_size
+        if size is not None and self.ram is not None:
+            self.ram.make_ahead = True  # a job resuming: what a start makes ahead when it finds a step
+            self._prepare_next_slot(size)
 
     def _resume_from(self, newest: tuple[int, dict[str, Any], bool] | None) -> None:
         if newest is not None:
@@ -453,6 +467,7 @@ class CheckpointStore:
             return found
         self._pipeline.last_step = found if last is None else max(last, found)
         self._tracker.event("restore", step=found, tier=tiers, seconds=seconds)
+        self._prepare_slot_as_restored()
         meta, in_durable = self._restorer.meta_of(found)
         self._pipeline.resume(meta, durable_holds_it=bool(in_durable))
         # Only a promotion the dead process owed: the step was due in the durable tier by its cadence
