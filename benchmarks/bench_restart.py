@@ -144,6 +144,9 @@ def worker(cfg: dict[str, Any], rank: int) -> None:
     found = store.restore(state)
     marks["restore"] = time.time() - t
     marks["resumed_after_spawn"] = time.time() - spawned
+    # Training before the first save (a crash loop trains ``--every`` steps first): a GPU's work,
+    # during which the host's cores are free for the store's background work.
+    time.sleep(cfg.get("gap_s", 0.0))
     step = found or 0
     steady = []
     for i in range(_SAVES):
@@ -209,6 +212,8 @@ def main() -> None:
     ap.add_argument("--preimport-s3fs", action="store_true",
                     help="import s3fs with torch and ckptstore, before the clock of the store starts (as the "
                          "crash loop's zygote has)")
+    ap.add_argument("--gap", type=float, default=0.0, metavar="S",
+                    help="seconds of (simulated, GPU) training between the restore and the first save (default 0)")
     ap.add_argument("--node-loss", action="store_true",
                     help="lose node 0 (RAM, local directory, agent) before every restart, not only the processes")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks"))
@@ -226,7 +231,7 @@ def main() -> None:
     ram_root = tempfile.mkdtemp(prefix="bench-restart-", dir="/dev/shm")
     job = f"restart-{uuid.uuid4().hex[:8]}"
     cfg = {"job": job, "work": work, "rendezvous": os.path.join(work, "rendezvous"), "layers": args.layers,
-           "background_nice": args.background_nice, "preimport_s3fs": args.preimport_s3fs,
+           "background_nice": args.background_nice, "preimport_s3fs": args.preimport_s3fs, "gap_s": args.gap,
            "width": args.width, "durable": s3.url(job), "storage_options": s3.storage_options,
            "nodes": [{"local": os.path.join(work, f"node{r}", "local"), "ram": os.path.join(ram_root, f"node{r}")}
                      for r in range(WORLD)]}
@@ -257,7 +262,7 @@ def main() -> None:
     restarts = rounds[1:]
     keys = sorted({k for r in restarts for k in r["phases"]})
     median = {k: statistics.median(r["phases"].get(k, 0.0) for r in restarts) for k in keys}
-    doc = {"benchmark": "restart", "node_loss": args.node_loss, "layers": args.layers, "width": args.width,
+    doc = {"benchmark": "restart", "node_loss": args.node_loss, "gap_s": args.gap, "layers": args.layers, "width": args.width,
            "rounds": rounds,
            "median_restart_seconds": median, "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
            "pythonpath": os.environ.get("PYTHONPATH", "")}
