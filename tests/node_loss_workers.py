@@ -116,18 +116,21 @@ def local_fails_job(rank: int, world: int, name: str, ram_root: str, local_root:
 
 
 def saves_then_dies_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
-                        steps: list[int], restore: int | None = None, **kw) -> None:
+                        steps: list[int], restore: int | None = None, frozen: bool = False, **kw) -> None:
     """Restore ``restore`` (when given), save ``steps``, each on every tier it goes to, then die by
-    SIGKILL with nothing in flight: a crash between two saves."""
+    SIGKILL with nothing in flight: a crash between two saves. ``frozen``: a frozen tensor among
+    the state (:func:`_frozen_state`)."""
     import signal
 
-    store = _store(name, rank, ram_root, local_root, replicas, **kw)
+    store = _frozen_store(name, rank, ram_root, local_root, replicas) if frozen else _store(
+        name, rank, ram_root, local_root, replicas, **kw)
+    make = _frozen_state if frozen else _state
     if restore is not None:
         state = _empty(rank)
         assert store.restore(state) == restore
         assert _same(state, _state(rank, restore)), state
     for step in steps:
-        handle = store.save(step, _state(rank, step))
+        handle = store.save(step, make(rank, step))
         handle.wait("local")
         handle.wait("peer")
     store._drain()
@@ -152,20 +155,6 @@ def _frozen_state(rank: int, step: int) -> dict:
     """A state with a frozen tensor of 128 KiB, which the local tier keeps in a file of its own: a
     rank's local copy is then laid out unlike its slot (and unlike the slot's peer replicas)."""
     return {f"frozen{rank}": torch.full((32768,), float(rank + 1)), **_state(rank, step)}
-
-
-def frozen_saves_then_dies_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,
-                               steps: list[int]) -> None:
-    """Save ``steps`` (a frozen tensor among the state), each on every tier, then die by SIGKILL."""
-    import signal
-
-    store = _frozen_store(name, rank, ram_root, local_root, replicas)
-    for step in steps:
-        handle = store.save(step, _frozen_state(rank, step))
-        handle.wait("local")
-        handle.wait("peer")
-    store._drain()
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def frozen_restores_job(rank: int, world: int, name: str, ram_root: str, local_root: str, replicas: int,

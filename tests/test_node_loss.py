@@ -136,7 +136,7 @@ def test_a_lost_nodes_replica_loads_beside_a_survivors_local_copy_laid_out_other
 
     local_root = str(tmp_path / "local")
     args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1)
-    dist_workers.crash_both(tmp_path, "node_loss_workers:frozen_saves_then_dies_job", steps=[1, 2], **args)
+    dist_workers.crash_both(tmp_path, "node_loss_workers:saves_then_dies_job", steps=[1, 2], frozen=True, **args)
     agent = NodeAgent(job, local=os.path.join(local_root, "node1"), durable=None, ram_dir=os.path.join(ram_root, "node1"))
     agent.run_once()
     assert agent.release_persisted()[0] == 2  # node 1's own slots of steps 1 and 2; the replicas stay

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -528,7 +528,7 @@ class Restorer:
                 order = [None]  # nothing readable anywhere: one attempt says why (or that a newer reader is needed)
             if details and order:
                 log.warning("ckptstore: %s; trying the next copy of the step laid out differently", details[-1])
-            for digest in order:
+            for digest in self._layouts(order, node, preference, everything=quick is None):
                 self._at(step, "agreeing on the copies of the step each node holds")
                 ok, detail = self._attempt_layout(state, step, node, digest, in_durable, excluded, per_rank, bare,
                                                   kinds, ownless)
@@ -537,18 +537,9 @@ class Restorer:
                 details.append(detail)
                 if quick is not None and digest is not None:
                     tried[digest] = node.layout(digest)
-                if digest != order[-1]:
+                if not order or digest != order[-1]:
                     log.warning("ckptstore: %s; trying the next copy of the step laid out differently", detail)
             if quick is None:
-                # Each layout of a save's parts lacked some writer's part: one layout per save
-                # taking each writer's part from whichever of them holds it.
-                for name in self._mixtures(node, preference):
-                    self._at(step, "agreeing on the copies of the step each node holds")
-                    ok, detail = self._attempt_layout(state, step, node, name, in_durable, excluded, per_rank, bare,
-                                                      kinds, ownless)
-                    if ok:
-                        return True, detail, ""
-                    details.append(detail)
                 break
             # The RAM tiers' layouts failed: every node tier now, agreed as the usual path does.
             node, quick = self._inventory(step), None
@@ -557,6 +548,15 @@ class Restorer:
             gathered = [said] * self.world if alike else fg.all_gather(said) if self.world > 1 else [said]
         verdict = _DAMAGED if _DAMAGED in kinds else _MISSING if kinds == {_MISSING} else _OTHER
         return False, "; then ".join(details), verdict
+
+    def _layouts(self, order: list[str | None], node: NodeInventory, preference: dict[str, int], *,
+                 everything: bool) -> Iterator[str | None]:
+        """The layouts to try, in ``order``; then, once those failed and ``everything`` a node
+        holds was inventoried, the mixtures of one save's layouts (:meth:`_mixtures`, made only
+        then: a collective)."""
+        yield from order
+        if everything:
+            yield from self._mixtures(node, preference)
 
     def _mixtures(self, node: NodeInventory, preference: dict[str, int]) -> list[str]:
         """The layouts that mix the parts of one save from its layouts of parts (collective when

@@ -569,6 +569,11 @@ class RamTier(Tier):
             slot.release()
 
     @property
+    def staged_any(self) -> bool:
+        """Whether this tier has mapped a slot for a save of its own (its sizes are known here)."""
+        return bool(self._slots)
+
+    @property
     def next_slot(self) -> int:
         """The slot the next :meth:`stage` copies into: the next in turn, passing over the one that
         holds this rank's newest committed snapshot."""
