@@ -8,7 +8,8 @@ each rank has a local directory of its own (a node each) and the durable tier (a
 takes every save. After a first save, ``--saves`` saves are counted, each waited for in the durable
 tier. Counting wraps the store's Group methods from outside (the pickled size of what each
 collective hands a rank, a gloo object all-gather padding every message to the largest; twice
-the tensor for an all-reduce), so the same script measures any commit of ckptstore:
+the tensor for a ring all-reduce, the tensor once a step for the flags' recursive doubling), so
+the same script measures any commit of ckptstore:
 
     python benchmarks/bench_control_plane.py [--worlds 2 4 8] [--tensors 10000] [--saves 3] [--replicas 1]
         [--inventory] [--out FILE]
@@ -117,7 +118,17 @@ def _rank(rank: int, world: int, init: str, root: str, tensors: int, saves: int,
         wrap("gather_to_root", gathered)
         wrap("broadcast", lambda self, args, out: 0 if self.rank == 0 else 8 + size(out))
         wrap("from_senders", lambda self, args, out: sum(8 + size(v) for r, v in out.items() if r != 0))
-        wrap("max_int64", lambda self, args, out: 16 * len(args[0]))
+        def flags(self: Any, args: Any, out: Any) -> int:
+            # What the agreement flags hand this rank: gloo's ring all-reduce about twice the
+            # tensor; recursive doubling (from DOUBLING_FROM ranks on gloo) the tensor once a step.
+            n, elements = self.world, len(args[0])
+            if n < getattr(collective, "DOUBLING_FROM", n + 1) or not self._gloo():
+                return 16 * elements
+            p = 1 << (n.bit_length() - 1)
+            steps = 1 if self.rank >= p else p.bit_length() - 1 + int(self.rank + p < n)
+            return 8 * elements * steps
+
+        wrap("max_int64", flags)
         vote_s: list[float] = []
         real_vote = pipeline.Pipeline._vote
 
