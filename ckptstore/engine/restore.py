@@ -713,7 +713,9 @@ class Restorer:
             problems = [f"rank {r}: {o['problem']}" for r, o in enumerate(outcomes) if o["problem"]]
             kinds.update(o["kind"] for o in outcomes if o["kind"])
             if not problems:
-                self.own_file_size = None if opener is None else opener.own_size
+                # Saved by this world: this rank's file held this rank's slot (resharded, another's).
+                same_world = manifest is not None and manifest.meta.get("world_size") == self.world
+                self.own_file_size = opener.own_size if opener is not None and same_world else None
                 tiers = sorted({k for o in outcomes for k in o["used"]})
                 return True, "+".join(tiers) if tiers else "ram"
             summary = f"step {step}: " + "; ".join(problems)
