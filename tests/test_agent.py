@@ -504,3 +504,21 @@ def test_a_slot_reused_while_the_agent_reads_it_is_not_reported_as_damage(tmp_pa
     assert "left the RAM tier while it was being read" in caplog.text
     assert "checksum mismatch" not in caplog.text and "was not persisted" not in caplog.text
     assert committed_steps(str(n["local"])) == {1, 2}
+
+
+def test_an_idle_agent_gives_back_slots_made_ahead_that_no_save_used(tmp_path, shm, job):
+    """A store makes the next save's slot ahead of it; killed before that save, it leaves the slot
+    empty (no document, nothing committed). The agent's exit, holding the stores lock (no store of
+    the job open on the node), gives it back with the persisted ones; a pass that cannot know that
+    (``--once``) keeps it, since a live store's slot between its document's removal and its commit
+    looks the same (and its store maps it: the inventory says alive)."""
+    ram = shm / "node0"
+    ram.mkdir()
+    empty = ram / f"ckptstore-{job}-r00000-s1.bin"
+    empty.write_bytes(b"\0" * 8192)
+    other = ram / f"ckptstore-{job}x-r00000-s1.bin"  # another job's: never this agent's
+    other.write_bytes(b"\0" * 8192)
+    agent = NodeAgent(job, local=str(tmp_path / "local"), durable=None, ram_dir=str(ram))
+    assert agent.release_persisted() == (0, 0) and empty.exists()
+    assert agent.release_persisted(empty=True) == (1, 8192)
+    assert not empty.exists() and other.exists()

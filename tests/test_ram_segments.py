@@ -150,6 +150,8 @@ _KILLED_RUN = textwrap.dedent("""
     a.save(2, state).wait("local")
     b = CheckpointStore(job + "-b", ram_dir=ram)  # no lower tier: RAM is the only copy
     b.save(1, state).wait("ram")
+    for ahead in list(b.ram._preparing.values()):  # its second slot, made ahead for the next save
+        ahead.result()
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
@@ -172,12 +174,14 @@ def test_ram_lists_segments_and_rm_refuses_what_could_lose_a_step(tmp_path, job,
     listed = json.loads(capsys.readouterr().out)
     rows = [(r["job"], r["rank"], r["slot"], r["step"], r["owner_alive"], r["elsewhere"]) for r in listed]
     assert rows == [(f"{job}-a", 0, 0, 1, False, ["local"]), (f"{job}-a", 0, 1, 2, False, ["local"]),
-                    (f"{job}-b", 0, 0, 1, False, [])]
+                    (f"{job}-b", 0, 0, 1, False, []), (f"{job}-b", 0, 1, None, False, None)]
     seg_bytes = os.path.getsize(f"{ram_dir}/ckptstore-{job}-a-r00000-s0.bin")
-    assert all(r["bytes"] > seg_bytes >= 4096 * 4 and r["owner_pid"] > 0 for r in listed)
+    assert all(r["bytes"] > seg_bytes >= 4096 * 4 and r["owner_pid"] > 0 for r in listed if r["step"] is not None)
+    # The made-ahead slot: the segment alone, no document, no owner recorded and none mapping it.
+    assert [(r["bytes"], r["owner_pid"]) for r in listed if r["step"] is None] == [(seg_bytes, None)]
     assert main(["ram", "--ram-dir", ram_dir]) == 0
     text = capsys.readouterr().out
-    assert text.startswith(f"RAM segments in {ram_dir}: 3 (")
+    assert text.startswith(f"RAM segments in {ram_dir}: 4 (")
     assert any(line.split()[:4] == [f"{job}-b", "0", "s0", "1"] and line.endswith("(exited)  nowhere")
                for line in text.splitlines()), text
 
@@ -188,9 +192,9 @@ def test_ram_lists_segments_and_rm_refuses_what_could_lose_a_step(tmp_path, job,
         f"ckptstore-{job}-b-r00000-s0.bin: step 1 exists at no lower tier (local or durable) this node can see. "
         "Nothing was removed; stop the job, or wait until its steps reach the local or durable tier, or pass --force "
         "(force=True) to remove them anyway\n")
-    assert len(_segments(f"{job}-b", ram_dir)) == 2
+    assert len(_segments(f"{job}-b", ram_dir)) == 3
     assert main(["ram", "rm", f"{job}-b", "--ram-dir", ram_dir, "--force"]) == 0
-    assert capsys.readouterr().out.startswith(f"removed 1 RAM segment of job {job}-b from {ram_dir} (")
+    assert capsys.readouterr().out.startswith(f"removed 2 RAM segments of job {job}-b from {ram_dir} (")
     assert _segments(f"{job}-b", ram_dir) == []
     # Steps in the local tier, owner dead: removed without --force.
     assert main(["ram", "rm", f"{job}-a", "--ram-dir", ram_dir]) == 0
@@ -201,13 +205,16 @@ def test_ram_lists_segments_and_rm_refuses_what_could_lose_a_step(tmp_path, job,
     live = CheckpointStore(f"{job}-c", local=tmp_path / "local-c", ram_dir=ram_dir)
     try:
         live.save(1, {"w": torch.ones(16)}).wait("local")
+        for ahead in list(live.ram._preparing.values()):  # the next save's slot, made ahead
+            ahead.result()
         assert main(["ram", "rm", f"{job}-c", "--ram-dir", ram_dir]) == 2
         assert capsys.readouterr().err == (
             f"ckptstore ram: error: refusing to remove the RAM segments of job {job}-c in {ram_dir}: "
-            f"ckptstore-{job}-c-r00000-s0.bin: its owner, process {os.getpid()}, is alive. Nothing was removed; stop "
+            f"ckptstore-{job}-c-r00000-s0.bin: its owner, process {os.getpid()}, is alive; "
+            f"ckptstore-{job}-c-r00000-s1.bin: its owner, process {os.getpid()}, is alive. Nothing was removed; stop "
             "the job, or wait until its steps reach the local or durable tier, or pass --force (force=True) to "
             "remove them anyway\n")
-        assert len(_segments(f"{job}-c", ram_dir)) == 2
+        assert len(_segments(f"{job}-c", ram_dir)) == 3
     finally:
         live.close()
     assert os.listdir(ram_dir) == []

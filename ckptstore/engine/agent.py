@@ -388,14 +388,17 @@ class NodeAgent:
             log.info("ckptstore agent: step %d was committed in %s by another writer first", step, tier.display(step))
         return []
 
-    def release_persisted(self) -> tuple[int, int]:
+    def release_persisted(self, *, empty: bool = False) -> tuple[int, int]:
         """Remove the segments of dead trainers whose snapshots this agent found persisted wherever
         they were meant to go, so that a finished job leaves no RAM held on the node; returns
         (segments, bytes) freed. A segment a live process maps (a trainer restarted on this node
-        restoring from it) or committed since by a restarted trainer is kept."""
+        restoring from it) or committed since by a restarted trainer is kept. ``empty``: also the
+        job's staging slots that hold no committed step and that no process maps (made ahead for
+        a save that never came), for a caller that knows no store of the job is open on the node
+        (a store's slot between its document's removal and its commit is one, and it maps it)."""
         done = [r for r in inventory(self.ram_dir, self.job)
-                if r.src is None and r.step is not None and not r.owner_alive
-                and any((path, r.step) in self._persisted for path in r.paths)]
+                if r.src is None and not r.owner_alive
+                and (any((path, r.step) in self._persisted for path in r.paths) if r.step is not None else empty)]
         return len(done), remove_segments(done)
 
     # ------------------------------------------------------------------------------ watching
@@ -431,7 +434,7 @@ class NodeAgent:
                         last = self.run_once()
                         if set(last.failed) <= set(last.given_up):
                             if not keep_ram:
-                                self.release_persisted()
+                                self.release_persisted(empty=True)  # the stores lock is held: no store is open
                             if release is not None:
                                 release()  # before the stores lock: a store waiting on it then starts an agent
                             return

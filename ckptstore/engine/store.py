@@ -196,8 +196,11 @@ class CheckpointStore:
         self.ram.store_info = {"local": opts.local is not None, "durable": opts.durable.url is not None,
                                "durable_compression": opts.durable.compression}
         # The slots are mapped off the trainer's path: now those a previous process of this rank
-        # left (a restart), after each save the ones the next saves take.
+        # left (a restart), after each save the ones the next saves take, made where they do not
+        # exist yet (on a job's first start too: its second save mapped its slot on the trainer's
+        # thread while the first one's persistence held the cores, 2.7-3.2 s in the crash loop).
         self.ram.prepare_ahead = True
+        self.ram.make_ahead = True
         self.ram.prepare()
         self._groups: StoreGroups = store_groups(process_group, opts.timeout_s, opts.peer.timeout_s)
         trainer = self._groups.trainer
@@ -245,7 +248,6 @@ class CheckpointStore:
         if newest is not None:
             # Resuming: a crash loop repeats this start, so the slots a node agent released are
             # made again off the trainer's path, the first save's now and the next after it.
-            self.ram.make_ahead = True
             self._prepare_first_slot(newest[0])
 
     def _prepare_first_slot(self, step: int) -> None:
@@ -278,7 +280,6 @@ class CheckpointStore:
         save must not leave a slot of the restored size behind in a RAM directory short of room)."""
         size = self._restorer.own_file_size
         if size is not None and self.ram is not None and not self.ram.staged_any:
-            self.ram.make_ahead = True  # a job resuming: what a start makes ahead when it finds a step
             self._prepare_next_slot(size)
 
     def _resume_from(self, newest: tuple[int, dict[str, Any], bool] | None) -> None:

@@ -529,9 +529,9 @@ class RamTier(Tier):
         It never changes a segment's bytes or size: a segment of another size, or one not wholly
         reserved, is left to the save that stages into it (resizing the one holding the newest
         committed snapshot would destroy it before a newer one is committed). One that does not
-        exist is created at ``size`` only with ``make_ahead`` (a store resuming a job: a crash loop
-        repeats its restarts, where a node agent may have released the segments), within the
-        slots the store's budget allows. A failure (ram_dir full) is left for that save to raise
+        exist is created at ``size`` only with ``make_ahead`` (a store's, on a job's first start
+        and on a crash loop's restarts, where a node agent may have released the segments), within
+        the slots the store's budget allows. A failure (ram_dir full) is left for that save to raise
         or to fall back on. ``only_next``: the slot the next save takes, alone (its size a guess
         made before the slot count is known)."""
         if self.private:
