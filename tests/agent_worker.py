@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import CheckpointStore, _faults
-from ckptstore.engine.agent import AGENT_LINGER_ENV
+from ckptstore.engine.options import AGENT_LINGER_ENV
 
 
 def state(step: int) -> dict:

@@ -317,6 +317,15 @@ def test_bad_agent_arguments_are_refused_before_anything_is_made(tmp_path, shm, 
         with pytest.raises(InvalidArgumentError, match=words):
             CheckpointStore(job, ram_dir=str(shm), **kwargs)
     assert os.listdir(shm) == [] and not any(tmp_path.iterdir())
+    for bad in ("soon", "-1", "nan"):
+        os.environ["CKPTSTORE_AGENT_LINGER_S"] = bad
+        try:
+            with pytest.raises(InvalidArgumentError, match=f"CKPTSTORE_AGENT_LINGER_S='{bad}': the node agent's linger "
+                                                           "must be a number of seconds"):
+                CheckpointStore(job, ram_dir=str(shm), agent=True, local=tmp_path / "local")
+        finally:
+            del os.environ["CKPTSTORE_AGENT_LINGER_S"]
+    assert os.listdir(shm) == [] and not any(tmp_path.iterdir())
     with pytest.raises(InvalidArgumentError, match="--local DIR, --durable URL"):
         NodeAgent(job, local=None, durable=None, ram_dir=str(shm))
 

@@ -53,6 +53,7 @@ from ..tiers.base import Snapshot, manifest_of_parts
 from ..tiers.directory import DirectoryTier, write_node_part
 from ..tiers.ram import doc_part, node_extra, process_start, scan
 from ..tiers.segments import inventory, remove_segments
+from .options import agent_linger
 from .pipeline import parted_step_manifest, same_table, shared_of, step_manifest
 
 log = logging.getLogger("ckptstore")
@@ -60,9 +61,6 @@ log = logging.getLogger("ckptstore")
 # The environment variable through which a store hands its agent the durable tier's storage
 # options: a command line is readable by every user of the node, credentials must not go there.
 STORAGE_OPTIONS_ENV = "CKPTSTORE_AGENT_STORAGE_OPTIONS"
-# Seconds a store-started agent lingers with no store open before it exits and gives the persisted
-# RAM segments back (``ckptstore agent --linger``; its default when unset).
-AGENT_LINGER_ENV = "CKPTSTORE_AGENT_LINGER_S"
 
 
 def still_committed(job: str, ram_dir: str, step: int, segments: list[tuple[str, dict[str, Any]]]) -> bool:
@@ -604,14 +602,8 @@ def start_agent(job: str, *, ram_dir: str, local: str | None, durable: str | Non
             return stores_fd, False  # the node's agent runs already (another rank's store started it)
         argv = [sys.executable, "-m", "ckptstore.cli", "agent", job, "--ram-dir", ram_dir, "--exit-when-idle",
                 "--lock-fd", str(agent_fd)]
-        linger = os.environ.get(AGENT_LINGER_ENV)
+        linger = agent_linger()
         if linger is not None:
-            try:
-                if not float(linger) >= 0:
-                    raise ValueError(linger)
-            except ValueError:
-                raise InvalidArgumentError(f"{AGENT_LINGER_ENV}={linger!r}: the agent's linger must be a number of "
-                                           "seconds, 0 or more") from None
             argv += ["--linger", linger]
         argv += ["--local", local] if local is not None else []
         argv += ["--durable", durable] if durable is not None else []

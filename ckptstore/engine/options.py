@@ -161,6 +161,8 @@ class StoreOptions:
             raise InvalidArgumentError(f"durable must be a path or an fsspec URL (or None), not {type(durable).__name__}")
         if not isinstance(agent, bool):
             raise InvalidArgumentError(f"agent must be True or False, not {agent!r}")
+        if agent:
+            agent_linger()  # the environment's, refused here before anything is made
         if agent and local is None and durable is None:
             raise InvalidArgumentError("agent=True persists RAM snapshots a dead trainer left to the local and durable "
                                        "tiers: pass local= or durable= too")
@@ -238,3 +240,25 @@ def _positive_int(value: Any) -> bool:
 
 def _positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+# Seconds a store-started agent lingers with no store open before it exits and gives the persisted
+# RAM segments back (``ckptstore agent --linger``; its default when unset).
+AGENT_LINGER_ENV = "CKPTSTORE_AGENT_LINGER_S"
+
+
+def agent_linger() -> str | None:
+    """The environment's linger for a store-started agent, as the agent's ``--linger`` takes it
+    (None: the agent's default); raises InvalidArgumentError naming the variable when it is not
+    a number of seconds, 0 or more."""
+    linger = os.environ.get(AGENT_LINGER_ENV)
+    if linger is None:
+        return None
+    try:
+        ok = float(linger) >= 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InvalidArgumentError(f"{AGENT_LINGER_ENV}={linger!r}: the node agent's linger must be a number of "
+                                   "seconds, 0 or more (or unset: 60)")
+    return linger
