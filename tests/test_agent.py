@@ -531,3 +531,35 @@ def test_an_idle_agent_gives_back_slots_made_ahead_that_no_save_used(tmp_path, s
     assert agent.release_persisted() == (0, 0) and empty.exists()
     assert agent.release_persisted(empty=True) == (1, 8192)
     assert not empty.exists() and other.exists()
+
+
+def test_a_store_starting_beside_an_agent_leaves_the_step_it_may_be_writing(tmp_path, shm, job):
+    """A store's start sweeps what crashed saves left (step directories with no manifest); with a
+    node agent of the job running (a lingering one, or `ckptstore agent` run by hand), an
+    incomplete step newer than every committed one may be the agent's write in progress, and
+    stays (removing it mid-write could leave the agent's manifest naming deleted files); an
+    older one goes. With no agent about, both go, as before."""
+    local = tmp_path / "local"
+    with CheckpointStore(job, ram_dir=str(shm), local=str(local)) as store:
+        store.save(2, state(2)).wait("local")
+
+    def plant(step: int) -> Path:
+        where = local / step_dir(step) / "data"
+        where.mkdir(parents=True)
+        (where / "rank-00000.w0badc0de.bin").write_bytes(b"\1" * 4096)
+        return where.parent
+
+    older, newer = plant(1), plant(5)
+    agent = hold_agent_lock(job, str(shm))  # what the node agent holds while it runs
+    try:
+        with CheckpointStore(job, ram_dir=str(shm), local=str(local)) as store:
+            assert not older.exists() and newer.exists()
+            assert (newer / "data" / "rank-00000.w0badc0de.bin").read_bytes() == b"\1" * 4096
+            assert store.local.steps_sync() == [2]
+    finally:
+        os.close(agent)
+    with CheckpointStore(job, ram_dir=str(shm), local=str(local)) as store:
+        assert not newer.exists()
+        target = state(0)
+        assert store.restore(target) == 2
+        assert_same(target, state(2))

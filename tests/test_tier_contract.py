@@ -22,9 +22,11 @@ import fsspec
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import s3_pending_uploads
 
-from ckptstore import CheckpointError, CheckpointNotFoundError
-from ckptstore.checkpoint.sharded import Directory
+from ckptstore import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ckptstore.checkpoint.materialize import encode_value
+from ckptstore.checkpoint.sharded import BLOCK_SIZE, Collected, Directory, collect, my_writes
 from ckptstore.collective import Group
 from ckptstore.format.manifest import Manifest, parse_manifest
 from ckptstore.names import data_file, part_file, step_dir
@@ -110,6 +112,76 @@ class DirectoryChecks(TierContract):
         assert_loaded_equal(env.load(6, state), state)
 
 
+    @pytest.mark.parametrize("when", ["before our data", "after our data"])
+    def test_a_writer_racing_for_the_same_step_leaves_both_copies_and_one_manifest_wins(self, env: DirectoryEnv,
+                                                                                     when: str) -> None:
+        """A second writer of the step (the node agent persisting what a killed trainer left, while
+        the restarted job promotes the same step) takes the usual file names between this writer's
+        check for them and its own write of them: neither write fails, neither replaces the
+        other's bytes, the first manifest is the step, the second is refused, and the step loads
+        bitwise as its manifest's writer saved it. (CI: the restarted job's promotion failed on the
+        agent's part file appearing, and the job's next save raised.)"""
+        step = 9 if when == "before our data" else 10  # the S3 prefix is the test's, not the case's
+        ours, theirs = {"w": torch.arange(4096.0)}, {"w": -torch.arange(4096.0)}
+        first, second = env.tier, env.another()
+        assert isinstance(first, DirectoryTier) and isinstance(second, DirectoryTier)
+        snaps = [_staged(env, step, state) for state in (ours, theirs)]
+        their_part: list[dict[str, Any]] = []
+        write = first._write
+
+        def racing_write(*args: Any, **kwargs: Any) -> Any:
+            if when == "before our data":
+                their_part.append(second.put_sync(snaps[1][0]))
+            table = write(*args, **kwargs)
+            if when == "after our data":
+                their_part.append(second.put_sync(snaps[1][0]))
+            return table
+
+        first._write = racing_write  # type: ignore[method-assign]
+        try:
+            our_part = first.put_sync(snaps[0][0])
+        finally:
+            del first._write
+        assert their_part and our_part["part_file"] != their_part[0]["part_file"]
+        ours_files = {c["file"] for cs in our_part["chunks"].values() for c in cs}
+        theirs_files = {c["file"] for cs in their_part[0]["chunks"].values() for c in cs}
+        assert not ours_files & theirs_files, (ours_files, theirs_files)
+        first.commit_sync(step, env.manifest_of(step, snaps[0][1], our_part))
+        with pytest.raises(CheckpointExistsError, match="already exists"):
+            second.commit_sync(step, env.manifest_of(step, snaps[1][1], their_part[0], job="the second writer"))
+        assert_loaded_equal(env.load(step, ours), ours)
+        assert_loaded_equal(env.load(step, theirs, tier=second), ours)
+
+
+    def test_a_sweep_beside_agents_leaves_the_steps_an_agent_may_be_writing(self, env: DirectoryEnv) -> None:
+        """With node agents about (they persist what killed trainers left, while the restarted
+        store starts and sweeps), an incomplete step newer than every committed one may be an
+        agent's write in progress: it stays, files and all; an older one is a crash's debris and
+        goes. Without agents both go, as before."""
+        tier = env.tier
+        assert isinstance(tier, DirectoryTier)
+        old, new = env.save(1, {"w": torch.ones(64)}, commit=False), env.save(3, {"w": torch.zeros(64)}, commit=False)
+        env.save(2, {"w": torch.arange(64.0)})
+        old_files, new_files = env.written_files(1, old.part), env.written_files(3, new.part)
+        assert asyncio.run(tier.sweep(agents=True)) == [1]
+        assert not any(env.exists(1, f) for f in old_files)
+        assert new_files and all(env.exists(3, f) for f in new_files), "an agent's step in progress stays"
+        assert tier.steps_sync() == [2]
+        assert asyncio.run(tier.sweep()) == [3]
+        assert not any(env.exists(3, f) for f in new_files)
+        assert_loaded_equal(env.load(2, {"w": torch.arange(64.0)}), {"w": torch.arange(64.0)})
+
+
+def _staged(env: TierEnv, step: int, state: dict[str, torch.Tensor]) -> tuple[Snapshot, Collected]:
+    """``state`` staged in the env's RAM source as one rank of a one-rank job, as TierEnv.save
+    stages it, not yet handed to any tier."""
+    local = collect(state, 0, encode_value)
+    mine = my_writes(local, 1, 0)
+    staged = env.source.stage(step, [(m.key, local.items[(m.key, m.offsets, m.sizes)]) for m in mine])
+    env.source.checksums(staged, BLOCK_SIZE)
+    return env.source.snapshot(staged, world=1, boxes={}, frozen_end=0), local
+
+
 class TestLocalTier(DirectoryChecks):
     @pytest.fixture
     def env(self, tmp_path) -> Iterator[DirectoryEnv]:
@@ -140,6 +212,21 @@ class TestS3Tier(DirectoryChecks):
     def env(self, s3) -> Iterator[DirectoryEnv]:
         with DirectoryEnv(f"s3://{s3['bucket']}/{s3['prefix']}/tier", s3["storage_options"]) as env:
             yield env
+
+
+    def test_a_sweep_beside_agents_aborts_only_uploads_of_older_steps(self, env: DirectoryEnv, s3) -> None:
+        """An agent's multipart upload of a step newer than every committed one is in flight, not
+        abandoned: a sweep beside agents leaves it; one of an older step is aborted."""
+        env.save(2, {"w": torch.arange(64.0)})
+        client, bucket = s3["client"], s3["bucket"]
+        keys = [f"{s3['prefix']}/tier/{step_dir(s)}/data/rank-00000.wfeedface.bin" for s in (1, 5)]
+        for key in keys:
+            client.create_multipart_upload(Bucket=bucket, Key=key)
+        assert sorted(s3_pending_uploads(s3, f"{s3['prefix']}/")) == keys
+        asyncio.run(env.tier.sweep(agents=True))
+        assert s3_pending_uploads(s3, f"{s3['prefix']}/") == keys[1:]
+        asyncio.run(env.tier.sweep())
+        assert s3_pending_uploads(s3, f"{s3['prefix']}/") == []
 
 
 class TestMemoryTier(DirectoryChecks):

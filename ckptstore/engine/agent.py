@@ -366,7 +366,8 @@ class NodeAgent:
         if missing:
             return missing
         if not held():
-            # The parts stay uncommitted: the next store start sweeps them (the tier lists no step).
+            # The parts stay uncommitted (the tier lists no step): a store start sweeps them once
+            # the tier holds a newer step (a start beside agents leaves newer ones to them).
             log.info("ckptstore agent: step %d left the RAM tier while it was being persisted (a restarted store "
                      "dropped it); not committing it in %s", step, tier.display(step))
             return []
@@ -580,6 +581,21 @@ def hold_agent_lock(job: str, ram_dir: str) -> int:
         raise CheckpointError(f"an agent of job {job!r} already runs on this node (it holds {path}); one agent per "
                               "node persists every rank's snapshots: stop it first, or leave it to that one")
     return fd
+
+
+def agent_running(job: str, ram_dir: str) -> bool:
+    """Whether a node agent of ``job`` runs on this node now (it holds the agent lock)."""
+    path = os.path.join(ram_dir, agent_lock(job))
+    if not os.path.exists(path):
+        return False
+    fd = _open_lock(path)
+    try:
+        if _try_lock(fd, fcntl.LOCK_EX):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def start_agent(job: str, *, ram_dir: str, local: str | None, durable: str | None,

@@ -37,7 +37,7 @@ from ..tiers.peer import PeerTier
 from ..tiers.ram import RamTier
 from ..tiers.segments import SegmentRecord, inventory, remove_segments
 from ..train_state import TrainState
-from .agent import start_agent
+from .agent import agent_running, start_agent
 from .exchange import transfers_ended
 from .options import StoreOptions
 from .pipeline import Pipeline, SaveHandle
@@ -295,9 +295,15 @@ class CheckpointStore:
             self._held_pending = False
             self._resume_from(self._restorer.newest_held()[0])
 
+    def _agents(self) -> bool:
+        """Whether node agents of this job may be writing to its tiers: the job runs them, or one
+        (``ckptstore agent``, started by hand) runs on this node."""
+        return self.options.agent or agent_running(self.options.job, self.options.ram_dir)
+
     def _sweep(self, local_owner: bool) -> None:
         if self.local is not None and local_owner:
-            self.local.sweep_sync()
+            # A node agent left running by the crashed process (it lingers) may be writing a step here.
+            run_sync(self.local.sweep(agents=self._agents()))
 
     def _start_durable(self, since: int | None) -> concurrent.futures.Future[Listing | None]:
         """List the durable tier's committed steps (from step ``since`` on), then sweep what crashed
@@ -320,6 +326,7 @@ class CheckpointStore:
 
             fsspec.asyn.get_loop()
         listed: concurrent.futures.Future[Listing | None] = concurrent.futures.Future()
+        agents = self._agents()
 
         async def run() -> None:
             try:
@@ -328,7 +335,7 @@ class CheckpointStore:
                 except (CheckpointError, OSError) as exc:
                     log.warning("ckptstore: cannot list the durable tier: %s", exc)
                     listed.set_result(None)
-                await durable.sweep()
+                await durable.sweep(agents=agents)
             except Exception as exc:  # noqa: BLE001 - housekeeping: an unreachable store must not stop a start
                 log.warning("ckptstore: cannot sweep the durable tier %s (what a crashed save left stays until the "
                             "next start): %s", durable.root, exc)

@@ -216,7 +216,14 @@ class DirectoryTier(Tier):
         if rest_keys:
             # Exclusive, so that of two writers racing for the same name neither replaces the other's
             # bytes (a manifest over someone else's data would be a torn checkpoint).
-            table = await asyncio.to_thread(self._write, d, data, snap, rest_keys, snap.frozen_end, True)
+            try:
+                table = await asyncio.to_thread(self._write, d, data, snap, rest_keys, snap.frozen_end, True)
+            except CheckpointExistsError:
+                if data != data_file(snap.rank):
+                    raise
+                # The other writer took the usual name after the check above: ours goes beside it.
+                data, part_rel = writer_variant(data, self._token), writer_variant(part_rel, self._token)
+                table = await asyncio.to_thread(self._write, d, data, snap, rest_keys, snap.frozen_end, True)
             mine.append(data)
             written += _extent(table)
             chunks.update(table)
@@ -235,7 +242,18 @@ class DirectoryTier(Tier):
         # Off the loop, the collector paused: a part of 10,000 chunks is some megabytes of JSON,
         # and encoding it on the loop held the other lanes and set off a full collection.
         body = await asyncio.to_thread(gc_paused(_json_bytes), part)
-        await small.write(d.target(part_rel), body, exclusive=True)
+        try:
+            await small.write(d.target(part_rel), body, exclusive=True)
+        except CheckpointExistsError:
+            if part_rel != part_file(snap.rank):
+                raise
+            # Another writer of the step (the node agent persisting what a killed trainer left,
+            # while the restarted job promotes the same step) put its part under the usual name
+            # while ours was being written: both stay, and the manifest that wins the step's
+            # conditional create names its own writer's part. Failing here made the restarted
+            # job's next save raise over a step that was being made durable all along.
+            part_rel = writer_variant(part_rel, self._token)
+            await small.write(d.target(part_rel), body, exclusive=True)
         mine.append(part_rel)
         # Not in the file (they are about its bytes): what the committer's index names it by.
         part.update(part_file=part_rel, part_size=len(body), part_checksum=checksum(body))
@@ -411,29 +429,44 @@ class DirectoryTier(Tier):
         crashpoint("tier.removing", d.display)
         await small.remove_tree(d.base)
 
-    async def sweep(self) -> list[int]:
+    async def sweep(self, *, agents: bool = False) -> list[int]:
         """Remove what a crashed save left behind: step directories without a manifest (returns
         their steps), temporary files in the newest committed steps, and, on S3, unfinished
-        multipart uploads under the root."""
-        swept, committed = [], []
-        for step, ok in await self._listing():
+        multipart uploads under the root.
+
+        ``agents``: node agents of the job may be writing here right now (they persist what the
+        killed trainers left, while the restarted job's store starts), and they only ever write a
+        step newer than every one the tier holds: those steps' files and uploads are left alone.
+        Removing them mid-write could leave an agent's manifest naming deleted files. A later
+        start sweeps what is left of them once a newer step is committed."""
+        swept, committed, spared = [], [], []
+        listing = await self._listing()
+        newest = max((step for step, ok in listing if ok), default=-1)
+        for step, ok in listing:
             if ok:
                 committed.append(step)
                 continue
             d = self._dir(step)
+            if agents and step > newest:
+                spared.append(step)
+                continue
             log.warning("ckptstore: removing %s, an incomplete step (no %s)", d.display, MANIFEST)
             await small.remove_tree(d.base)
             swept.append(step)
+        if spared:
+            log.info("ckptstore: leaving %s steps %s, newer than every committed one and with no %s yet: a node "
+                     "agent may be writing them", self.name, spared, MANIFEST)
         # A crash between linking a manifest into place and removing its temporary name leaves
         # that name in a committed step; only the steps being written at the time can hold one.
         for step in sorted(committed)[-2:]:
             await asyncio.to_thread(_remove_temporaries, self._dir(step))
-        await asyncio.to_thread(self._abort_uploads)
+        await asyncio.to_thread(self._abort_uploads, newest if agents else None)
         return swept
 
-    def _abort_uploads(self) -> None:
+    def _abort_uploads(self, spare_after: int | None = None) -> None:
         """Abort multipart uploads under this root that a killed writer never completed: S3 keeps
-        (and bills) their parts forever otherwise."""
+        (and bills) their parts forever otherwise. ``spare_after``: not those of steps newer than
+        that one (:meth:`sweep`'s ``agents``)."""
         base = self._base.base
         if base.fs is None:
             return
@@ -445,6 +478,9 @@ class DirectoryTier(Tier):
         prefix = key.rstrip("/") + "/" if key else ""
         try:
             for upload in s3.pending_uploads(base.fs, bucket, prefix):
+                step = parse_step_dir(upload["Key"][len(prefix):].split("/", 1)[0])
+                if spare_after is not None and step is not None and step > spare_after:
+                    continue
                 log.warning("ckptstore: aborting s3://%s/%s, an upload a crashed save left unfinished", bucket,
                             upload["Key"])
                 base.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
