@@ -162,3 +162,45 @@ def test_the_data_hazard_is_why_skipping_is_opt_in(job):
     got = tier.read(tier.committed()[0])
     assert torch.equal(got["small"], torch.full((1000,), 5.0)) and torch.equal(got["big"], torch.full((100_000,), 5.0))
     tier.close(unlink=True)
+
+
+def _mapped_kib(address: int) -> int:
+    """The resident size (KiB) of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as fh:
+        lines = fh.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
+            return int(rss.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+@pytest.mark.parametrize("how", ["madvise", "a read of each page (a kernel without MADV_POPULATE_WRITE)"])
+def test_a_segment_is_mapped_whole_when_it_is_opened_and_keeps_its_bytes(job, monkeypatch, how):
+    """Every page of a segment is in the mapping as soon as it is opened, so the first save into
+    it takes no page faults; the mapping no longer comes from mmap(MAP_POPULATE), which held the
+    GIL through the call (seconds for a replaced node's first slots, with the training thread
+    stopped), and a segment a restarted process maps again keeps what the dead one committed."""
+    import ctypes
+
+    from ckptstore.tiers import ram
+
+    if how != "madvise":
+        monkeypatch.setattr(ram, "_madvise", None)
+    elif ram._madvise is None:
+        pytest.skip("no madvise here")
+    path = os.path.join(SHM, f"ckptstore-{job}-r00000-s0.bin")
+    size = 16 << 20
+    first, _ = ram._map_segment(path, size)
+    pattern = torch.arange(size // 8, dtype=torch.int64)
+    torch.frombuffer(first, dtype=torch.int64).copy_(pattern)
+    first.close()
+    again, _ = ram._map_segment(path, size)  # a restarted process's mapping of the same segment
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(again))
+        assert _mapped_kib(address) == size // 1024
+        assert torch.equal(torch.frombuffer(again, dtype=torch.int64), pattern)
+    finally:
+        again.close()
+        os.unlink(path)
