@@ -166,6 +166,34 @@ def test_background_work_runs_below_the_trainer(tmp_path, shm, job):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads thread priorities from Linux's /proc")
+def test_the_thread_that_maps_slots_ahead_runs_below_the_trainer(tmp_path, shm, job):
+    """Zeroing and mapping a made-ahead slot (hundreds of MiB) is background work too: the store
+    hands its background_nice to the RAM tier, whose slot thread runs that far below the thread
+    that started it, and maps the slot whole."""
+    from concurrent.futures import Future
+
+    from ckptstore.tiers import ram
+
+    with CheckpointStore(job, local=tmp_path / "local", ram_dir=str(shm), background_nice=10) as store:
+        assert store.ram.background_nice == 10
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    future: Future = Future()
+    seen: list[int] = []
+    future.add_done_callback(lambda _f: seen.append(_nice(threading.get_native_id())))  # on the slot thread
+    path = str(shm / f"ckptstore-{job}-r00000-s0.bin")
+    thread = threading.Thread(target=ram._prepare_slots, args=([(0, path, 1 << 20, future)], 10))
+    thread.start()
+    thread.join(30)
+    slot = future.result(0)
+    try:
+        assert seen == [min(19, base + 10)]
+        assert slot is not None and slot.size == 1 << 20 and os.path.getsize(path) == 1 << 20
+    finally:
+        if slot is not None:
+            slot.release()
+
+
 def test_bad_background_nice_is_refused_before_anything_is_made(tmp_path, shm, job):
     for bad in (-1, 20, True, 2.5, "low"):
         with pytest.raises(InvalidArgumentError, match="background_nice must be an int from 0"):

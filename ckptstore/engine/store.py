@@ -102,7 +102,7 @@ class CheckpointStore:
     restarting on the node restores from until then.
     ``background_nice``: how many steps below the trainer's scheduling priority the store's
     background work runs (Linux; 0 to 19): the threads that hash, write, upload and replicate
-    snapshots, and the node agent. On cores that the training step also needs, the step goes
+    snapshots, the one that maps RAM slots ahead of the saves, and the node agent. On cores that the training step also needs, the step goes
     first and the snapshot's persistence takes longer; 0 (the default) runs them at the trainer's
     priority, which a training step that keeps every core busy needs (persistence lowered there
     falls behind, and a failure then loses more work).
@@ -201,6 +201,7 @@ class CheckpointStore:
         # thread while the first one's persistence held the cores, 2.7-3.2 s in the crash loop).
         self.ram.prepare_ahead = True
         self.ram.make_ahead = True
+        self.ram.background_nice = opts.background_nice
         self.ram.prepare()
         self._groups: StoreGroups = store_groups(process_group, opts.timeout_s, opts.peer.timeout_s)
         trainer = self._groups.trainer

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .._aio import run_sync
+from .._aio import lower_priority, run_sync
 from .._buffers import copy_grouped
 from .._gc import paused
 from ..errors import (
@@ -482,6 +482,7 @@ class RamTier(Tier):
         # makes a slot that does not exist yet, or only maps existing ones (a store sets both).
         self.prepare_ahead = False
         self.make_ahead = False
+        self.background_nice = 0  # how far below the trainer the preparing thread runs (a store's option)
         self._uses: dict[int, int] = {}  # slot -> saves staged into it by this process
         # Staging never goes into the slot holding this rank's newest committed snapshot (unless
         # there is only one slot), so a crash while staging, or a save that never commits, never
@@ -554,7 +555,8 @@ class RamTier(Tier):
             self._preparing[index] = future
             todo.append((index, path, size if size is not None else have, future))  # type: ignore[arg-type]
         if todo:
-            threading.Thread(target=_prepare_slots, args=(todo,), name="ckptstore-ram-prepare", daemon=True).start()
+            threading.Thread(target=_prepare_slots, args=(todo, self.background_nice), name="ckptstore-ram-prepare",
+                             daemon=True).start()
 
     def _claim_prepared(self, index: int) -> Slot | None:
         """The slot prepare() mapped for ``index``: waited for when its mapping is under way,
@@ -1795,8 +1797,10 @@ def _reserved_size(path: str) -> int | None:
     return st.st_size if st.st_blocks * 512 >= st.st_size else None
 
 
-def _prepare_slots(todo: list[tuple[int, str, int, Future[Slot | None]]]) -> None:
-    """prepare()'s thread: map each slot in turn, unless its save withdrew it first."""
+def _prepare_slots(todo: list[tuple[int, str, int, Future[Slot | None]]], nice: int = 0) -> None:
+    """prepare()'s thread: map each slot in turn, unless its save withdrew it first. Zeroing and
+    mapping hundreds of MiB is background work like the rest: at ``nice`` below the trainer."""
+    lower_priority(nice)
     for _index, path, size, future in todo:
         if not future.set_running_or_notify_cancel():
             continue
