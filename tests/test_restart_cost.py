@@ -141,8 +141,9 @@ def _agents(under: Path) -> list[int]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads thread priorities from Linux's /proc")
 def test_background_work_runs_below_the_trainer(tmp_path, shm, job):
-    """With background_nice=10 the store's worker threads and its node agent run 10 steps below the
-    trainer's priority, and the trainer's own thread is left alone; the default (0) keeps them level."""
+    """With background_nice=10 the store's worker threads run 10 steps below the trainer's
+    priority, its node agent 10 more (capped at 19), and the trainer's own thread is left alone;
+    the default (0) keeps the workers level."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     want = min(19, base + 10)
     try:
@@ -156,13 +157,20 @@ def test_background_work_runs_below_the_trainer(tmp_path, shm, job):
             while not _agents(shm) and time.monotonic() < deadline:
                 time.sleep(0.05)
             (agent,) = _agents(shm)
-            assert _nice(agent, agent) == want
-        with CheckpointStore(f"{job}-level", local=tmp_path / "level", ram_dir=str(shm)) as store:
+            assert _nice(agent, agent) == min(19, base + 20)
+        level = shm / "level"
+        level.mkdir()
+        with CheckpointStore(f"{job}-level", local=tmp_path / "level", ram_dir=str(level), agent=True) as store:
             assert store._loop is not None
             worker = store._loop.submit(asyncio.to_thread(threading.get_native_id)).result(30)
             assert _nice(worker) == base
+            deadline = time.monotonic() + 30
+            while not _agents(level) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (agent,) = _agents(level)
+            assert _nice(agent, agent) == min(19, base + 10)  # the agent runs below the trainer anyway
     finally:
-        for pid in _agents(shm):  # started by this test: it ends them
+        for pid in _agents(shm) + _agents(shm / "level"):  # started by this test: it ends them
             os.kill(pid, signal.SIGKILL)
 
 

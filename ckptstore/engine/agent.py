@@ -583,6 +583,15 @@ def hold_agent_lock(job: str, ram_dir: str) -> int:
     return fd
 
 
+# How far below the store's background work (``background_nice``) a store-started agent runs. It
+# finishes what dead trainers left: where the job restarted on the node, the restarted trainers'
+# steps come first (what the agent persists sits in RAM meanwhile, and the restart restored from
+# it); where the job went elsewhere, nothing else wants the cores and the priority changes
+# nothing. At the trainers' priority its copy, checksums and writes of each killed rank's
+# snapshot slowed the first steps after every restart of the crash loop.
+AGENT_NICE = 10
+
+
 def agent_running(job: str, ram_dir: str) -> bool:
     """Whether a node agent of ``job`` runs on this node now (it holds the agent lock)."""
     path = os.path.join(ram_dir, agent_lock(job))

@@ -37,9 +37,9 @@ from ..tiers.peer import PeerTier
 from ..tiers.ram import RamTier
 from ..tiers.segments import SegmentRecord, inventory, remove_segments
 from ..train_state import TrainState
-from .agent import agent_running, start_agent
+from .agent import AGENT_NICE, agent_running, start_agent
 from .exchange import transfers_ended
-from .options import StoreOptions
+from .options import MAX_NICE, StoreOptions
 from .pipeline import Pipeline, SaveHandle
 from .replicas import ReplicaCheck
 from .restore import Listing, Restorer
@@ -102,7 +102,8 @@ class CheckpointStore:
     restarting on the node restores from until then.
     ``background_nice``: how many steps below the trainer's scheduling priority the store's
     background work runs (Linux; 0 to 19): the threads that hash, write, upload and replicate
-    snapshots, the one that maps RAM slots ahead of the saves, and the node agent. On cores that the training step also needs, the step goes
+    snapshots and the one that maps RAM slots ahead of the saves; the node agent runs 10 steps
+    lower still (it finishes what dead trainers left, after the restarted ones' steps). On cores that the training step also needs, the step goes
     first and the snapshot's persistence takes longer; 0 (the default) runs them at the trainer's
     priority, which a training step that keeps every core busy needs (persistence lowered there
     falls behind, and a failure then loses more work).
@@ -227,7 +228,7 @@ class CheckpointStore:
             self._agent_lock, _ = start_agent(opts.job, ram_dir=opts.ram_dir, local=opts.local,
                                               durable=opts.durable.url,
                                               storage_options=opts.durable.storage_options,
-                                              nice=opts.background_nice)
+                                              nice=min(MAX_NICE, opts.background_nice + AGENT_NICE))
         self._tracker = GoodputTracker(interval=opts.goodput.interval, mtbf_s=opts.goodput.mtbf_s,
                                        events=opts.goodput.events, rank=self.rank, world=self.world, job=opts.job,
                                        local=opts.local, loop=self._loop)
