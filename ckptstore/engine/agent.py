@@ -182,7 +182,19 @@ class NodeAgent:
         leaves durable uploads to it: uploading the same step from both doubled a whole
         checkpoint's upload at every restart that followed a crash during a promotion (and the
         two writers raced for its files)."""
-        return not self._stores_closed and _held(os.path.join(self.ram_dir, stores_lock(self.job)))
+        if self._stores_closed:
+            return False
+        path = os.path.join(self.ram_dir, stores_lock(self.job))
+        if not os.path.exists(path):
+            return False
+        fd = _open_lock(path)
+        try:
+            if _try_lock(fd, fcntl.LOCK_EX):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return False
+            return True
+        finally:
+            os.close(fd)
 
     def durable(self, codec: str | None) -> DirectoryTier | None:
         if self.durable_url is None:
@@ -624,11 +636,7 @@ AGENT_NICE = 10
 
 def agent_running(job: str, ram_dir: str) -> bool:
     """Whether a node agent of ``job`` runs on this node now (it holds the agent lock)."""
-    return _held(os.path.join(ram_dir, agent_lock(job)))
-
-
-def _held(path: str) -> bool:
-    """Whether some open file description holds the lock file ``path`` (shared or exclusive)."""
+    path = os.path.join(ram_dir, agent_lock(job))
     if not os.path.exists(path):
         return False
     fd = _open_lock(path)
