@@ -251,36 +251,6 @@ def test_a_step_outside_the_durable_cadence_goes_to_local_only(tmp_path, shm, jo
     assert set(n["ram"].glob(f"ckptstore-{job}-*")) == kept
 
 
-def test_a_due_upload_waits_while_a_store_of_the_job_is_open_on_the_node(tmp_path, shm, job, zygote):
-    """Killed after step 2's RAM commit, step 2 due in the durable tier. While a store of the job
-    is open on the node again (it holds the stores lock, as a restarted trainer's does, and its
-    restore promotes the step it restored when it was owed), the agent writes the local copy but
-    leaves the upload to it, and lists nothing in the durable tier; once no store is open, the
-    agent uploads the step itself. Both uploading doubled a checkpoint's upload after such a
-    crash, and the two writers raced for its files (CI, session 12)."""
-    n = _one_node(tmp_path, shm)
-    run_trainers(zygote, tmp_path, {**n["cfg"], "job": job, "durable_every": 1, "last": 2, "point": "ram.committed"})
-    assert committed_steps(str(n["local"])) == {1} and durable_steps(n["durable"]) == [1]
-    agent = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"]))
-    store = os.open(n["ram"] / stores_lock(job), os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(store, fcntl.LOCK_SH)  # what an open CheckpointStore(agent=True) holds
-        assert agent.store_open()
-        for _ in range(2):  # the step stays pending, pass after pass, and is never counted as failed
-            out = agent.run_once()
-            assert (out.durable, out.failed) == ([], []), out
-        assert committed_steps(str(n["local"])) == {1, 2}
-        assert durable_steps(n["durable"]) == [1] and not (Path(n["durable"]) / step_dir(2)).exists()
-    finally:
-        os.close(store)
-    assert not agent.store_open()
-    out = agent.run_once()
-    assert (out.local, out.durable, out.failed) == ([], [2], [])
-    assert durable_steps(n["durable"]) == [1, 2]
-    assert_loads(n["durable"], 2)
-    assert agent.run_once().durable == []
-
-
 @pytest.mark.slow
 def test_a_snapshot_being_written_is_never_persisted(tmp_path, shm, job, zygote):
     """Killed while step 2 was staged but not committed in RAM: its slot has no manifest, and the

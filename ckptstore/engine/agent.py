@@ -171,30 +171,6 @@ class NodeAgent:
         # (segment path, step) of every snapshot found persisted wherever it was meant to go: what
         # release_persisted may give back to the node.
         self._persisted: set[tuple[str, int]] = set()
-        # Set while watch() itself holds the stores lock (its last pass before exiting): no store
-        # of the job is open then, though the lock reads as taken.
-        self._stores_closed = False
-
-    def store_open(self) -> bool:
-        """Whether a store of the job (``agent=True``) is open on this node: it holds the stores
-        lock shared. A store that restores the newest step promotes it to the durable tier when it
-        was owed there (the cadence rule the agent applies too), so while one is open the agent
-        leaves durable uploads to it: uploading the same step from both doubled a whole
-        checkpoint's upload at every restart that followed a crash during a promotion (and the
-        two writers raced for its files)."""
-        if self._stores_closed:
-            return False
-        path = os.path.join(self.ram_dir, stores_lock(self.job))
-        if not os.path.exists(path):
-            return False
-        fd = _open_lock(path)
-        try:
-            if _try_lock(fd, fcntl.LOCK_EX):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                return False
-            return True
-        finally:
-            os.close(fd)
 
     def durable(self, codec: str | None) -> DirectoryTier | None:
         if self.durable_url is None:
@@ -218,7 +194,6 @@ class NodeAgent:
             by_step.setdefault(doc["step"], []).append((path, doc))
         local_steps: list[int] | None = None
         durable_steps: dict[str | None, list[int]] = {}
-        store_open: bool | None = None  # asked once per pass, and only when a snapshot needs the agent
         for step in sorted(by_step):
             segments = _one_per_rank(by_step[step])
             settled = tuple(sorted((path, doc.get("committed_unix")) for path, doc in segments))
@@ -234,13 +209,10 @@ class NodeAgent:
                 info = info if isinstance(info, dict) else {}
                 durable = self.durable(info.get("durable_compression") if info.get("durable_compression") in (None, "zstd")
                                        else None)
-                if store_open is None:
-                    store_open = self.store_open()
-                if durable is not None and not store_open and durable.codec not in durable_steps:
+                if durable is not None and durable.codec not in durable_steps:
                     durable_steps[durable.codec] = await durable.steps()
                 if await self._step(step, segments, manifest, info, local_steps or [],
-                                    durable_steps.get(durable.codec, []) if durable else [], durable, out,
-                                    defer_durable=store_open):
+                                    durable_steps.get(durable.codec, []) if durable else [], durable, out):
                     self._settled.add(settled)
                     self._persisted.update((path, step) for path, _doc in segments)
                 self._failing.pop(settled, None)
@@ -264,10 +236,8 @@ class NodeAgent:
 
     async def _step(self, step: int, segments: list[tuple[str, dict[str, Any]]], manifest: Manifest,
                     info: dict[str, Any], local_steps: list[int], durable_steps: list[int],
-                    durable: DirectoryTier | None, out: Outcome, *, defer_durable: bool = False) -> bool:
-        """Persist one step where it is still missing; True once nothing more is to be done for it.
-        ``defer_durable``: a store of the job is open on the node (:meth:`store_open`); a durable
-        upload that is due waits for a pass with none open (``durable_steps`` is not listed then)."""
+                    durable: DirectoryTier | None, out: Outcome) -> bool:
+        """Persist one step where it is still missing; True once nothing more is to be done for it."""
         meta = manifest.meta
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         sdc = meta.get("sdc") if isinstance(meta.get("sdc"), dict) else None
@@ -282,14 +252,8 @@ class NodeAgent:
         need_local = want_local and step not in local_steps and step > max(local_steps, default=-1)
         need_durable = (due and durable is not None and step not in durable_steps
                         and step > max(durable_steps, default=-1))
-        deferred = need_durable and defer_durable
-        if deferred and (step, "deferred") not in self._warned:
-            self._warned.add((step, "deferred"))
-            log.info("ckptstore agent: step %d is due in the durable tier; a store of the job is open on this node "
-                     "and promotes it when it restored it, so the agent waits", step)
-        need_durable = need_durable and not deferred
         if not need_local and not need_durable:
-            return not deferred
+            return True
         sid = snapshot_id(segments[0][1], lambda: manifest)
         ranks = [doc["rank"] for _path, doc in segments]
         copies: list[Snapshot] = []
@@ -323,8 +287,6 @@ class NodeAgent:
             log.warning("ckptstore agent: step %d (ranks %s) committed in the local tier %s", step, where,
                         self.local.display(step))
             out.local.append(step)
-        if deferred:
-            return False  # the durable upload, if the store does not make it, at a later pass
         if need_durable:
             assert durable is not None
             missing = await self._commit_durable(durable, step, manifest, ranks, snaps, sid, cadence, sdc, held)
@@ -468,11 +430,7 @@ class NodeAgent:
                     elif free:
                         # No store is open; a new one blocks on its shared lock until this returns,
                         # and then finds the agent lock free and starts another agent.
-                        self._stores_closed = True
-                        try:
-                            last = self.run_once()
-                        finally:
-                            self._stores_closed = False
+                        last = self.run_once()
                         if set(last.failed) <= set(last.given_up):
                             if not keep_ram:
                                 self.release_persisted(empty=True)  # the stores lock is held: no store is open
