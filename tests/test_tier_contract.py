@@ -130,10 +130,10 @@ class DirectoryChecks(TierContract):
         write = first._write
 
         def racing_write(*args: Any, **kwargs: Any) -> Any:
-            if when == "before our data":
+            if when == "before our data" and not their_part:  # once: our retry comes back here
                 their_part.append(second.put_sync(snaps[1][0]))
             table = write(*args, **kwargs)
-            if when == "after our data":
+            if when == "after our data" and not their_part:
                 their_part.append(second.put_sync(snaps[1][0]))
             return table
 
@@ -170,6 +170,23 @@ class DirectoryChecks(TierContract):
         assert asyncio.run(tier.sweep()) == [3]
         assert not any(env.exists(3, f) for f in new_files)
         assert_loaded_equal(env.load(2, {"w": torch.arange(64.0)}), {"w": torch.arange(64.0)})
+
+
+    def test_a_writer_that_puts_a_step_again_goes_beside_its_own_first_attempt(self, env: DirectoryEnv) -> None:
+        """A writer retrying a step (the node agent, after a failure past its data file: nothing of
+        it is discarded, another node's manifest may name its parts) writes the step again beside
+        what its first attempt left, never refused by its own files, and the step commits and
+        loads bitwise from the second attempt."""
+        state = {"w": torch.arange(2048.0)}
+        first_try, _ = _staged(env, 11, state)
+        tier = env.tier
+        assert isinstance(tier, DirectoryTier)
+        first = tier.put_sync(first_try)
+        snap, local = _staged(env, 11, state)
+        second = tier.put_sync(snap)
+        assert second["part_file"] != first["part_file"]
+        tier.commit_sync(11, env.manifest_of(11, local, second))
+        assert_loaded_equal(env.load(11, state), state)
 
 
 def _staged(env: TierEnv, step: int, state: dict[str, torch.Tensor]) -> tuple[Snapshot, Collected]:

@@ -593,13 +593,15 @@ AGENT_NICE = 10
 
 
 def agent_running(job: str, ram_dir: str) -> bool:
-    """Whether a node agent of ``job`` runs on this node now (it holds the agent lock)."""
+    """Whether a node agent of ``job`` runs on this node now (it holds the agent lock exclusively).
+    The probe takes the lock shared, for an instant: an exclusive probe could make an agent that
+    is starting at that instant find its lock taken and refuse to run."""
     path = os.path.join(ram_dir, agent_lock(job))
     if not os.path.exists(path):
         return False
     fd = _open_lock(path)
     try:
-        if _try_lock(fd, fcntl.LOCK_EX):
+        if _try_lock(fd, fcntl.LOCK_SH):
             fcntl.flock(fd, fcntl.LOCK_UN)
             return False
         return True

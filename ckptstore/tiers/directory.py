@@ -122,7 +122,6 @@ class DirectoryTier(Tier):
         # frozen file name -> (a step that holds it, its chunk table): what a later step may link.
         self._frozen: dict[str, tuple[int, dict[str, list[dict[str, Any]]]]] = {}
         self._mine: dict[int, list[str]] = {}
-        self._token = secrets.token_hex(4)  # names this writer's files where the usual name is taken
 
     @property
     def _base(self) -> Directory:
@@ -176,6 +175,10 @@ class DirectoryTier(Tier):
             ) from None
 
     async def _put(self, d: Directory, snap: Snapshot, t0: float) -> dict[str, Any]:
+        # Names this attempt's files where the usual name is taken: new at every put, so that a
+        # writer retrying a step (the node agent, after a failure past its data file) never
+        # collides with the files of its own earlier attempt.
+        token = secrets.token_hex(4)
         try:
             await small.makedirs(d.base, "data", "parts")
         except OSError as exc:
@@ -206,13 +209,13 @@ class DirectoryTier(Tier):
             # Left by a save of this step that crashed (the durable tier is never swept), or being
             # written right now by another writer of the same step, whose manifest may come to name
             # it: never replace it, write ours beside it.
-            data, part_rel = writer_variant(data, self._token), writer_variant(part_rel, self._token)
+            data, part_rel = writer_variant(data, token), writer_variant(part_rel, token)
         elif d.base.path is None:
             # On an object store the data object is always this writer's own: a server may complete
             # several conditional multipart uploads of one new key (SeaweedFS does; Ceph RGW ignores
             # the condition), so only a single conditional PUT (the part file, then the manifest)
             # can decide a race, and the winner's manifest must name none of a loser's bytes.
-            data = writer_variant(data, self._token)
+            data = writer_variant(data, token)
         if rest_keys:
             # Exclusive, so that of two writers racing for the same name neither replaces the other's
             # bytes (a manifest over someone else's data would be a torn checkpoint).
@@ -222,7 +225,7 @@ class DirectoryTier(Tier):
                 if data != data_file(snap.rank):
                     raise
                 # The other writer took the usual name after the check above: ours goes beside it.
-                data, part_rel = writer_variant(data, self._token), writer_variant(part_rel, self._token)
+                data, part_rel = writer_variant(data, token), writer_variant(part_rel, token)
                 table = await asyncio.to_thread(self._write, d, data, snap, rest_keys, snap.frozen_end, True)
             mine.append(data)
             written += _extent(table)
@@ -252,7 +255,7 @@ class DirectoryTier(Tier):
             # while ours was being written: both stay, and the manifest that wins the step's
             # conditional create names its own writer's part. Failing here made the restarted
             # job's next save raise over a step that was being made durable all along.
-            part_rel = writer_variant(part_rel, self._token)
+            part_rel = writer_variant(part_rel, token)
             await small.write(d.target(part_rel), body, exclusive=True)
         mine.append(part_rel)
         # Not in the file (they are about its bytes): what the committer's index names it by.

@@ -1980,7 +1980,13 @@ def _map_segment(path: str, size: int) -> tuple[mmap.mmap, tuple[int, int]]:
                 remove_file(path)  # a half-reserved new segment would hold on to the memory it got
             raise
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        _prefault(mapping, size)
+        try:
+            _prefault(mapping, size)
+        except BaseException:
+            mapping.close()
+            if created:
+                remove_file(path)
+            raise
         return mapping, (st.st_dev, st.st_ino)
     finally:
         os.close(fd)
