@@ -103,8 +103,9 @@ class CheckpointStore:
     ``background_nice``: how many steps below the trainer's scheduling priority the store's
     background work runs (Linux; 0 to 19): the threads that hash, write, upload and replicate
     snapshots and the one that maps RAM slots ahead of the saves; the node agent runs 10 steps
-    lower still (it finishes what dead trainers left, after the restarted ones' steps). On cores that the training step also needs, the step goes
-    first and the snapshot's persistence takes longer; 0 (the default) runs them at the trainer's
+    lower still (it finishes what dead trainers left, after the restarted ones' steps). On cores
+    that the training step also needs, the step goes first and the snapshot's persistence takes
+    longer; 0 (the default) runs them at the trainer's
     priority, which a training step that keeps every core busy needs (persistence lowered there
     falls behind, and a failure then loses more work).
 

@@ -1927,8 +1927,7 @@ _madvise = _libc_madvise() if sys.platform.startswith("linux") else None
 
 
 def _prefault(mapping: mmap.mmap, size: int) -> None:
-    """Map every page of a new mapping now, in one pass of the kernel: the first save into it
-    otherwise takes a page fault per 4 KiB (256 MiB: 0.4-0.5 s of blocking, against 0.08 s here),
+    """Map every page of a new mapping now: the first save into it otherwise takes a page fault per 4 KiB (256 MiB: 0.4-0.5 s of blocking, against 0.08 s here),
     which a restarted process pays again on segments that already hold their pages.
 
     Not with MAP_POPULATE: Python's mmap() holds the GIL through the call (0.5 s per GiB on an idle
