@@ -134,7 +134,9 @@ def _agents(under: Path) -> list[int]:
                 argv = fh.read().split(b"\0")
         except OSError:
             continue
-        if b"agent" in argv and mine in argv:
+        # The agent itself, not the shell or `nice` that start it (their argv names the agent too,
+        # at the trainer's priority until they exec it).
+        if b"agent" in argv and mine in argv and os.path.basename(argv[0]).startswith(b"python"):
             found.append(int(pid))
     return found
 
