@@ -12,14 +12,15 @@ the tensor for a ring all-reduce, the tensor once a step for the flags' recursiv
 the same script measures any commit of ckptstore:
 
     python benchmarks/bench_control_plane.py [--worlds 2 4 8] [--tensors 10000] [--saves 3] [--replicas 1]
-        [--inventory] [--out FILE]
+        [--sdc] [--inventory] [--out FILE]
 
 Reported per world size: bytes received per save by rank 0 (the durable tier's coordinator) and
 the largest of the other ranks, split by group (trainer: the vote; fast: staging, RAM and local
 commits; durable: the promotion), the vote's time and the time inside the fast and durable
 lanes' collectives (the slowest rank's median), the thread CPU spent inside the collectives and
 the process CPU of a save and its wait, per rank. ``--replicas`` adds the peer lane (each rank a
-node); ``--inventory`` prints every collective a steady save issues, by group and call site (an
+node); ``--sdc`` turns the replica check on, with every tensor replicated on every rank (data
+parallel: each rank writes its share and hashes all); ``--inventory`` prints every collective a steady save issues, by group and call site (an
 agreement by its own words), with its calls and bytes per save.
 """
 
@@ -64,7 +65,7 @@ def _site() -> str:
 
 
 def _rank(rank: int, world: int, init: str, root: str, tensors: int, saves: int, out: str,
-          replicas: int = 0) -> None:
+          replicas: int = 0, sdc: bool = False) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -76,6 +77,8 @@ def _rank(rank: int, world: int, init: str, root: str, tensors: int, saves: int,
         job = f"bench-cp-{os.path.basename(root)}"
         # node=rank: each rank a node of its own, so replicas (when asked for) go to other ranks.
         extra: dict[str, Any] = {"peer_replicas": replicas, "node": rank} if replicas else {}
+        if sdc:
+            extra["sdc"] = "warn"
         store = ckptstore.CheckpointStore(job, local=os.path.join(root, f"local-{rank}"),
                                           durable=os.path.join(root, "durable"), durable_every=1, keep_local=1,
                                           keep_durable=1, timeout_s=1800, **extra)
@@ -129,6 +132,7 @@ def _rank(rank: int, world: int, init: str, root: str, tensors: int, saves: int,
             return 8 * elements * steps
 
         wrap("max_int64", flags)
+        wrap("swap_int64", lambda self, args, out: 8 * sum(args[1].values()))  # the replica check's neighbours
         vote_s: list[float] = []
         real_vote = pipeline.Pipeline._vote
 
@@ -160,6 +164,9 @@ def _rank(rank: int, world: int, init: str, root: str, tensors: int, saves: int,
             labelled(name)
         g = torch.Generator().manual_seed(rank)
         state = {f"stage{rank}.t{i}": torch.randn(16, generator=g) for i in range(tensors)}
+        if sdc:  # data parallel: every tensor replicated on every rank, compared at every save
+            same = torch.Generator().manual_seed(0)
+            state = {f"replicated.t{i}": torch.randn(16, generator=same) for i in range(tensors)}
         store.save(1, state).wait("durable")
         per_save = []
         for step in range(2, 2 + saves):
@@ -182,14 +189,14 @@ def _rank(rank: int, world: int, init: str, root: str, tensors: int, saves: int,
         raise
 
 
-def run(world: int, tensors: int, saves: int, replicas: int = 0) -> dict[str, Any]:
+def run(world: int, tensors: int, saves: int, replicas: int = 0, sdc: bool = False) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="ckptstore-bench-cp-")
     out = os.path.join(root, "out")
     os.makedirs(out)
     init = f"file://{root}/init-{uuid.uuid4().hex}"
     try:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank, args=(r, world, init, root, tensors, saves, out, replicas)) for r in range(world)]
+        procs = [ctx.Process(target=_rank, args=(r, world, init, root, tensors, saves, out, replicas, sdc)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -213,7 +220,7 @@ def run(world: int, tensors: int, saves: int, replicas: int = 0) -> dict[str, An
     def slowest_s(role: str) -> float:
         return max(statistics.median(s["counted"].get(role, [0, 0])[1] for s in rk["saves"]) for rk in ranks)
 
-    result: dict[str, Any] = {"world": world, "tensors_per_rank": tensors, "replicas": replicas}
+    result: dict[str, Any] = {"world": world, "tensors_per_rank": tensors, "replicas": replicas, "sdc": sdc}
     for role in (None, "trainer", "fast", "durable", "peer"):
         name = role or "all"
         result[f"coordinator_{name}_bytes"] = median_bytes(0, role)
@@ -240,13 +247,15 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=10_000)
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=0, help="peer replicas per rank (each rank a node)")
+    parser.add_argument("--sdc", action="store_true",
+                        help="the replica check on (sdc='warn'), every tensor replicated on every rank")
     parser.add_argument("--inventory", action="store_true", help="print each call site's calls and bytes per save")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     rows = []
     load = os.getloadavg()[0]
     for world in args.worlds:
-        row = run(world, args.tensors, args.saves, args.replicas)
+        row = run(world, args.tensors, args.saves, args.replicas, args.sdc)
         rows.append(row)
         mib = 1 << 20
         print(f"world {world}: received per save, rank 0 {row['coordinator_all_bytes'] / mib:.3f} MiB "

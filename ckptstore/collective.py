@@ -22,7 +22,7 @@ import os
 import pickle
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,9 @@ messages instead of gloo's ring all-reduce (benchmarks/bench_allreduce.py measur
 
 _FLAG_TAG = 0x5F1A6
 """The tag of recursive doubling's messages: apart from any other point-to-point traffic on a group."""
+
+_SWAP_TAG = 0x5F1A7
+"""The tag of :meth:`Group.swap_int64`'s messages (the replica check's neighbours)."""
 
 
 class Group:
@@ -212,6 +215,32 @@ class Group:
             _traffic.add(self.role, received * t.element_size())
         return [int(v) for v in t.tolist()]
 
+    def swap_int64(self, send: dict[int, list[int]], recv: dict[int, int]) -> dict[int, list[int]]:
+        """Point to point: ``send[r]`` (int64s) to each rank ``r`` named, and ``recv[r]`` int64s from
+        each rank ``r`` named, every message posted before any is waited for (two ranks that name
+        each other cannot wait on each other). The callers know the lengths, so nothing else travels:
+        a rank's cost is its own messages, whatever the number of ranks."""
+        if self.world == 1 or (not send and not recv):
+            return {}
+        import torch
+
+        pg: Any = self.pg if self.pg is not None else self._dist.group.WORLD
+        into = {r: torch.empty(n, dtype=torch.int64) for r, n in sorted(recv.items())}
+        out = {r: torch.tensor(v, dtype=torch.int64) for r, v in sorted(send.items())}
+        works = [pg.recv([t], r, _SWAP_TAG) for r, t in into.items()] + [pg.send([t], r, _SWAP_TAG)
+                                                                         for r, t in out.items()]
+        for work in works:
+            work.wait()
+        if _traffic is not None:
+            _traffic.add(self.role, 8 * sum(recv.values()))
+        return {r: [int(v) for v in t.tolist()] for r, t in into.items()}
+
+    def group_ranks(self, global_ranks: Iterable[int]) -> tuple[int, ...]:
+        """This group's ranks of the default group's ``global_ranks``."""
+        if self.pg is None:
+            return tuple(global_ranks)
+        return tuple(self._dist.get_group_rank(self.pg, g) for g in global_ranks)
+
     def _gloo(self) -> bool:
         """Whether CPU tensors travel point to point on this group (gloo, alone or beside NCCL)."""
         try:
@@ -336,15 +365,18 @@ async def concur_async(group: Group, what: str, work: Callable[[], Awaitable[Any
 
 
 async def concur_max_async(group: Group, what: str, work: Callable[[], Awaitable[Any]],
-                           values: list[int]) -> tuple[Any, list[int]]:
+                           values: list[int] | Callable[[], list[int]]) -> tuple[Any, list[int]]:
     """:func:`concur_async` that also returns the element-wise maximum over the ranks of
-    ``values`` (int64), carried in the same all-reduce as the success flag."""
+    ``values`` (int64), carried in the same all-reduce as the success flag; a callable gives them
+    once ``work`` is over (failed or not: the same number on every rank)."""
     local: BaseException | None = None
     status: dict[str, Any]
     try:
         status = {"ok": True, "value": await work()}
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         local, status = exc, _failed(group.rank, exc)
+    if callable(values):
+        values = values()
     if group.world == 1:
         return settle(what, [status], group.rank, local)[0], list(values)
     reduced = await asyncio.to_thread(group.max_int64, [0 if status["ok"] else 1, *values])

@@ -323,6 +323,35 @@ def test_stragglers_are_flagged_per_stage_by_host():
     assert stages == ["stage_s", "hash_s", "local_s"] and len(rows) == 6
 
 
+def test_a_ring_of_neighbours_finds_any_replica_that_differs_and_swaps_one_message_per_pair():
+    """Round one of the replica check, its messages delivered by hand: every rank of a group sends
+    its digest to the next and compares the previous one's with its own."""
+    from ckptstore.goodput import sdc
+
+    groups = {"plain": (0, 1, 2, 3), "pair": (1, 3)}
+
+    def run(digest_of) -> set[int]:
+        plans = {r: sdc.ring({g: digest_of(r, g) for g in groups.values() if r in g}, r) for r in range(4)}
+        flagged = set()
+        for r, (_send, expect) in plans.items():
+            for peer, want in expect.items():
+                if plans[peer][0][r] != want:  # what the previous rank sent this one
+                    flagged.add(r)
+        return flagged
+
+    assert run(lambda r, g: 7) == set()
+    assert run(lambda r, g: 7 + (r == 2 and g == groups["plain"])) == {2, 3}  # its receiver and itself
+    assert run(lambda r, g: 7 + (r == 3 and g == groups["pair"])) == {1, 3}
+    send, expect = sdc.ring({groups["plain"]: 1, groups["pair"]: 2}, 3)
+    assert send == {0: [send[0][0], 1], 1: [send[1][0], 2]} and sorted(expect) == [1, 2]
+    # Rank 2 follows rank 1 in both of their groups: one message carries both digests.
+    send, expect = sdc.ring({(0, 1, 2, 3): 1, (1, 2): 2}, 1)
+    assert sorted(send) == [2] and len(send[2]) == 4 and sorted(expect) == [0, 2]
+    held = [["a", [0], [2], "all", "x"], ["b", [0], [2], "replicas", "y"]]
+    by = sdc.group_digests(held, {"a": (0, 1), "b": (5,)})
+    assert list(by) == [(0, 1)]  # a box no other rank holds compares with nobody
+
+
 # ---------------------------------------------------------------------------- multi-rank: agreement and SDC
 
 

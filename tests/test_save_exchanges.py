@@ -61,3 +61,53 @@ def test_close_agrees_on_the_last_promotion_with_one_all_reduced_flag_at_any_siz
     seen = _seen(received, "close", "trainer", "bytes")
     assert len(seen) == 1 and seen.pop() > 0, received
     assert _seen(received, "close", "trainer", "calls") == {1}, received
+
+
+# ---------------------------------------------------------------------- with the replica check on
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    root = tmp_path_factory.mktemp("save-exchanges-sdc")
+    out = root / "out"
+    out.mkdir()
+    for world in (2, 4):
+        name = f"test-save-exchanges-sdc-{world}-{root.name}"
+        try:
+            dist_workers.spawn(world, "save_exchange_workers:replica_check_job", root, name=name, root=str(root),
+                               out=str(out))
+        finally:
+            wipe_ram(name)
+    got = {world: [json.loads((out / f"sdc-w{world}-r{r}.json").read_text()) for r in range(world)] for world in (2, 4)}
+    return root, got
+
+
+def _sdc(root, world: int, step: int) -> dict:
+    return json.loads((root / f"sdc-local-{world}" / f"step-{step:012d}" / "manifest.json").read_text())["meta"]["sdc"]
+
+
+def test_the_replica_check_costs_a_rank_the_same_bytes_at_two_and_four_ranks(checked):
+    """Round one swaps a digest per replica group with the group's neighbours and rides the staging
+    all-reduce: it used to gather every rank's part on every rank, twice per save."""
+    _root, got = checked
+    seen = {(g["fast"]["bytes"], g["fast"]["calls"]) for world in (2, 4) for g in got[world]}
+    # Staging (its all-reduce carries the check's flag), the swap, the RAM commit, the local write
+    # and the single-node local commit.
+    assert {c for _, c in seen} == {5}, got
+    # Per rank: the flags, plus one message per neighbour of each replica group (the plain tensors'
+    # ring over all ranks, the DTensor's pairs): no more at four ranks than at two.
+    assert len({b for b, _ in seen}) == 1 and 0 < min(b for b, _ in seen) < 1024, got
+
+
+def test_the_replica_check_names_the_changed_replicas_and_their_rank_at_two_and_four_ranks(checked):
+    root, _got = checked
+    for world in (2, 4):
+        for step in (1, 2, 3, 4):
+            assert _sdc(root, world, step) == {"policy": "warn", "mismatches": []}, (world, step)
+        found = {m["key"]: m for m in _sdc(root, world, 5)["mismatches"]}
+        assert sorted(found) == ["h", "w3"], (world, found)
+        last = world - 1
+        # Two replicas of a box that differ are a tie: both are suspects.
+        assert found["w3"]["suspects"] == ([last] if world > 2 else [0, 1]), found
+        assert found["h"]["suspects"] == ([last - 2, last] if world > 2 else [0, 1]), found
+        assert found["h"]["offsets"] == [0 if world == 2 else 4, 0], found

@@ -533,7 +533,8 @@ def plan_from_part(header: dict[str, Any], part: dict[str, Any], meta: dict[str,
         manifest = Manifest(kind="sharded", tensors=tensors, tree=header["tree"], planned="flat", meta={
             "world_size": world,
             **({"layouts": {k: layouts[k] for k in sorted(layouts) if k in tensors}} if layouts else {}),
-            "step": meta.get("step"), "job": meta.get("job"), "cadence": meta.get("cadence", {})})
+            "step": meta.get("step"), "job": meta.get("job"), "cadence": meta.get("cadence", {}),
+            **({"sdc": meta["sdc"]} if isinstance(meta.get("sdc"), dict) else {})})
         missing: list[str] = []
         boxes = load_boxes(state, manifest, display, rank, world, missing)
         if missing:

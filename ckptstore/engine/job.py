@@ -6,7 +6,6 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.manifest import Manifest
 from ..tiers.base import Snapshot
 from ..tiers.ram import Layout, Staged
 
@@ -36,19 +35,20 @@ class StepJob:
     slot_free: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     local_part: dict[str, Any] | None = None  # this rank's part in the local tier, once committed there
     durable_data: Any = None  # the local files mapped read-only, what the promotion reads instead of the slot
-    parts: list[dict[str, Any]] = field(default_factory=list)  # every rank's RAM part, after the gather
-    manifest: Manifest | None = None  # the step's RAM manifest, which also describes its peer replicas
     # The tree, tensor table and layouts of this rank's structure: ``shared`` on its representative
     # (the lowest rank of the structure, whose header the manifest takes), empty elsewhere;
     # ``header`` on every rank, for its own node copies (RAM document, replicas).
     shared: dict[str, Any] = field(default_factory=dict)
     header: dict[str, Any] = field(default_factory=dict)
     # What this rank's node copies of the step hold instead of the whole manifest (tiers/ram.py
-    # ``node_extra``: its part, the step's meta, its header); None when the save gathered the parts.
+    # ``node_extra``: its part, the step's meta, its header); None for a restored step's promotion.
     own: dict[str, Any] | None = None
     check: set[str] = field(default_factory=set)  # keys staged only to compare replicas (sdc), never written
     live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)
-    replicated: dict[str, tuple] = field(default_factory=dict)  # key -> (offsets, sizes, kind) of replicated boxes
+    # key -> (offsets, sizes, kind, group) of the replicated boxes this rank holds (group: the store's
+    # ranks holding the same box)
+    replicated: dict[str, tuple] = field(default_factory=dict)
     sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)
+    suspect: int = 0  # 1 when a replica group's neighbour held other bytes (round one of the check)
     save_id: str = ""  # agreed by the ranks at the RAM commit: names this save of the step on every node
     replication: Any = None  # the step's replication to peers (an asyncio task), once started

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -388,7 +389,7 @@ class Pipeline:
         items = [(name, local.items[(m.key, m.offsets, m.sizes)]) for name, m in zip(names, frozen + rest)]
         breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
         tail = len(items) - len(own) if own and not self.check.on else None
-        items += self.check.items(local, mine, job)
+        items += self.check.items(local, mine, job, structure.same)
         job.header = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
         job.shared = job.header if structure.representative else {}
         job.boxes = {name: m.offsets for name, m in zip(names, frozen + rest)}
@@ -671,34 +672,46 @@ class Pipeline:
                 job.snap = self.ram.snapshot(job.staged, self.world, job.boxes, job.frozen_end)
             self._stage_timings(job, time.perf_counter() - t_hash)
             part = await self.ram.put(job.snap)
-            part["sdc"] = self.check.digest(job)
             part.update(step=job.step, digest=job.digest)
             return part
 
+        async def staged() -> dict[str, Any]:
+            try:
+                part = await stage_part()
+            except Exception:
+                if self.check.on:  # the neighbours wait for this rank's message: it still goes
+                    with contextlib.suppress(Exception):
+                        await asyncio.to_thread(self.check.neighbours, fast, job, False)
+                raise
+            if self.check.on:
+                job.suspect = await asyncio.to_thread(self.check.neighbours, fast, job, True)
+            return part
+
+        # Each rank proposes a save id and the largest wins: every rank's RAM document of this
+        # save names it alike, so a node agent and a restore tell this save from any other of
+        # the step without comparing chunk tables. The step and its negation ride the same
+        # all-reduce: ranks that staged different steps learn it there; so does the replica
+        # check's flag (a neighbour held other bytes).
+        nonce = secrets.randbits(63)
+        flat = job.step if 0 <= job.step < _STEP_LIMIT else 0  # the vote compared the others already
+        part, agreed = await concur_max_async(fast, f"staging step {job.step}", staged,
+                                              lambda: [flat, -flat, nonce, *([job.suspect] if self.check.on else [])])
+        if agreed[0] != -agreed[1]:
+            raise CheckpointError(
+                f"ranks staged different steps for step {job.step}: every rank must save the same step"
+            )
+        job.save_id = f"{agreed[2]:016x}"
+        meta = {"step": job.step, "job": self.options.job, "cadence": job.cadence, "world_size": self.world,
+                "save_id": job.save_id}
         if self.check.on:
-            await self._gathered_commit(job, stage_part)
-        else:
-            # Each rank proposes a save id and the largest wins: every rank's RAM document of this
-            # save names it alike, so a node agent and a restore tell this save from any other of
-            # the step without comparing chunk tables. The step and its negation ride the same
-            # all-reduce: ranks that staged different steps learn it there.
-            nonce = secrets.randbits(63)
-            flat = job.step if 0 <= job.step < _STEP_LIMIT else 0  # the vote compared the others already
-            part, agreed = await concur_max_async(fast, f"staging step {job.step}", stage_part,
-                                                  [flat, -flat, nonce])
-            if agreed[0] != -agreed[1]:
-                raise CheckpointError(
-                    f"ranks staged different steps for step {job.step}: every rank must save the same step"
-                )
-            job.save_id = f"{agreed[2]:016x}"
-            meta = {"step": job.step, "job": self.options.job, "cadence": job.cadence, "world_size": self.world,
-                    "save_id": job.save_id}
-            job.own = node_extra(part, meta, job.header)
-            job.parts, job.manifest = [], None
-            crashpoint("ram.before_commit", str(job.step))
-            own = job.own
-            await concur_async(fast, f"committing step {job.step} in RAM",
-                               lambda: self.ram.commit(job.step, save_id=job.save_id, own=own))
+            job.sdc = (await self.check.compare(job, lambda what, fn: agree_async(fast, what, _threaded(fn)))
+                       if agreed[3] else [])
+            meta["sdc"] = {"policy": self.check.mode, "mismatches": job.sdc}
+        job.own = node_extra(part, meta, job.header)
+        crashpoint("ram.before_commit", str(job.step))
+        own = job.own
+        await concur_async(fast, f"committing step {job.step} in RAM",
+                           lambda: self.ram.commit(job.step, save_id=job.save_id, own=own))
         crashpoint("ram.committed", str(job.step))
         self._last = job
         _resolve(job.futures["ram"], job.step)
@@ -719,34 +732,6 @@ class Pipeline:
         if job.sdc and self.check.mode == "raise":
             self._promoted.add(job.step)  # close() must not promote it to durable either
         self.check.verdict(job, self.tracker.event)
-
-    async def _gathered_commit(self, job: StepJob, stage_part: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-        """The RAM commit with every rank's part gathered to every rank, and the step's whole
-        manifest in every rank's document: what the replica check needs (comparing every rank's
-        checksums is its point), so only a save with it on pays for it."""
-        fast = self.groups.fast
-
-        async def with_id() -> dict[str, Any]:
-            part = await stage_part()
-            part["save_id"] = secrets.randbits(63)
-            if job.shared:  # one rank of each structure carries its tree and tensor table
-                part["shared"] = job.shared
-            return part
-
-        parts = await agree_async(fast, f"staging step {job.step}", with_id)
-        if len({p["step"] for p in parts}) > 1:
-            raise CheckpointError(
-                f"ranks staged different steps for step {job.step}: every rank must save the same step"
-            )
-        job.save_id = f"{max(p.pop('save_id') for p in parts):016x}"
-        shared = merge_structures([(r, p.pop("shared")) for r, p in enumerate(parts) if "shared" in p],
-                                  f"step {job.step}")
-        job.sdc = await self.check.compare(job, parts, lambda what, fn: agree_async(fast, what, _threaded(fn)))
-        manifest = self._manifest(job, parts, shared)
-        job.parts, job.manifest = parts, manifest
-        crashpoint("ram.before_commit", str(job.step))
-        await concur_async(fast, f"committing step {job.step} in RAM",
-                           lambda: self.ram.commit(job.step, manifest, save_id=job.save_id))
 
     async def _replicate(self, job: StepJob) -> None:
         """Send this rank's staged bytes to its holders and take in the replicas it holds, over the
@@ -801,9 +786,7 @@ class Pipeline:
         Each node's copy of a step in a node tier holds its own rank's part, the step's meta and
         the rank's header, and the commits agree through flags: the local tier through
         :meth:`_to_local` (node parts; a single-node job's owner assembles the whole manifest from
-        them), a peer replica with its source's part sent beside its bytes. With the replica check
-        on, the RAM commit gathered every part, and the local and peer tiers take that whole
-        manifest as before. The durable tier has one copy, whose format 2.0 manifest its
+        them), a peer replica with its source's part sent beside its bytes. The durable tier has one copy, whose format 2.0 manifest its
         coordinator (rank 0) writes from every rank's part summary (file, size, checksum; the
         representatives' headers); the other ranks learn of success through one all-reduce of a
         flag (every rank's failure still reaches every rank)."""
@@ -827,12 +810,6 @@ class Pipeline:
                             await self.durable.commit_document(job.step, body)
 
                     await concur_async(group, committing, commit)
-                    return part
-                if tier is self.peer and job.manifest is not None:
-                    self.peer.outgoing = None  # the step's whole manifest describes the replicas
-                    part = await concur_async(group, writing, lambda: self._put(tier, source, job))
-                    ram_manifest = job.manifest
-                    await concur_async(group, committing, lambda: tier.commit(job.step, ram_manifest))
                     return part
                 if tier is self.local and job.own is not None:
                     return await self._to_local(job, group, source)
@@ -1102,11 +1079,12 @@ def local_manifest(parts: list[NodePart], where: str, *, job: str, step: int, ca
     of every rank on this node's disk: each part's summary names its part file, and the chunks of
     the tensors a rank wrote whole are listed in their entries, so a rank loading a replicated
     tensor reads no part but its own."""
-    by_rank, world, _meta, shared = shared_of_parts(parts, where)
+    by_rank, world, meta, shared = shared_of_parts(parts, where)
     try:
         shapes = {k: v[1] for k, v in shared["tensors"].items()}
         summaries = [part_summary(p.part, shapes) for p in by_rank.values()]
-        return parted_step_manifest(shared, summaries, world, job=job, step=step, cadence=cadence)
+        sdc = meta.get("sdc") if isinstance(meta.get("sdc"), dict) else None  # the replica check's verdict
+        return parted_step_manifest(shared, summaries, world, job=job, step=step, cadence=cadence, sdc=sdc)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise CorruptCheckpointError(f"{where}: the parts of the step do not make a manifest: {exc}",
                                      location=where) from None

@@ -1,7 +1,8 @@
 """The replica check (``sdc="warn"`` or ``"raise"``): tensors that data-parallel replicas must hold
 identically are compared by checksum at every save, which flags silent data corruption on a host.
 
-Round one compares a digest of each rank's replicated checksums, carried in its RAM part; only a
+Round one swaps a digest of each replica group's checksums with the group's neighbours and carries
+one flag in the staging all-reduce: a few bytes per rank whatever the number of ranks. Only a
 disagreement costs round two, where the ranks exchange the checksums themselves and the
 mismatching ranks and hosts are named (goodput/sdc.py does the arithmetic).
 """
@@ -9,9 +10,11 @@ mismatching ranks and hosts are named (goodput/sdc.py does the arithmetic).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
+from ..collective import Group
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.manifest import Manifest
@@ -23,24 +26,31 @@ log = logging.getLogger("ckptstore")
 
 
 class ReplicaCheck:
-    def __init__(self, mode: str, rank: int, world: int) -> None:
+    def __init__(self, mode: str, rank: int, world: int,
+                 group_ranks: Callable[[Iterable[int]], tuple[int, ...]] = tuple) -> None:
         self.mode, self.rank, self.world = mode, rank, world
         self.on = mode != "off" and world > 1
+        self._group_ranks = group_ranks  # global ranks (a DTensor mesh's) -> the store's group ranks
+        self._groups: dict[tuple[int, ...], tuple[int, ...]] = {}
 
-    def items(self, local: Any, mine: list[Any], job: StepJob) -> list[tuple[str, Any]]:
+    def items(self, local: Any, mine: list[Any], job: StepJob, same: Sequence[int] | None = None) -> list[tuple[str, Any]]:
         """Every replica's bytes get a checksum: the replicated boxes this rank holds but another
         rank writes are hashed in place while save blocks when they sit contiguous in host memory
         (reading costs less than copying), and staged after everything written (never written)
-        otherwise. Returns the entries to stage for the check."""
+        otherwise. Each box's replica group is noted: ``same`` (the ranks of this rank's structure,
+        all by default) for plain tensors, the ranks along a DTensor's replicated mesh dimensions
+        for its boxes. Returns the entries to stage for the check."""
         if not self.on:
             return []
+        everyone = tuple(range(self.world)) if same is None else tuple(same)
         writes = {(m.key, m.offsets, m.sizes) for m in mine}
         extra = []
         for box, tensor in local.items.items():
             holders = local.holders[box]
             if holders[0] == "own" or (holders[0] == "replicas" and holders[1] < 2) or tensor.numel() == 0:
                 continue
-            job.replicated[box[0]] = (box[1], box[2], holders[0])
+            group = everyone if holders[0] == "all" else self._ranks(holders[3])
+            job.replicated[box[0]] = (box[1], box[2], holders[0], group)
             if box in writes:
                 continue
             if tensor.device.type == "cpu" and tensor.is_contiguous():
@@ -49,6 +59,11 @@ class ReplicaCheck:
                 extra.append((box[0], tensor))
         job.check = {k for k, _ in extra}
         return extra
+
+    def _ranks(self, global_ranks: tuple[int, ...]) -> tuple[int, ...]:
+        if global_ranks not in self._groups:
+            self._groups[global_ranks] = self._group_ranks(global_ranks)
+        return self._groups[global_ranks]
 
     def hash_live(self, job: StepJob) -> None:
         """Hash the host-memory replicas this rank does not write, at the snapshot's moment (save has
@@ -61,22 +76,28 @@ class ReplicaCheck:
             job.live = {}
             job.error = job.error or exc
 
-    def digest(self, job: StepJob) -> dict[str, str] | None:
-        if not self.on or job.staged is None:
-            return None
-        return sdc.digest(sdc.boxes(job.replicated, {**(job.staged.sums or {}), **job.live}))
-
-    async def compare(self, job: StepJob, parts: list[dict[str, Any]],
-                      agree: Callable[[str, Callable[[], Any]], Awaitable[list[Any]]]) -> list[dict[str, Any]] | None:
-        """Round one compares the digests in the parts; only a disagreement costs round two."""
-        digests = [p.pop("sdc", None) for p in parts]
-        if not self.on or any(d is None for d in digests):
-            return None
-        if not sdc.suspicious(digests):
-            return []
+    def _held(self, job: StepJob) -> list[list[Any]]:
         sums = {**((job.staged.sums or {}) if job.staged is not None else {}), **job.live}
-        held = await agree(f"comparing the replicas of step {job.step}", lambda: sdc.boxes(job.replicated, sums))
-        return sdc.mismatches(held, [str(p.get("host", "?")) for p in parts])
+        return sdc.boxes(job.replicated, sums)
+
+    def neighbours(self, group: Group, job: StepJob, staged: bool) -> int:
+        """Round one: swap each replica group's digest with the group's neighbours; 1 when a
+        neighbour's differs (the flag the staging all-reduce carries), else 0. A rank whose staging
+        failed (``staged`` false) still sends, a digest of nothing, so that no neighbour waits for
+        it: the failure itself reaches every rank in the same all-reduce."""
+        groups = {v[3] for v in job.replicated.values() if len(v[3]) > 1}
+        digests = sdc.group_digests(self._held(job), {k: v[3] for k, v in job.replicated.items()}) if staged else {}
+        send, expect = sdc.ring({g: digests.get(g, 0) for g in groups}, group.rank)
+        got = group.swap_int64(send, {r: len(v) for r, v in expect.items()})
+        return int(any(got[r] != v for r, v in expect.items()))
+
+    async def compare(self, job: StepJob,
+                      agree: Callable[[str, Callable[[], Any]], Awaitable[list[Any]]]) -> list[dict[str, Any]]:
+        """Round two, after some neighbours differed: every rank's checksums and host, and the
+        mismatching boxes named (the same list on every rank)."""
+        held = await agree(f"comparing the replicas of step {job.step}",
+                           lambda: [socket.gethostname(), self._held(job)])
+        return sdc.mismatches([h[1] for h in held], [str(h[0]) for h in held])
 
     def verdict(self, job: StepJob, event: Callable[..., None]) -> None:
         """Report the mismatches found at ``job``'s step; under ``sdc="raise"`` the save fails (the

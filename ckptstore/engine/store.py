@@ -233,7 +233,7 @@ class CheckpointStore:
         self._tracker = GoodputTracker(interval=opts.goodput.interval, mtbf_s=opts.goodput.mtbf_s,
                                        events=opts.goodput.events, rank=self.rank, world=self.world, job=opts.job,
                                        local=opts.local, loop=self._loop)
-        check = ReplicaCheck(opts.goodput.sdc, self.rank, self.world)
+        check = ReplicaCheck(opts.goodput.sdc, self.rank, self.world, self._groups.fast.group_ranks)
         self._pipeline = Pipeline(opts, self._groups, ram=self.ram, local=self.local, peer=self.peer,
                                   durable=self.durable, local_owner=local_owner, check=check, tracker=self._tracker,
                                   loop=self._loop, local_single=len(set(sharing)) == 1)

@@ -1,11 +1,13 @@
 """Silent data corruption: compare the checksums of tensors that data-parallel replicas must hold
-identically. Pure functions over plain data; engine/store.py runs the two gathers.
+identically. Pure functions over plain data; engine/replicas.py runs the exchanges.
 
-Round one costs three short digests per rank in the per-step gather the store already does: one over
-the checksums of the plain (replicated-everywhere) tensors, which every rank holds, and one over the
-replicated DTensor boxes, compared among ranks that hold the same set of boxes (their box-set
-signature). Only when some digests differ does round two gather every rank's per-box checksums and
-name the boxes, the ranks and their hosts.
+Round one costs each rank one short message per replica group it belongs to: the ranks holding a
+replicated box form a group (every rank of a structure for its plain tensors, a DTensor's ranks along
+its replicated mesh dimensions), each rank sends a digest of its checksums of the group's boxes to the
+next rank of the group and compares it with the previous rank's, and one flag in an all-reduce the
+save makes anyway says whether any neighbours differed. Around a ring every neighbour agreeing means
+every replica agrees, so the cost does not grow with the number of ranks. Only a disagreement costs
+round two, which gathers every rank's per-box checksums and names the boxes, ranks and hosts.
 """
 
 from __future__ import annotations
@@ -16,29 +18,37 @@ import json
 from typing import Any
 
 
-def _sha(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, separators=(",", ":")).encode()).hexdigest()[:32]
-
-
 def boxes(replicated: dict[str, tuple], sums: dict[str, Any]) -> list[list[Any]]:
     """``[key, offsets, sizes, kind, checksum]`` of every replicated box this rank holds, sorted."""
     return sorted([k, list(v[0]), list(v[1]), v[2], sums[k]["checksum"]] for k, v in replicated.items() if k in sums)
 
 
-def digest(held: list[list[Any]]) -> dict[str, str]:
-    plain = [b for b in held if b[3] == "all"]
-    rep = [b for b in held if b[3] != "all"]
-    return {"all": _sha(plain), "set": _sha([b[:3] for b in rep]), "rep": _sha(rep)}
+def _int64(value: Any) -> int:
+    return int.from_bytes(hashlib.sha256(json.dumps(value, separators=(",", ":")).encode()).digest()[:8], "little",
+                          signed=True)
 
 
-def suspicious(digests: list[dict[str, str]]) -> bool:
-    """Whether round one saw replicas that disagree."""
-    if len({d["all"] for d in digests}) > 1:
-        return True
-    by_set: dict[str, set[str]] = collections.defaultdict(set)
-    for d in digests:
-        by_set[d["set"]].add(d["rep"])
-    return any(len(v) > 1 for v in by_set.values())
+def group_digests(held: list[list[Any]], groups: dict[str, tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    """A digest (int64) of this rank's boxes of each replica group of two ranks or more, from
+    :func:`boxes` and each key's group (the ranks that hold its box)."""
+    by_group: dict[tuple[int, ...], list[list[Any]]] = collections.defaultdict(list)
+    for box in held:
+        by_group[groups[box[0]]].append(box)
+    return {g: _int64(b) for g, b in by_group.items() if len(g) > 1}
+
+
+def ring(digests: dict[tuple[int, ...], int], rank: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Round one's messages: what ``rank`` sends the next rank of each of its groups, and what it
+    expects from the previous one (its own digest; a neighbour holding other bytes sends another).
+    Each message lists ``[group id, digest]`` pairs in group-id order, the order in which the
+    neighbour lists the same groups, so a pair of ranks sharing several groups swaps one message."""
+    send: dict[int, list[int]] = collections.defaultdict(list)
+    expect: dict[int, list[int]] = collections.defaultdict(list)
+    for gid, group in sorted((_int64(list(g)), g) for g in digests):
+        at, n = group.index(rank), len(group)
+        send[group[(at + 1) % n]] += [gid, digests[group]]
+        expect[group[(at - 1) % n]] += [gid, digests[group]]
+    return dict(send), dict(expect)
 
 
 def mismatches(held_by_rank: list[list[list[Any]]], hosts: list[str]) -> list[dict[str, Any]]:

@@ -242,6 +242,8 @@ def manifest_of_parts(parts: list[NodePart], where: str, *, partial: bool = Fals
         raise CorruptCheckpointError(f"{where}: the parts of the step do not make a manifest: {exc}",
                                      location=where) from None
     manifest.meta.update({"step": meta.get("step"), "job": meta.get("job"), "cadence": meta.get("cadence", {})})
+    if isinstance(meta.get("sdc"), dict):  # the replica check's verdict: sdc="raise" never restores a suspect step
+        manifest.meta["sdc"] = meta["sdc"]
     return manifest
 
 
