@@ -80,6 +80,14 @@ TIERS: dict[str, list[str]] = {
     "ckptstore-full": ["ram:survives=crash", "local:survives=crash", "peer:survives=crash+node", "durable:every=4"],
     "ckptstore-full-dir": ["ram:survives=crash", "local:survives=crash", "peer:survives=crash+node", "durable:every=4"],
 }
+
+
+def tiers_of(name: str, local_every: int) -> list[str]:
+    """The tiers of a configuration, its local tier every ``local_every``-th save (``--local-every``)."""
+    return [t + f",every={local_every}" if t.startswith("local:") and local_every > 1 and name.startswith("ckptstore-full")
+            else t for t in TIERS[name]]
+
+
 WORLD = 2
 # A rank's exit status when the job cannot go on by itself: its restore found no sound copy of a step
 # the tiers list, or a save was refused (a step the job rolled back past and saves again).
@@ -371,7 +379,8 @@ class Store:
         self.store = CheckpointStore(
             cfg["job"], local=node["local"], durable=cfg["durable"], durable_every=4 if full else 1,
             storage_options=cfg["storage_options"], ram_dir=node["ram"], node=rank, keep_local=2,
-            peer_replicas=1 if full else 0, agent=full, timeout_s=300, durable_timeout_s=240, **nice)
+            peer_replicas=1 if full else 0, agent=full, timeout_s=300, durable_timeout_s=240, **nice,
+            **({"local_every": cfg["local_every"]} if full and cfg.get("local_every", 1) > 1 else {}))
         self.watch = concurrent.futures.ThreadPoolExecutor(1) if rank == 0 else None
         self.tier: str | None = None
         self.found: list[str] = []
@@ -705,7 +714,9 @@ class Supervisor:
                                         else s3.storage_options if s3 is not None else None),
                     "width": args.width, "layers": args.layers, "batch": args.batch, "seed": args.seed,
                     "every": every, "verify": args.verify, "background_nice": args.background_nice,
+                    "local_every": args.local_every,
                     "cpu_log": args.cpu_log}
+        self.tiers = tiers_of(name, args.local_every)
         self.procs: list[subprocess.Popen] = []
         self.pids: list[int] = []
         self.zygote = zygote
@@ -746,7 +757,7 @@ class Supervisor:
         from ckptstore.goodput.simulate import tier_from_spec
 
         pid = self.pids[0] if self.pids else None
-        keeps = {t.name for t in map(tier_from_spec, TIERS[self.name]) if failure is None or t.keeps(failure["class"])}
+        keeps = {t.name for t in map(tier_from_spec, self.tiers) if failure is None or t.keeps(failure["class"])}
         return any(e["event"] == "commit" and e.get("pid") == pid and e.get("tier") in keeps
                    for e in _records(self.cfg["events"]))
 
@@ -793,7 +804,7 @@ class Supervisor:
         from ckptstore.goodput.events import EventLog
 
         log = EventLog(self.cfg["events"])
-        log.write("setup", config=self.name, tiers=TIERS[self.name], every=self.every, window_s=window, verify=self.args.verify,
+        log.write("setup", config=self.name, tiers=self.tiers, every=self.every, window_s=window, verify=self.args.verify,
                   schedule=failures, mtbf_s=self.args.mtbf, weibull=self.args.weibull, state_bytes=state_bytes(self.args),
                   loadavg=os.getloadavg())
         t0 = time.time()
@@ -957,6 +968,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="fork ranks from a process that imported torch once (default), or start each afresh")
     p.add_argument("--background-nice", type=int, default=None, metavar="N",
                    help="the stores' background_nice (default: the engine's own)")
+    p.add_argument("--local-every", type=int, default=1, metavar="K",
+                   help="the full configurations write every K-th save to the local tier (RAM and peers cover a "
+                        "crash and a node loss; default: every save)")
     p.add_argument("--s3-nice", type=int, default=0, metavar="N",
                    help="run the local S3 server N steps below the job's priority (it stands for a remote store)")
     p.add_argument("--cpu-log", type=float, default=0.0, metavar="S",

@@ -68,7 +68,8 @@ def train(cfg: dict, rank: int) -> None:
         os.environ[AGENT_LINGER_ENV] = str(cfg["agent_linger_s"])
     store = CheckpointStore(cfg["job"], local=cfg["local"][str(node)], durable=cfg["durable"],
                             durable_every=cfg["durable_every"], ram_dir=cfg["ram"][str(node)], node=node,
-                            storage_options=cfg["storage_options"], agent=cfg.get("agent", False))
+                            storage_options=cfg["storage_options"], agent=cfg.get("agent", False),
+                            local_every=cfg.get("local_every", 1))
     last = cfg["last"]
     for step in range(1, last):
         handle = store.save(step, state(step))

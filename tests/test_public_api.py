@@ -190,6 +190,7 @@ def test_checkpoint_store_signature():
         ("tuning", P.KEYWORD_ONLY, None),
         ("agent", P.KEYWORD_ONLY, False),
         ("background_nice", P.KEYWORD_ONLY, 0),
+        ("local_every", P.KEYWORD_ONLY, 1),
     ]
     assert [n for n in dir(ckptstore.CheckpointStore) if not n.startswith("_")] == [
         "all_gather", "close", "last_step", "latest_step", "plan", "restore", "save", "should_save", "skipped"]

@@ -10,7 +10,8 @@ commit it (same files, same part files, same manifest-last conditional create), 
 built by the pipeline's :func:`step_manifest`, and every chunk's checksum is verified on a private
 copy of the slot before a byte of it is written.
 
-It persists what the store would have: local when the store had a local tier, durable only when
+It persists what the store would have: local when the store had a local tier and the step was due
+there (``meta.cadence.local == 0``, every ``local_every``-th step), durable only when
 the step was due there by its cadence (``meta.cadence.durable == 0`` in the step's manifest) and
 its replicas agreed under ``sdc="raise"``; a step a tier already holds, or older than the newest
 step that tier holds, is left alone. It needs no process group: the RAM manifest of a committed
@@ -242,7 +243,10 @@ class NodeAgent:
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         sdc = meta.get("sdc") if isinstance(meta.get("sdc"), dict) else None
         disagreed = sdc is not None and sdc.get("policy") == "raise" and bool(sdc.get("mismatches"))
-        want_local = self.local is not None and info.get("local", True) is not False
+        # Local when the store had a local tier and the step was due there (local_every; a manifest
+        # without the count comes from a store that wrote every step locally).
+        want_local = (self.local is not None and info.get("local", True) is not False
+                      and cadence.get("local", 0) == 0)
         due = cadence.get("durable") == 0 and info.get("durable", True) is not False and not disagreed
         if due and durable is None and (step, "durable") not in self._warned:
             self._warned.add((step, "durable"))

@@ -30,6 +30,7 @@ class StepJob:
     snap: Snapshot | None = None
     replicate: bool = False
     promote: bool = False
+    to_local: bool = False  # the step goes to the local tier (every local_every-th save, and a promoted one)
     cadence: dict[str, int] = field(default_factory=dict)  # saves since the newest promoted / replicated one
     # Done once nothing reads the staged slot any more (the next save into it waits for this).
     slot_free: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)

@@ -76,6 +76,7 @@ class StoreOptions:
     peer: PeerOptions
     durable: DurableOptions
     goodput: GoodputOptions
+    local_every: int = 1  # every local_every-th snapshot goes to the local tier (and every promoted one)
 
     @classmethod
     def from_arguments(
@@ -110,6 +111,7 @@ class StoreOptions:
         tuning: str | os.PathLike[str] | dict[str, Any] | None,
         agent: bool,
         background_nice: int = 0,
+        local_every: int = 1,
     ) -> StoreOptions:
         """Check every argument of ``CheckpointStore(...)``; raises InvalidArgumentError for the first
         that cannot work. Reads the tuning file, and asks ``process_group`` its size, nothing more."""
@@ -120,7 +122,7 @@ class StoreOptions:
             raise InvalidArgumentError(f"policy must be 'block' or 'skip', not {policy!r}")
         for name, value, optional in (("durable_every", durable_every, False), ("keep_local", keep_local, True),
                                       ("keep_durable", keep_durable, True), ("refresh_every", refresh_every, False),
-                                      ("peer_every", peer_every, False)):
+                                      ("peer_every", peer_every, False), ("local_every", local_every, False)):
             if (value is not None or not optional) and not _positive_int(value):
                 raise InvalidArgumentError(f"{name} must be a positive int (or None where allowed), not {value!r}")
         if ram_budget_bytes is not None and not _positive_int(ram_budget_bytes):
@@ -192,6 +194,7 @@ class StoreOptions:
             durable=DurableOptions(os.fspath(durable) if durable is not None else None, durable_every, keep_durable,
                                    durable_compression, float(durable_timeout_s), storage_options),
             goodput=_goodput(interval, mtbf, events, sdc, local_path),
+            local_every=local_every,
         )
 
 

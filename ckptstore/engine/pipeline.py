@@ -259,10 +259,10 @@ class Pipeline:
         # this rank's part of that step is what a loss of another node needs from this one. Read
         # once, at the first retention (off the save's path).
         self._inherited = options.peer.replicas == 0
-        # Saves since the newest promoted and the newest replicated one. They travel in every step's
-        # manifest (meta.cadence), so a restarted process counts on from its newest step instead of
-        # from zero: a job that crashes every few saves still promotes every durable_every-th.
-        self.since = {"durable": 0, "peer": 0}
+        # Saves since the newest promoted, replicated and locally written one. They travel in every
+        # step's manifest (meta.cadence), so a restarted process counts on from its newest step instead
+        # of from zero: a job that crashes every few saves still promotes every durable_every-th.
+        self.since = {"durable": 0, "peer": 0, "local": 0}
         self._slots_set = False
         # The structure the ranks last agreed on (pipeline stages, experts: ranks hold different keys),
         # by the vector of every rank's digest; a save assumes it and the vote confirms it.
@@ -327,12 +327,16 @@ class Pipeline:
         job.promote = self.durable is not None and self.since["durable"] + 1 >= self.options.durable.every
         job.replicate = (self.options.peer.replicas > 0 and not self.peer_off
                          and self.since["peer"] + 1 >= self.options.peer.every)
+        # A promoted step is written locally too: its promotion reads the local files, and the
+        # node agent finishes an owed promotion from them after a crash.
+        job.to_local = self.local is not None and (job.promote or self.since["local"] + 1 >= self.options.local_every)
         self.since = {"durable": 0 if job.promote else self.since["durable"] + 1,
-                      "peer": 0 if job.replicate else self.since["peer"] + 1}
+                      "peer": 0 if job.replicate else self.since["peer"] + 1,
+                      "local": 0 if job.to_local else self.since["local"] + 1}
         job.cadence = dict(self.since)
         job.futures = {
             "ram": concurrent.futures.Future(),
-            "local": concurrent.futures.Future() if self.local else None,
+            "local": concurrent.futures.Future() if job.to_local else None,
             "peer": concurrent.futures.Future() if job.replicate else None,
             "durable": concurrent.futures.Future() if job.promote else None,
         }
@@ -716,22 +720,26 @@ class Pipeline:
         self._last = job
         _resolve(job.futures["ram"], job.step)
         self._start_replication(job)
-        if self.local is not None:
-            job.local_part = await self._to_tier(self.local, job, fast)
+        if self.local is not None and job.to_local:
+            await self._to_local_tier(job)
             _resolve(job.futures["local"], job.step)
-            if job.promote:
-                self._owed = job.step
-            assert self.local_retention is not None
-            if not self._inherited:
-                self._inherited = True
-                held = await asyncio.to_thread(self.peer.node_steps)
-                self._replicated = max([*held, *([self._replicated] if self._replicated is not None else [])],
-                                       default=None)
-            keep = {s for s in (self._owed, self._replicated) if s is not None} | self._replicating
-            await self.local_retention.apply(frozenset(keep))
         if job.sdc and self.check.mode == "raise":
             self._promoted.add(job.step)  # close() must not promote it to durable either
         self.check.verdict(job, self.tracker.event)
+
+    async def _to_local_tier(self, job: StepJob) -> None:
+        """Write the step to the local tier and apply the tier's retention (in the fast lane)."""
+        assert self.local is not None and self.local_retention is not None
+        job.local_part = await self._to_tier(self.local, job, self.groups.fast)
+        if job.promote:
+            self._owed = job.step
+        if not self._inherited:
+            self._inherited = True
+            held = await asyncio.to_thread(self.peer.node_steps)
+            self._replicated = max([*held, *([self._replicated] if self._replicated is not None else [])],
+                                   default=None)
+        keep = {s for s in (self._owed, self._replicated) if s is not None} | self._replicating
+        await self.local_retention.apply(frozenset(keep))
 
     async def _replicate(self, job: StepJob) -> None:
         """Send this rank's staged bytes to its holders and take in the replicas it holds, over the
@@ -939,7 +947,7 @@ class Pipeline:
         start-up, or the one a restore loaded. Older manifests, without ``meta.cadence``, count from 0."""
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         since = {}
-        for lane in ("durable", "peer"):
+        for lane in ("durable", "peer", "local"):
             count = cadence.get(lane)
             since[lane] = count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else 0
         if durable_holds_it:
@@ -969,7 +977,7 @@ class Pipeline:
         else:
             job.shared = shared_of(source) if self.rank == 0 else {}  # the whole header, on the coordinator
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
-        job.cadence = {"durable": 0, "peer": cadence.get("peer", 0)}
+        job.cadence = {"durable": 0, "peer": cadence.get("peer", 0), "local": cadence.get("local", 0)}
         self.since["durable"] = 0
         self._owed = max(step, self._owed or step)
         place = self.durable_lane.reserve()
@@ -1032,17 +1040,32 @@ class Pipeline:
         self.drain()
         self._handoff.close()
         last = self._last
-        promote = (agree and self.durable is not None and last is not None and last.step not in self._promoted
-                   and self.errors.pending() is None)
+        ok = agree and last is not None and self.errors.pending() is None
+        promote = ok and self.durable is not None and last is not None and last.step not in self._promoted
+        # With local_every > 1 the last snapshot may have reached no disk: it goes to the local tier
+        # too, so that a closed store leaves its newest step on the node's disk, not in RAM alone.
+        local = ok and self.local is not None and last is not None and not last.to_local
         if not agree:
             return
         if self.world > 1:
-            # Every rank must want it: one all-reduced flag (the MAX of "this rank does not"), whatever
+            # Every rank must want each: one all-reduce (the MAX of "this rank does not"), whatever
             # the world, not a gather of every rank's answer.
-            promote = not self.groups.trainer.max_int64([int(not promote)])[0]
+            refused = self.groups.trainer.max_int64([int(not promote), int(not local)])
+            promote, local = not refused[0], not refused[1]
+        if local:
+            assert last is not None
+            self.loop.submit(self._close_local(last)).result()
         if promote:
             assert last is not None
             self.loop.submit(self._close_promote(last)).result()
+
+    async def _close_local(self, job: StepJob) -> None:
+        try:
+            job.to_local = True
+            await Lane.run(self.fast.reserve(), lambda: self._to_local_tier(job))
+        except BaseException as exc:  # noqa: BLE001 - surfaced by close()
+            log.error("ckptstore: writing step %d to the local tier on close failed: %s", job.step, exc)
+            self.errors.add(job.step, exc)
 
     async def _close_promote(self, job: StepJob) -> None:
         try:

@@ -52,7 +52,9 @@ class CheckpointStore:
 
     ``job`` names the job's shared-memory segments (letters, digits, '.', '_', '-'). ``local``: the
     node's directory for the local tier (None: off); ``durable``: any fsspec URL (None: off), to which
-    every ``durable_every``-th snapshot (and the last one, on close) is promoted; ``keep_local`` and
+    every ``durable_every``-th snapshot (and the last one, on close) is promoted; the local tier takes
+    every ``local_every``-th snapshot and every promoted one (the RAM tier and peers already cover a
+    crash and a node loss; the local copy is what survives a node's reboot); ``keep_local`` and
     ``keep_durable``: steps each tier keeps (None: all). ``ram_budget_bytes`` caps the staging memory
     (default: two snapshots) in ``ram_dir``; each staging slot's memory is reserved there when it is
     made, and a ``ram_dir`` too small for it (Docker's default /dev/shm is 64 MiB) fails that save
@@ -145,6 +147,7 @@ class CheckpointStore:
         tuning: str | os.PathLike[str] | dict[str, Any] | None = None,
         agent: bool = False,
         background_nice: int = 0,
+        local_every: int = 1,
     ) -> None:
         self.options = StoreOptions.from_arguments(
             job, local=local, durable=durable, durable_every=durable_every, keep_local=keep_local,
@@ -154,6 +157,7 @@ class CheckpointStore:
             peer_replicas=peer_replicas, peer_every=peer_every, node=node, peer_timeout_s=peer_timeout_s,
             peer_to_local=peer_to_local, interval=interval, mtbf=mtbf, events=events, sdc=sdc,
             durable_timeout_s=durable_timeout_s, tuning=tuning, agent=agent, background_nice=background_nice,
+            local_every=local_every,
         )
         self.job = job
         self._closed = False
