@@ -77,10 +77,12 @@ def exchanges_job(rank: int, world: int, name: str, root: str, out: str) -> None
         fresh.close()
 
 
-def _replicated_state(rank: int, world: int, step: int, *, corrupt: bool = False) -> dict[str, object]:
+def _replicated_state(rank: int, world: int, step: int, *, corrupt: str = "") -> dict[str, object]:
     """Plain tensors every rank holds alike, a DTensor replicated over the first dimension of a
-    (2, world / 2) mesh (HSDP-like: pairs of ranks hold each box) and a value of each rank's own.
-    ``corrupt``: the last rank holds other bytes in one plain tensor and in its box of the DTensor."""
+    (2, world / 2) mesh (HSDP-like: pairs of ranks hold each box) and a plain tensor of each rank's
+    own, which gives every rank a structure of its own (as the TP columns of an FSDP x TP job have):
+    the plain tensors are compared across structures. ``corrupt``: the last rank holds other bytes
+    in one plain tensor ("plain") or in its box of the DTensor ("dtensor")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -89,27 +91,41 @@ def _replicated_state(rank: int, world: int, step: int, *, corrupt: bool = False
     state: dict[str, object] = {f"w{i}": torch.randn(4, 3, generator=g) for i in range(40)}
     state["h"] = distribute_tensor(torch.randn(8, 6, generator=g), mesh, [Replicate(), Shard(0)])
     state[f"own{rank}"] = torch.randn(7, generator=torch.Generator().manual_seed(step * 10 + rank))
-    if corrupt and rank == world - 1:
+    if corrupt == "plain" and rank == world - 1:
         state["w3"][1, 2] += 1.0  # type: ignore[index]
+    if corrupt == "dtensor" and rank == world - 1:
         state["h"].to_local()[0, 0] += 1.0  # type: ignore[attr-defined]
     return state
 
 
 def replica_check_job(rank: int, world: int, name: str, root: str, out: str) -> None:
     """``sdc="warn"`` on one node's local directory: steps 1-4 saved with every replica alike (3 and
-    4 counted as steady saves), step 5 with the last rank's replicas changed. Writes
-    ``out/sdc-w<world>-r<rank>.json``: bytes and collectives by group of the steady saves."""
+    4 counted as steady saves), step 5 with the last rank's copy of a plain tensor changed, step 6
+    with its box of the DTensor changed. Writes ``out/sdc-w<world>-r<rank>.json``: bytes and
+    collectives by group of the steady saves, and the bytes of the neighbours' swap apart."""
+    from ckptstore import collective
+
+    swapped = [0]
+    real = collective.Group.swap_int64
+
+    def counted(self, send, recv):  # type: ignore[no-untyped-def]
+        swapped[0] += 8 * sum(recv.values())
+        return real(self, send, recv)
+
+    collective.Group.swap_int64 = counted  # type: ignore[method-assign]
     store = ckptstore.CheckpointStore(name, local=os.path.join(root, f"sdc-local-{world}"), keep_local=10, sdc="warn")
     got: dict[str, dict[str, float]] = {}
-    for step in (1, 2, 3, 4, 5):
-        state = _replicated_state(rank, world, step, corrupt=step == 5)
+    for step in (1, 2, 3, 4, 5, 6):
+        state = _replicated_state(rank, world, step, corrupt={5: "plain", 6: "dtensor"}.get(step, ""))
         if step in (3, 4):
+            swapped[0] = 0
             with counting() as traffic:
                 store.save(step, state).wait("local")
             for role, n in traffic.by_role.items():
                 got.setdefault(role, {"bytes": 0, "calls": 0})
                 got[role]["bytes"] += n / 2
                 got[role]["calls"] += traffic.calls_by_role[role] / 2
+            got.setdefault("swap", {"bytes": 0, "calls": 0})["bytes"] += swapped[0] / 2
         else:
             store.save(step, state).wait("local")
     store.close()

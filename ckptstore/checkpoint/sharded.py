@@ -441,6 +441,9 @@ class Structure:
     same: tuple[int, ...]  # the ranks whose structure is this rank's (a pipeline stage, an expert group)
     skip: frozenset[str]  # keys ranks of an earlier structure write for this one
     representative: bool  # this rank carries its structure's tree and tensor table to the manifest
+    # Plain tensors of this rank that ranks of other structures hold as plain tensors too: key -> every
+    # rank holding it (the replica check compares them all; a key absent is held by ``same`` alone).
+    plain: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def agree_structure(group: Group, local: Collected, digests: list[str], cache: dict[str, Structure] | None = None) -> Structure:
@@ -473,7 +476,13 @@ def agree_structure(group: Group, local: Collected, digests: list[str], cache: d
     assert verdict is not None
     if verdict["error"]:
         raise CheckpointError(verdict["error"])
-    result = Structure(same, frozenset(verdict["skip"].get(mine, ())), same[0] == group.rank)
+    index = {d: i for i, d in enumerate(distinct)}
+    plain: dict[str, tuple[int, ...]] = {}
+    for holding, keys in verdict.get("plain", []):
+        if index[mine] in holding:
+            ranks = tuple(r for r, d in enumerate(digests) if index[d] in holding)
+            plain.update((k, ranks) for k in keys)
+    result = Structure(same, frozenset(verdict["skip"].get(mine, ())), same[0] == group.rank, plain)
     if cache is not None:
         cache.clear()  # one structure at a time: a changed one replaces the old
         cache[vector] = result
@@ -536,7 +545,15 @@ def union_verdict(tables: list[tuple[int, str, dict[str, tuple]]]) -> dict[str, 
             if c != owner:
                 for d in digests:
                     skip[d].append(key)
-    return {"error": None, "skip": dict(skip)}
+    # Plain tensors several structures hold (each a full copy): who holds each, by the structures'
+    # indexes in the tables' order (the order of the ranks' distinct digests), keys grouped by holders.
+    order = {digest: i for i, (_rank, digest, _table) in enumerate(tables)}
+    holding: dict[tuple[int, ...], list[str]] = collections.defaultdict(list)
+    for key, by_copy in copies.items():
+        held = sorted(order[c] for c in by_copy if c in order)  # a plain copy is named by its digest
+        if len(held) > 1:
+            holding[tuple(held)].append(key)
+    return {"error": None, "skip": dict(skip), "plain": [[list(h), sorted(k)] for h, k in sorted(holding.items())]}
 
 
 def merge_structures(shared: list[tuple[int, dict[str, Any]]], where: str) -> dict[str, Any]:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -393,7 +392,7 @@ class Pipeline:
         items = [(name, local.items[(m.key, m.offsets, m.sizes)]) for name, m in zip(names, frozen + rest)]
         breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
         tail = len(items) - len(own) if own and not self.check.on else None
-        items += self.check.items(local, mine, job, structure.same)
+        items += self.check.items(local, mine, job, structure.same, structure.plain)
         job.header = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
         job.shared = job.header if structure.representative else {}
         job.boxes = {name: m.offsets for name, m in zip(names, frozen + rest)}
@@ -679,27 +678,13 @@ class Pipeline:
             part.update(step=job.step, digest=job.digest)
             return part
 
-        async def staged() -> dict[str, Any]:
-            try:
-                part = await stage_part()
-            except Exception:
-                if self.check.on:  # the neighbours wait for this rank's message: it still goes
-                    with contextlib.suppress(Exception):
-                        await asyncio.to_thread(self.check.neighbours, fast, job, False)
-                raise
-            if self.check.on:
-                job.suspect = await asyncio.to_thread(self.check.neighbours, fast, job, True)
-            return part
-
         # Each rank proposes a save id and the largest wins: every rank's RAM document of this
         # save names it alike, so a node agent and a restore tell this save from any other of
         # the step without comparing chunk tables. The step and its negation ride the same
-        # all-reduce: ranks that staged different steps learn it there; so does the replica
-        # check's flag (a neighbour held other bytes).
+        # all-reduce: ranks that staged different steps learn it there.
         nonce = secrets.randbits(63)
         flat = job.step if 0 <= job.step < _STEP_LIMIT else 0  # the vote compared the others already
-        part, agreed = await concur_max_async(fast, f"staging step {job.step}", staged,
-                                              lambda: [flat, -flat, nonce, *([job.suspect] if self.check.on else [])])
+        part, agreed = await concur_max_async(fast, f"staging step {job.step}", stage_part, [flat, -flat, nonce])
         if agreed[0] != -agreed[1]:
             raise CheckpointError(
                 f"ranks staged different steps for step {job.step}: every rank must save the same step"
@@ -708,8 +693,17 @@ class Pipeline:
         meta = {"step": job.step, "job": self.options.job, "cadence": job.cadence, "world_size": self.world,
                 "save_id": job.save_id}
         if self.check.on:
+            # After the staging agreement, not inside it: a rank whose plan or staging failed does
+            # not know its replica groups, and its neighbours would wait for its message. One more
+            # flag (recursive doubling: log2(ranks) steps) says whether any neighbours differed.
+            async def swap() -> int:
+                job.suspect = await asyncio.to_thread(self.check.neighbours, fast, job)
+                return job.suspect
+
+            _, differed = await concur_max_async(fast, f"comparing the replicas of step {job.step}", swap,
+                                                 lambda: [job.suspect])
             job.sdc = (await self.check.compare(job, lambda what, fn: agree_async(fast, what, _threaded(fn)))
-                       if agreed[3] else [])
+                       if differed[0] else [])
             meta["sdc"] = {"policy": self.check.mode, "mismatches": job.sdc}
         job.own = node_extra(part, meta, job.header)
         crashpoint("ram.before_commit", str(job.step))

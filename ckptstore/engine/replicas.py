@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..collective import Group
@@ -33,23 +33,26 @@ class ReplicaCheck:
         self._group_ranks = group_ranks  # global ranks (a DTensor mesh's) -> the store's group ranks
         self._groups: dict[tuple[int, ...], tuple[int, ...]] = {}
 
-    def items(self, local: Any, mine: list[Any], job: StepJob, same: Sequence[int] | None = None) -> list[tuple[str, Any]]:
+    def items(self, local: Any, mine: list[Any], job: StepJob, same: Sequence[int] | None = None,
+              plain: Mapping[str, tuple[int, ...]] | None = None) -> list[tuple[str, Any]]:
         """Every replica's bytes get a checksum: the replicated boxes this rank holds but another
         rank writes are hashed in place while save blocks when they sit contiguous in host memory
         (reading costs less than copying), and staged after everything written (never written)
-        otherwise. Each box's replica group is noted: ``same`` (the ranks of this rank's structure,
-        all by default) for plain tensors, the ranks along a DTensor's replicated mesh dimensions
-        for its boxes. Returns the entries to stage for the check."""
+        otherwise. Each box's replica group is noted: for a plain tensor every rank holding it as
+        one (``plain``, from the ranks' agreement on their structures; else ``same``, the ranks of
+        this rank's structure, all by default), for a DTensor's box the ranks along its replicated
+        mesh dimensions. Returns the entries to stage for the check."""
         if not self.on:
             return []
         everyone = tuple(range(self.world)) if same is None else tuple(same)
+        plain = plain or {}
         writes = {(m.key, m.offsets, m.sizes) for m in mine}
         extra = []
         for box, tensor in local.items.items():
             holders = local.holders[box]
             if holders[0] == "own" or (holders[0] == "replicas" and holders[1] < 2) or tensor.numel() == 0:
                 continue
-            group = everyone if holders[0] == "all" else self._ranks(holders[3])
+            group = plain.get(box[0], everyone) if holders[0] == "all" else self._ranks(holders[3])
             job.replicated[box[0]] = (box[1], box[2], holders[0], group)
             if box in writes:
                 continue
@@ -80,14 +83,11 @@ class ReplicaCheck:
         sums = {**((job.staged.sums or {}) if job.staged is not None else {}), **job.live}
         return sdc.boxes(job.replicated, sums)
 
-    def neighbours(self, group: Group, job: StepJob, staged: bool) -> int:
-        """Round one: swap each replica group's digest with the group's neighbours; 1 when a
-        neighbour's differs (the flag the staging all-reduce carries), else 0. A rank whose staging
-        failed (``staged`` false) still sends, a digest of nothing, so that no neighbour waits for
-        it: the failure itself reaches every rank in the same all-reduce."""
-        groups = {v[3] for v in job.replicated.values() if len(v[3]) > 1}
-        digests = sdc.group_digests(self._held(job), {k: v[3] for k, v in job.replicated.items()}) if staged else {}
-        send, expect = sdc.ring({g: digests.get(g, 0) for g in groups}, group.rank)
+    def neighbours(self, group: Group, job: StepJob) -> int:
+        """Round one, once every rank staged the step (so every rank knows its groups): swap each
+        replica group's digest with the group's neighbours; 1 when a neighbour's differs, else 0."""
+        digests = sdc.group_digests(self._held(job), {k: v[3] for k, v in job.replicated.items()})
+        send, expect = sdc.ring(digests, group.rank)
         got = group.swap_int64(send, {r: len(v) for r, v in expect.items()})
         return int(any(got[r] != v for r, v in expect.items()))
 
