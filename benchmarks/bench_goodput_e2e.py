@@ -1124,6 +1124,34 @@ def print_steps_in_flight(paths: list[str]) -> int:
     return 0
 
 
+AFTER_RESTORE = ((0.0, 15.0), (15.0, 30.0), (30.0, float("inf")))
+
+
+def steps_after_restore(events: list[dict[str, Any]]) -> dict[str, tuple[int, float | None]]:
+    """The median step by seconds since the run's restore returned (0-15, 15-30, 30 and more):
+    whether the steps right after a restart are slower than the later ones (work a restart
+    leaves running beside the trainer), rank 0's steps."""
+    since: float | None = None
+    spans: dict[str, list[float]] = {f"{a:g}-{b:g} s": [] for a, b in AFTER_RESTORE}
+    for e in events:
+        if e["event"] == "restore":
+            since = float(e["t"])
+        elif e["event"] == "tick" and since is not None:
+            age = float(e["t"]) - since
+            for a, b in AFTER_RESTORE:
+                if a <= age < b:
+                    spans[f"{a:g}-{b:g} s"].append(float(e["step_s"]))
+    return {k: (len(v), statistics.median(v) if v else None) for k, v in spans.items()}
+
+
+def print_steps_after_restore(paths: list[str]) -> int:
+    for path in paths:
+        spans = steps_after_restore(_records(path))
+        print(f"{path}: median step by time since the restore: " + ", ".join(
+            f"{k} {'-' if m is None else f'{m:.3f} s'} ({n} steps)" for k, (n, m) in spans.items()))
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--zygote"]:
         zygote_main()
@@ -1131,6 +1159,8 @@ if __name__ == "__main__":
         sys.exit(print_cpu_breakdown(sys.argv[2:]))
     elif sys.argv[1:2] == ["--steps-in-flight"]:
         sys.exit(print_steps_in_flight(sys.argv[2:]))
+    elif sys.argv[1:2] == ["--steps-after-restore"]:
+        sys.exit(print_steps_after_restore(sys.argv[2:]))
     elif len(sys.argv) >= 2 and sys.argv[1] == "--worker":
         worker(sys.argv[2], int(sys.argv[3]))
     else:

@@ -12,19 +12,24 @@ import pytest
 from conftest import wipe_ram
 
 
-@pytest.fixture(scope="module")
-def received(tmp_path_factory):
-    root = tmp_path_factory.mktemp("save-exchanges")
+def _run(tmp_path_factory, kind: str, job: str, prefix: str):
+    """Run ``save_exchange_workers:<job>`` at two and four ranks; each rank's JSON, by world size."""
+    root = tmp_path_factory.mktemp(kind)
     out = root / "out"
     out.mkdir()
     for world in (2, 4):
-        name = f"test-save-exchanges-{world}-{root.name}"
+        name = f"test-{kind}-{world}-{root.name}"
         try:
-            dist_workers.spawn(world, "save_exchange_workers:exchanges_job", root, name=name, root=str(root),
-                               out=str(out))
+            dist_workers.spawn(world, f"save_exchange_workers:{job}", root, name=name, root=str(root), out=str(out))
         finally:
             wipe_ram(name)
-    return {world: [json.loads((out / f"w{world}-r{r}.json").read_text()) for r in range(world)] for world in (2, 4)}
+    return root, {world: [json.loads((out / f"{prefix}w{world}-r{r}.json").read_text()) for r in range(world)]
+                  for world in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def received(tmp_path_factory):
+    return _run(tmp_path_factory, "save-exchanges", "exchanges_job", "")[1]
 
 
 def _seen(received, phase: str, role: str, what: str, ranks: slice = slice(None)) -> set[float]:
@@ -68,18 +73,7 @@ def test_close_agrees_on_the_last_promotion_with_one_all_reduced_flag_at_any_siz
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    root = tmp_path_factory.mktemp("save-exchanges-sdc")
-    out = root / "out"
-    out.mkdir()
-    for world in (2, 4):
-        name = f"test-save-exchanges-sdc-{world}-{root.name}"
-        try:
-            dist_workers.spawn(world, "save_exchange_workers:replica_check_job", root, name=name, root=str(root),
-                               out=str(out))
-        finally:
-            wipe_ram(name)
-    got = {world: [json.loads((out / f"sdc-w{world}-r{r}.json").read_text()) for r in range(world)] for world in (2, 4)}
-    return root, got
+    return _run(tmp_path_factory, "save-exchanges-sdc", "replica_check_job", "sdc-")
 
 
 def _sdc(root, world: int, step: int) -> dict:
