@@ -251,20 +251,23 @@ def test_a_step_outside_the_durable_cadence_goes_to_local_only(tmp_path, shm, jo
     assert set(n["ram"].glob(f"ckptstore-{job}-*")) == kept
 
 
-@pytest.mark.parametrize("last, persisted", [(4, [4]), (3, [])])
-def test_an_agent_persists_to_local_only_the_steps_due_there_by_local_every(tmp_path, shm, job, zygote, last, persisted):
-    """local_every=2: steps 2 and 4 are due in the local tier, 1 and 3 are not. A trainer killed
-    after the RAM commit of a due step leaves it to the agent, which writes it; one killed after a
-    step that was not due leaves nothing to do (the store would not have written it either)."""
+@pytest.mark.parametrize("last", [4, 5])
+def test_an_agent_persists_to_local_the_steps_due_there_and_the_dead_trainers_newest(tmp_path, shm, job, zygote, last):
+    """local_every=2: steps 2 and 4 are due in the local tier, 1, 3 and 5 are not. The trainer is
+    killed after the RAM commit of step ``last``, its RAM holding ``last`` and the step before.
+    The agent writes the newest step whether due or not (the RAM it gives back afterwards would
+    take a step that lived in RAM alone with it), and leaves an older one that was not due (the
+    store would not have written it either)."""
     n = _one_node(tmp_path, shm)
     run_trainers(zygote, tmp_path, {**n["cfg"], "job": job, "durable_every": 10, "local_every": 2, "last": last,
                                     "point": "ram.committed"})
-    assert committed_steps(str(n["local"])) == {2}
-    out = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"])).run_once()
-    assert (out.local, out.durable, out.failed) == (persisted, [], [])
-    assert committed_steps(str(n["local"])) == {2, *persisted}
-    for step in persisted:
-        assert_loads(str(n["local"]), step)
+    written = {2} if last == 4 else {2, 4}
+    assert committed_steps(str(n["local"])) == written
+    agent = NodeAgent(job, local=str(n["local"]), durable=n["durable"], ram_dir=str(n["ram"]))
+    out = agent.run_once()
+    assert (out.local, out.durable, out.failed) == ([last], [], [])
+    assert committed_steps(str(n["local"])) == written | {last}  # step 3 (last=4) is not written
+    assert_loads(str(n["local"]), last)
 
 
 @pytest.mark.slow

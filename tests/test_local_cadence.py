@@ -23,8 +23,9 @@ def test_the_local_tier_takes_every_kth_save_and_counts_on_after_a_restart(tmp_p
     handles = {step: store.save(step, _state(step)) for step in range(1, 8)}
     for step, handle in handles.items():
         handle.wait("ram")
-        handle.wait("local")  # at once for a step the local tier does not take
+        handle.wait("local")  # for a step the local tier does not take: its RAM commit
         assert (handle._futures["local"] is not None) == (step % 3 == 0), step
+        assert handle.done("local") and handle.done("ram")
     store._drain()
     assert committed_steps(local) == {3, 6}
     store.close(keep_ram=True)

@@ -107,15 +107,19 @@ def test_replication_starts_at_the_ram_commit_not_after_the_local_write(tmp_path
            replicas=1)
 
 
-def test_a_restarted_job_keeps_its_part_of_the_newest_replicated_step_for_a_later_node_loss(tmp_path, job, ram_root):
+@pytest.mark.parametrize("local_every", [1, 2])
+def test_a_restarted_job_keeps_its_part_of_the_newest_replicated_step_for_a_later_node_loss(tmp_path, job, ram_root,
+                                                                                             local_every):
     """Step 3 is replicated (peer_every=3), then the job crashes; the restarted run saves 4 and 5,
     which are not (its cadence counts on from step 3), and crashes too. Node 0 is then lost: step 3
     is the newest step whose every part survives (node 0's part as a replica on node 1), so node 1
     must still hold its own part of it, although keep_local=2 and two newer steps are local. A
     restarted process that forgot which step its peers hold let retention drop it: the job then
-    started from scratch, a committed step lost."""
+    started from scratch, a committed step lost. With local_every=2 step 3 is not due locally by
+    its count, but a replicated step always goes there (its RAM slot is restaged two saves later)."""
     local_root = str(tmp_path / "local")
-    args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1, peer_every=3, keep_local=2)
+    args = dict(name=job, ram_root=ram_root, local_root=local_root, replicas=1, peer_every=3, keep_local=2,
+                local_every=local_every)
     dist_workers.crash_both(tmp_path, "node_loss_workers:saves_then_dies_job", steps=[1, 2, 3], **args)
     dist_workers.crash_both(tmp_path, "node_loss_workers:saves_then_dies_job", steps=[4, 5], restore=3, **args)
     _lose_node(ram_root, local_root, 0)

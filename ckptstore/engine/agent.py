@@ -11,7 +11,8 @@ built by the pipeline's :func:`step_manifest`, and every chunk's checksum is ver
 copy of the slot before a byte of it is written.
 
 It persists what the store would have: local when the store had a local tier and the step was due
-there (``meta.cadence.local == 0``, every ``local_every``-th step), durable only when
+there (``meta.cadence.local == 0``, every ``local_every``-th step) or is the newest the dead
+trainer committed (its RAM goes back to the node afterwards), durable only when
 the step was due there by its cadence (``meta.cadence.durable == 0`` in the step's manifest) and
 its replicas agreed under ``sdc="raise"``; a step a tier already holds, or older than the newest
 step that tier holds, is left alone. It needs no process group: the RAM manifest of a committed
@@ -213,7 +214,8 @@ class NodeAgent:
                 if durable is not None and durable.codec not in durable_steps:
                     durable_steps[durable.codec] = await durable.steps()
                 if await self._step(step, segments, manifest, info, local_steps or [],
-                                    durable_steps.get(durable.codec, []) if durable else [], durable, out):
+                                    durable_steps.get(durable.codec, []) if durable else [], durable, out,
+                                    newest=step == max(by_step)):
                     self._settled.add(settled)
                     self._persisted.update((path, step) for path, _doc in segments)
                 self._failing.pop(settled, None)
@@ -237,16 +239,18 @@ class NodeAgent:
 
     async def _step(self, step: int, segments: list[tuple[str, dict[str, Any]]], manifest: Manifest,
                     info: dict[str, Any], local_steps: list[int], durable_steps: list[int],
-                    durable: DirectoryTier | None, out: Outcome) -> bool:
+                    durable: DirectoryTier | None, out: Outcome, *, newest: bool = True) -> bool:
         """Persist one step where it is still missing; True once nothing more is to be done for it."""
         meta = manifest.meta
         cadence: dict[str, Any] = meta["cadence"] if isinstance(meta.get("cadence"), dict) else {}
         sdc = meta.get("sdc") if isinstance(meta.get("sdc"), dict) else None
         disagreed = sdc is not None and sdc.get("policy") == "raise" and bool(sdc.get("mismatches"))
         # Local when the store had a local tier and the step was due there (local_every; a manifest
-        # without the count comes from a store that wrote every step locally).
+        # without the count comes from a store that wrote every step locally), or is the dead
+        # trainer's newest: the agent gives the RAM back once it is done, and a step that lived in
+        # RAM alone would go with it (a closing store writes its last step locally for the same reason).
         want_local = (self.local is not None and info.get("local", True) is not False
-                      and cadence.get("local", 0) == 0)
+                      and (cadence.get("local", 0) == 0 or newest))
         due = cadence.get("durable") == 0 and info.get("durable", True) is not False and not disagreed
         if due and durable is None and (step, "durable") not in self._warned:
             self._warned.add((step, "durable"))

@@ -122,7 +122,8 @@ class SaveHandle:
 
     def wait(self, tier: str = "local", timeout: float | None = None) -> None:
         """Block until the snapshot is committed at ``tier``; re-raises a background failure.
-        Returns at once for a tier this step does not go to (or for a skipped save)."""
+        Returns at once for a durable or peer tier this step does not go to (or for a skipped
+        save); for a step the local tier skips (``local_every``), once it is committed in RAM."""
         f = self._future(tier)
         if f is not None:
             f.result(timeout)
@@ -130,7 +131,12 @@ class SaveHandle:
     def _future(self, tier: str) -> concurrent.futures.Future | None:
         if tier not in TIERS:
             raise InvalidArgumentError(f"tier must be one of {', '.join(TIERS)}, not {tier!r}")
-        return self._futures.get(tier)
+        f = self._futures.get(tier)
+        if f is None and tier == "local":
+            # wait("local"), the default, is how a loop learns its snapshot is safe and its
+            # background failures: a step the local tier skips answers for its RAM commit.
+            return self._futures.get("ram")
+        return f
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else ", ".join(f"{t}={'done' if self.done(t) else 'pending'}" for t in TIERS)
@@ -327,8 +333,11 @@ class Pipeline:
         job.replicate = (self.options.peer.replicas > 0 and not self.peer_off
                          and self.since["peer"] + 1 >= self.options.peer.every)
         # A promoted step is written locally too: its promotion reads the local files, and the
-        # node agent finishes an owed promotion from them after a crash.
-        job.to_local = self.local is not None and (job.promote or self.since["local"] + 1 >= self.options.local_every)
+        # node agent finishes an owed promotion from them after a crash. So is a replicated one:
+        # a node loss is recovered from the lost node's replicas and the survivors' own parts of
+        # the same step, which the local tier keeps (a RAM slot is restaged two saves later).
+        job.to_local = self.local is not None and (job.promote or job.replicate
+                                                   or self.since["local"] + 1 >= self.options.local_every)
         self.since = {"durable": 0 if job.promote else self.since["durable"] + 1,
                       "peer": 0 if job.replicate else self.since["peer"] + 1,
                       "local": 0 if job.to_local else self.since["local"] + 1}

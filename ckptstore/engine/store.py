@@ -53,8 +53,8 @@ class CheckpointStore:
     ``job`` names the job's shared-memory segments (letters, digits, '.', '_', '-'). ``local``: the
     node's directory for the local tier (None: off); ``durable``: any fsspec URL (None: off), to which
     every ``durable_every``-th snapshot (and the last one, on close) is promoted; the local tier takes
-    every ``local_every``-th snapshot and every promoted one (the RAM tier and peers already cover a
-    crash and a node loss; the local copy is what survives a node's reboot); ``keep_local`` and
+    every ``local_every``-th snapshot, every promoted or replicated one, and the last one on close
+    (the RAM tier covers a crash; a step only RAM holds is lost with a node's reboot); ``keep_local`` and
     ``keep_durable``: steps each tier keeps (None: all). ``ram_budget_bytes`` caps the staging memory
     (default: two snapshots) in ``ram_dir``; each staging slot's memory is reserved there when it is
     made, and a ``ram_dir`` too small for it (Docker's default /dev/shm is 64 MiB) fails that save
