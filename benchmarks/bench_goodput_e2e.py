@@ -83,9 +83,13 @@ TIERS: dict[str, list[str]] = {
 
 
 def tiers_of(name: str, local_every: int) -> list[str]:
-    """The tiers of a configuration, its local tier every ``local_every``-th save (``--local-every``)."""
+    """The tiers of a configuration, its local tier every ``local_every``-th save (``--local-every``)
+    unless its peers take every save: a replicated save always goes to the local tier too."""
+    tiers = TIERS[name]
+    if any(t.startswith("peer") and "every=" not in t for t in tiers):
+        return list(tiers)
     return [t + f",every={local_every}" if t.startswith("local:") and local_every > 1 and name.startswith("ckptstore-full")
-            else t for t in TIERS[name]]
+            else t for t in tiers]
 
 
 WORLD = 2
@@ -969,8 +973,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--background-nice", type=int, default=None, metavar="N",
                    help="the stores' background_nice (default: the engine's own)")
     p.add_argument("--local-every", type=int, default=1, metavar="K",
-                   help="the full configurations write every K-th save to the local tier (RAM and peers cover a "
-                        "crash and a node loss; default: every save)")
+                   help="the full configurations' local_every (default 1). Their peers take every save, and a "
+                        "replicated save always goes to the local tier, so since 5fda85d it skips none; the "
+                        "session-14 windows in docs/goodput.md ran the first version (99c2702), which skipped them")
     p.add_argument("--s3-nice", type=int, default=0, metavar="N",
                    help="run the local S3 server N steps below the job's priority (it stands for a remote store)")
     p.add_argument("--cpu-log", type=float, default=0.0, metavar="S",
