@@ -30,8 +30,8 @@ class StepJob:
     snap: Snapshot | None = None
     replicate: bool = False
     promote: bool = False
-    to_local: bool = False  # the step goes to the local tier (every local_every-th save, and a promoted one)
-    cadence: dict[str, int] = field(default_factory=dict)  # saves since the newest promoted / replicated one
+    to_local: bool = False  # the step goes to the local tier (every local_every-th save, a promoted or replicated one)
+    cadence: dict[str, int] = field(default_factory=dict)  # saves since the newest promoted / replicated / local one
     # Done once nothing reads the staged slot any more (the next save into it waits for this).
     slot_free: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     local_part: dict[str, Any] | None = None  # this rank's part in the local tier, once committed there

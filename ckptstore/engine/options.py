@@ -76,7 +76,7 @@ class StoreOptions:
     peer: PeerOptions
     durable: DurableOptions
     goodput: GoodputOptions
-    local_every: int = 1  # every local_every-th snapshot goes to the local tier (and every promoted one)
+    local_every: int = 1  # every local_every-th snapshot goes to the local tier (and every promoted or replicated one)
 
     @classmethod
     def from_arguments(

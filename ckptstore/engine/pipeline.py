@@ -797,10 +797,10 @@ class Pipeline:
         Each node's copy of a step in a node tier holds its own rank's part, the step's meta and
         the rank's header, and the commits agree through flags: the local tier through
         :meth:`_to_local` (node parts; a single-node job's owner assembles the whole manifest from
-        them), a peer replica with its source's part sent beside its bytes. The durable tier has one copy, whose format 2.0 manifest its
-        coordinator (rank 0) writes from every rank's part summary (file, size, checksum; the
-        representatives' headers); the other ranks learn of success through one all-reduce of a
-        flag (every rank's failure still reaches every rank)."""
+        them), a peer replica with its source's part sent beside its bytes. The durable tier has
+        one copy, whose format 2.0 manifest its coordinator (rank 0) writes from every rank's part
+        summary (file, size, checksum; the representatives' headers); the other ranks learn of
+        success through one all-reduce of a flag (every rank's failure still reaches every rank)."""
         assert job.snap is not None
         source = snap or job.snap
         what = f"durable_timeout_s={self.options.durable.timeout_s:g}"
