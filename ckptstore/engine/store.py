@@ -17,6 +17,8 @@ checkpoint: every tier holds ordinary ``load_sharded`` directories.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -32,6 +34,7 @@ from ..errors import CheckpointError, InvalidArgumentError
 from ..goodput.tracker import GoodputTracker
 from ..names import DAMAGED_DIR, PEER_DIR, data_file, step_dir
 from ..planning.placement import node_of_ranks, replica_holders, replicas_held
+from ..tiers.base import ranks_shown
 from ..tiers.directory import DirectoryTier, committed_steps
 from ..tiers.peer import PeerTier
 from ..tiers.ram import RamTier
@@ -212,6 +215,7 @@ class CheckpointStore:
         self._groups: StoreGroups = store_groups(process_group, opts.timeout_s, opts.peer.timeout_s)
         trainer = self._groups.trainer
         self.rank, self.world = trainer.rank, trainer.world
+        _agree_options(trainer, opts)
         # Which node each rank runs on decides where replicas go: never on the source's node.
         self.nodes = node_of_ranks(trainer.all_gather(_node_identity(opts.peer.node, self.rank)))
         holders = replica_holders(self.nodes, opts.peer.replicas)
@@ -798,3 +802,37 @@ def _owed_promotion(meta: dict[str, Any]) -> bool:
         return True
     count = cadence.get("durable")
     return not isinstance(count, int) or isinstance(count, bool) or count == 0
+
+
+def _collective_options(opts: StoreOptions) -> dict[str, Any]:
+    """The options that decide which collectives a save runs (which tiers it writes, how often, the
+    replica check): ranks that differ in one would wait for each other in different collectives
+    until the group's timeout."""
+    return {"local": opts.local is not None, "local_every": opts.local_every, "durable": opts.durable.url is not None,
+            "durable_every": opts.durable.every, "peer_replicas": opts.peer.replicas, "peer_every": opts.peer.every,
+            "sdc": opts.goodput.sdc, "policy": opts.policy}
+
+
+def _agree_options(group: Group, opts: StoreOptions) -> None:
+    """Refuse, on every rank alike, options that differ between ranks (:func:`_collective_options`):
+    one all-reduce of a digest and its negation, whatever the number of ranks; only a difference
+    gathers every rank's options, to name them."""
+    if group.world == 1:
+        return
+    mine = _collective_options(opts)
+    digest = int.from_bytes(hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).digest()[:7], "little")
+    top, bottom = group.max_int64([digest, -digest])
+    if top == -bottom:
+        return
+    every = group.all_gather(mine)
+    differ = []
+    for name in mine:
+        by_value: dict[str, list[int]] = {}
+        for rank, options in enumerate(every):
+            by_value.setdefault(repr(options[name]), []).append(rank)
+        if len(by_value) > 1:
+            differ.append(f"{name} is " + " but ".join(f"{v} on rank{'s' if len(r) > 1 else ''} {ranks_shown(r)}"
+                                                       for v, r in by_value.items()))
+    raise InvalidArgumentError("CheckpointStore options differ between the ranks of its process group: "
+                               + "; ".join(differ) + ". Every rank must pass the same (which tiers, how often, "
+                               "the replica check and the save policy decide the collectives each save runs)")
