@@ -62,3 +62,23 @@ def dead_peer(rank: int, world: int, out_dir: str) -> None:
             fh.write(str(exc))
         return
     raise AssertionError(f"rank {rank}: max_int64 returned with a dead peer")
+
+
+def swaps(rank: int, world: int, out_dir: str) -> None:
+    """Group.swap_int64 and group_ranks on a subgroup of all ranks but 0 (group ranks are not the
+    global ones): each member sends its neighbours in a ring of the subgroup, twice with a flag in
+    between on the same group, and gets exactly what the previous member sent it."""
+    sub_ranks = list(range(1, world))
+    sub = dist.new_group(sub_ranks)  # collective: every rank creates it
+    if rank not in sub_ranks:
+        return
+    group = Group(sub)
+    assert group.group_ranks(sub_ranks) == tuple(range(len(sub_ranks))), group.group_ranks(sub_ranks)
+    n, me = group.world, group.rank
+    for call in range(2):
+        got = group.swap_int64({(me + 1) % n: [me, call, -me]}, {(me - 1) % n: 3})
+        prev = (me - 1) % n
+        assert got == {prev: [prev, call, -prev]}, (rank, call, got)
+        group.max_int64([me])
+    with open(os.path.join(out_dir, f"swapped-{rank}"), "w") as fh:
+        fh.write("ok")

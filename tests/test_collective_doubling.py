@@ -72,3 +72,12 @@ def test_bench_allreduce_checks_both_ways_and_counts_steps(tmp_path):
     assert [(c["world"], c["ring_steps"], c["doubling_steps"]) for c in doc["cells"]] == [(2, 2, 1), (3, 4, 3)]
     assert doc["fits"]["ring"]["at"]["4096"] / doc["fits"]["ring"]["per_step_s"] == pytest.approx(8190)
     assert doc["fits"]["doubling"]["at"]["4096"] / doc["fits"]["doubling"]["per_step_s"] == pytest.approx(12)
+
+
+def test_neighbours_swap_on_a_subgroup_whose_ranks_are_not_the_global_ones(tmp_path):
+    """What the replica check's round one rests on: global ranks mapped to a subgroup's, and a
+    ring of point-to-point messages there (each member receives exactly its previous member's)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn(4, "doubling_workers:swaps", tmp_path, out_dir=str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["swapped-1", "swapped-2", "swapped-3"]
