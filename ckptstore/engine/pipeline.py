@@ -116,7 +116,8 @@ class SaveHandle:
         self.waited_s, self.staged_s = waited_s, staged_s
 
     def done(self, tier: str = "local") -> bool:
-        """Whether the snapshot reached ``tier`` (or failed); True when it never goes there."""
+        """Whether the snapshot reached ``tier`` (or failed); True when it never goes there (for a
+        step the local tier skips, ``"local"`` answers for its RAM commit, as :meth:`wait` does)."""
         f = self._future(tier)
         return f is None or f.done()
 
