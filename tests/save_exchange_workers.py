@@ -131,3 +131,68 @@ def replica_check_job(rank: int, world: int, name: str, root: str, out: str) -> 
     store.close()
     with open(os.path.join(out, f"sdc-w{world}-r{rank}.json"), "w") as fh:
         json.dump(got, fh)
+
+
+def _reused_state(rank: int, world: int, step: int, *, corrupt: str = "", blank: bool = False) -> dict[str, object]:
+    """Replicas of every kind the check stages or hashes: contiguous plain tensors (hashed in
+    place by the ranks that do not write them), a transposed one (staged to be compared), a
+    replicated DTensor and a sharded one, and a per-rank value that grows at step 4 (within the room
+    the slot keeps for it) and at step 6 (past it). ``corrupt``:
+    the last rank's copy of one replica differs ("transposed", "plain" or "dtensor"). ``blank``:
+    zeros of the same structure, to restore into."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(step)
+    state: dict[str, object] = {f"w{i}": torch.randn(4, 3, generator=g) for i in range(20)}
+    state["t"] = torch.randn(6, 5, generator=g).t()
+    state["h"] = distribute_tensor(torch.randn(8, 6, generator=g), mesh, [Replicate()])
+    state["s"] = distribute_tensor(torch.randn(8, 6, generator=g), mesh, [Shard(0)])
+    state["rng"] = ckptstore.PerRank(torch.arange(3 if step < 4 else 9 if step < 6 else 5000) + 100 * rank + step)
+    if blank:
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                (v.to_local() if hasattr(v, "to_local") else v).zero_()  # type: ignore[operator]
+        state["rng"] = ckptstore.PerRank(None)
+    elif rank == world - 1 and corrupt:
+        target = {"transposed": state["t"], "plain": state["w3"], "dtensor": state["h"].to_local()}[corrupt]  # type: ignore[attr-defined]
+        target[1, 2] += 1.0  # type: ignore[index]
+    return state
+
+
+def replica_check_reuse_job(rank: int, world: int, name: str, root: str, out: str) -> None:
+    """``sdc="warn"`` with the plan reused from the second save on: steps 1-7 of one structure
+    (the per-rank value longer at steps 4 and 6), the last rank's copy of one replica changed at
+    steps 3, 5 and 6; then steps 4 and 7 restored bitwise in a new store. Writes ``out/reuse-w<world>-r<rank>.json``:
+    whether each save reused the plan."""
+    from ckptstore.engine import pipeline
+
+    reused: list[bool] = []
+    real = pipeline.Pipeline._reuse
+
+    def counted(self, job, found):  # type: ignore[no-untyped-def]
+        got = real(self, job, found)
+        reused.append(got is not None)
+        return got
+
+    pipeline.Pipeline._reuse = counted  # type: ignore[method-assign]
+    local = os.path.join(root, f"reuse-local-{world}")
+    with ckptstore.CheckpointStore(name, local=local, keep_local=10, sdc="warn") as store:
+        for step in range(1, 8):
+            corrupt = {3: "transposed", 5: "plain", 6: "dtensor"}.get(step, "")
+            store.save(step, _reused_state(rank, world, step, corrupt=corrupt)).wait("local")
+    with ckptstore.CheckpointStore(name + "-again", local=local, keep_local=10, sdc="warn") as fresh:
+        for step in (4, 7):
+            got = _reused_state(rank, world, step, blank=True)
+            assert fresh.restore(got, step=step) == step
+            want = _reused_state(rank, world, step)
+            for k, v in want.items():
+                if isinstance(v, ckptstore.PerRank):
+                    assert torch.equal(got[k].value, v.value), (rank, step, k)  # type: ignore[attr-defined]
+                else:
+                    a = got[k].to_local() if hasattr(got[k], "to_local") else got[k]  # type: ignore[attr-defined]
+                    b = v.to_local() if hasattr(v, "to_local") else v  # type: ignore[attr-defined]
+                    assert torch.equal(a, b), (rank, step, k)
+    with open(os.path.join(out, f"reuse-w{world}-r{rank}.json"), "w") as fh:
+        json.dump({"reused": reused}, fh)

@@ -108,3 +108,24 @@ def test_the_replica_check_names_the_changed_replica_and_its_rank_across_structu
         (box,) = _sdc(root, world, 6)["mismatches"]
         assert box["key"] == "h" and box["offsets"] == [0 if world == 2 else 4, 0], (world, box)
         assert box["suspects"] == ([last - 2, last] if world > 2 else [0, 1]), box
+
+
+@pytest.fixture(scope="module")
+def reused(tmp_path_factory):
+    return _run(tmp_path_factory, "save-exchanges-sdc-reuse", "replica_check_reuse_job", "reuse-")
+
+
+def test_the_replica_check_keeps_a_structures_plan_and_still_finds_every_kind_of_replica(reused):
+    """With the check on, a save of an unchanged structure stages into the last save's plan (it
+    used to plan afresh at every save: per-tensor work at each one); the replicas hashed in place,
+    those staged only to be compared and a DTensor's replicated box are still compared at every
+    save. A per-rank value's new length moves the slot's tail, the check's entries behind it (step
+    4), until it outgrows the room kept for it (step 6: planned afresh). The job restores steps 4
+    and 7 bitwise."""
+    root, got = reused
+    for world in (2, 4):
+        assert {tuple(g["reused"]) for g in got[world]} == {(False, True, True, True, True, False, True)}, got
+        sdc = {step: json.loads((root / f"reuse-local-{world}" / f"step-{step:012d}" / "manifest.json").read_text())
+               ["meta"]["sdc"]["mismatches"] for step in range(1, 8)}
+        assert {step: [m["key"] for m in found] for step, found in sdc.items()} == {
+            1: [], 2: [], 3: ["t"], 4: [], 5: ["w3"], 6: ["h"], 7: []}, (world, sdc)

@@ -225,6 +225,12 @@ class _Planned:
     plain: bool = False
     # ``order`` is every tensor of the fingerprint in its order (no entry is a view, none left out).
     whole: bool = False
+    # The replica check's share of the plan (sdc on): the replicated boxes and their groups, the
+    # entries staged only to be compared, and the host-memory replicas hashed in place, each found
+    # again as (key, index among the fingerprint's tensors, view or None).
+    replicated: dict[str, tuple] | None = None
+    check: frozenset[str] = frozenset()
+    live: list[tuple[str, int, tuple[tuple[int, ...], tuple[int, ...], int] | None]] = dataclasses.field(default_factory=list)
 
 
 class Pipeline:
@@ -378,7 +384,7 @@ class Pipeline:
                 "saved again; restore first and continue after it, or give a new run its own job name and directories"
             )
         tree = state.state_dict() if isinstance(state, TrainState) else state
-        self._found = _Found(tree, on=not self.check.on)
+        self._found = _Found(tree)
         reused = self._reuse(job, self._found.fingerprint)
         if reused is not None:
             return reused
@@ -401,13 +407,14 @@ class Pipeline:
         names = [box_alias(m.key, n) for m, n in zip(frozen + rest, _box_numbers(frozen + rest))]
         items = [(name, local.items[(m.key, m.offsets, m.sizes)]) for name, m in zip(names, frozen + rest)]
         breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
-        tail = len(items) - len(own) if own and not self.check.on else None
-        items += self.check.items(local, mine, job, structure.same, structure.plain)
+        tail = len(items) - len(own) if own else None
+        checked = self.check.items(local, mine, job, structure.same, structure.plain)
+        items += checked
         job.header = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
         job.shared = job.header if structure.representative else {}
         job.boxes = {name: m.offsets for name, m in zip(names, frozen + rest)}
-        self._size_slots(items, breaks, tail)
-        job.layout = Layout.of(items, breaks, tail)
+        self._size_slots(items, breaks, tail, len(checked))
+        job.layout = Layout.of(items, breaks, tail, len(checked))
         self._planned = self._remember(job, local, items, len(frozen), breaks, structure)
         return items, len(frozen), breaks
 
@@ -417,7 +424,7 @@ class Pipeline:
         has no fingerprint (see planning.flatten.fingerprint) or a staged entry cannot be found
         again among its tensors."""
         found = self._found
-        if found is None or found.fingerprint is None or self.check.on or job.layout is None:
+        if found is None or found.fingerprint is None or job.layout is None:
             return None
         leaves = found.fingerprint[0]
         where = {id(t): i for i, t in enumerate(leaves)}
@@ -428,34 +435,46 @@ class Pipeline:
             return None
         for a, b in zip(mine, found.blobs):
             where[id(a)] = where[id(b)]
+        storages: dict[tuple[str, int], list[int]] = {}
+
+        def locate(t: torch.Tensor) -> tuple[int, tuple[tuple[int, ...], tuple[int, ...], int] | None] | None:
+            i = where.get(id(t))
+            if i is not None:
+                return i, None
+            # A DTensor's box: a view of its local tensor, which the fingerprint holds.
+            if not storages:
+                for j, leaf in enumerate(leaves):
+                    storages.setdefault(_storage_of(leaf), []).append(j)
+            held = {id(leaves[j]): j for j in storages.get(_storage_of(t), [])}
+            if len(held) != 1:
+                return None
+            i = next(iter(held.values()))
+            leaf = leaves[i]
+            geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - leaf.storage_offset())
+            return i, (geometry if geometry != (tuple(leaf.shape), tuple(leaf.stride()), 0) else None)
+
         order: list[int] = []
         views: list[tuple[tuple[int, ...], tuple[int, ...], int] | None] = []
-        storages: dict[tuple[str, int], list[int]] | None = None
         for _, t in items:
-            i = where.get(id(t))
-            view = None
-            if i is None:
-                # A DTensor's box: a view of its local tensor, which the fingerprint holds.
-                if storages is None:
-                    storages = {}
-                    for j, leaf in enumerate(leaves):
-                        storages.setdefault(_storage_of(leaf), []).append(j)
-                held = {id(leaves[j]): j for j in storages.get(_storage_of(t), [])}
-                if len(held) != 1:
-                    return None
-                i = next(iter(held.values()))
-                leaf = leaves[i]
-                geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - leaf.storage_offset())
-                if geometry != (tuple(leaf.shape), tuple(leaf.stride()), 0):
-                    view = geometry
-            order.append(i)
-            views.append(view)
+            got = locate(t)
+            if got is None:
+                return None
+            order.append(got[0])
+            views.append(got[1])
+        live = []
+        for key, t in job.live.items():
+            got = locate(t)
+            if got is None:
+                return None
+            live.append((key, *got))
         return _Planned(key=found.fingerprint[1], structure=structure, digest=job.digest,
                         names=[name for name, _ in items], order=order,
                         views=views if any(v is not None for v in views) else None, frozen_count=frozen_count,
                         breaks=breaks, layout=job.layout, shared=job.shared, header=job.header, boxes=job.boxes,
                         whole=order == list(range(len(leaves))) and not any(v is not None for v in views),
-                        plain=all(t.device.type == "cpu" and t.is_contiguous() and not t.is_complex() for _, t in items))
+                        plain=all(t.device.type == "cpu" and t.is_contiguous() and not t.is_complex() for _, t in items),
+                        replicated=dict(job.replicated) if self.check.on else None, check=frozenset(job.check),
+                        live=live)
 
     def _reuse(self, job: StepJob, found: tuple[list[Any], list[Any]] | None) -> tuple[list[tuple[str, Any]], int, frozenset[int]] | None:
         """The last save's plan with this save's tensors in it, when nothing structural changed:
@@ -467,32 +486,40 @@ class Pipeline:
                 or planned.structure is not self._structure[1] or found[1] != planned.key):
             return None
         leaves = found[0]
-        layout = planned.layout
-        if layout.tail is not None:
-            tail = [(name, leaves[i]) for name, i in zip(planned.names[layout.tail:], planned.order[layout.tail:])]
-            if any(t.numel() != e.nbytes for (_, t), e in zip(tail, layout.entries[layout.tail:])):
-                # A per-rank value's encoding changed length (an RNG state's numbers, a loader's
-                # position): the same plan, with the slot's tail and those entries' shapes anew.
-                moved = layout.with_tail(tail)
-                if moved is None:
-                    return None
-                header = planned.header
-                if header:
-                    tensors = dict(header["tensors"])
-                    tensors.update((name, ("uint8", (t.numel(),))) for name, t in tail if name in tensors)
-                    header = {**header, "tensors": tensors}
-                planned = self._planned = dataclasses.replace(planned, layout=moved, header=header,
-                                                              shared=header if planned.shared else {})
-        job.digest, job.shared, job.boxes, job.layout = planned.digest, planned.shared, planned.boxes, planned.layout
-        job.header, job.plain = planned.header, planned.plain
+
+        def source(i: int, v: tuple[tuple[int, ...], tuple[int, ...], int] | None) -> torch.Tensor:
+            return leaves[i] if v is None else leaves[i].as_strided(v[0], v[1], leaves[i].storage_offset() + v[2])
+
         if planned.whole:  # the fingerprint's tensors are the sources, in the slot's order
             items = list(zip(planned.names, leaves))
         elif planned.views is None:
             # zip and map, not a comprehension: no bytecode per tensor.
             items = list(zip(planned.names, map(leaves.__getitem__, planned.order)))
         else:
-            items = [(name, leaves[i] if v is None else leaves[i].as_strided(v[0], v[1], leaves[i].storage_offset() + v[2]))
-                     for name, i, v in zip(planned.names, planned.order, planned.views)]
+            items = list(zip(planned.names, map(source, planned.order, planned.views)))
+        layout = planned.layout
+        if layout.tail is not None:
+            tail = items[layout.tail:]
+            if any(t.numel() * t.element_size() != e.nbytes for (_, t), e in zip(tail, layout.entries[layout.tail:])):
+                # A per-rank value's encoding changed length (an RNG state's numbers, a loader's
+                # position): the same plan, with the slot's tail and those entries' shapes anew
+                # (the replica check's entries, behind them, only move).
+                moved = layout.with_tail(tail)
+                if moved is None:
+                    return None
+                header = planned.header
+                if header:
+                    grown = tail[: len(tail) - layout.fixed]
+                    tensors = dict(header["tensors"])
+                    tensors.update((name, ("uint8", (t.numel(),))) for name, t in grown if name in tensors)
+                    header = {**header, "tensors": tensors}
+                planned = self._planned = dataclasses.replace(planned, layout=moved, header=header,
+                                                              shared=header if planned.shared else {})
+        job.digest, job.shared, job.boxes, job.layout = planned.digest, planned.shared, planned.boxes, planned.layout
+        job.header, job.plain = planned.header, planned.plain
+        if planned.replicated is not None:
+            job.replicated, job.check = planned.replicated, set(planned.check)
+            job.live = {key: source(i, v) for key, i, v in planned.live}
         return items, planned.frozen_count, planned.breaks
 
     def _vote(self, step: int, error: BaseException | None, busy: bool, plan: Any,
@@ -556,11 +583,12 @@ class Pipeline:
         self.peer_off = any(v["peer_off"] for v in votes)
         return any(v["busy"] for v in votes), votes[0]["plan"], [v["digest"] for v in votes]
 
-    def _size_slots(self, items: list[tuple[str, Any]], breaks: frozenset[int], tail: int | None = None) -> None:
+    def _size_slots(self, items: list[tuple[str, Any]], breaks: frozenset[int], tail: int | None = None,
+                    fixed: int = 0) -> None:
         """Fix the number of staging slots at the first save, from ram_budget_bytes."""
         if self._slots_set:
             return
-        size = Layout.of(items, breaks, tail).total
+        size = Layout.of(items, breaks, tail, fixed).total
         budget = self.options.ram_budget_bytes
         if budget is not None:
             slots = budget // size
@@ -1267,25 +1295,23 @@ def _copy_outcome(src: concurrent.futures.Future[None], dst: concurrent.futures.
 
 class _Found:
     """A save's state as its fingerprint sees it: the tree, the fingerprint (None when the state
-    has none, or the replica check is on: it stages what the plan alone does not say), and the
-    per-rank values' bytes, encoded once for both the fingerprint and a collect of the same save."""
+    has none), and the per-rank values' bytes, encoded once for both the fingerprint and a collect
+    of the same save."""
 
-    def __init__(self, tree: Any, *, on: bool) -> None:
+    def __init__(self, tree: Any) -> None:
         self.tree = tree
         self.blobs: list[torch.Tensor] = []
         self._encoded: list[bytes] = []
-        self.fingerprint: tuple[list[Any], list[Any]] | None = None
-        if on:
-            # A process that never imported torch.distributed.tensor holds no DTensor, and importing
-            # it here would cost the first save seconds (it pulls in sympy).
-            module = sys.modules.get("torch.distributed.tensor")
-            dtensor = getattr(module, "DTensor", None) if module is not None else None
-            # Without grad, DTensor.to_local() (the public path, where torch lacks the private
-            # attributes) is the local tensor itself, not an autograd view (tens of microseconds each).
-            with torch.no_grad():
-                self.fingerprint = fingerprint(tree, self._per_rank, dtensor)
-            if self.fingerprint is None:
-                self._encoded = []
+        # A process that never imported torch.distributed.tensor holds no DTensor, and importing
+        # it here would cost the first save seconds (it pulls in sympy).
+        module = sys.modules.get("torch.distributed.tensor")
+        dtensor = getattr(module, "DTensor", None) if module is not None else None
+        # Without grad, DTensor.to_local() (the public path, where torch lacks the private
+        # attributes) is the local tensor itself, not an autograd view (tens of microseconds each).
+        with torch.no_grad():
+            self.fingerprint: tuple[list[Any], list[Any]] | None = fingerprint(tree, self._per_rank, dtensor)
+        if self.fingerprint is None:
+            self._encoded = []
 
     def _per_rank(self, obj: Any) -> tuple[torch.Tensor, Any] | None:
         if type(obj) is PerRank:

@@ -101,15 +101,20 @@ class Layout:
     tail: int | None = None
     # The layout this one was derived from by with_tail: every entry before ``tail`` is the same.
     base: Layout | None = field(default=None, compare=False, repr=False)
+    # Where the slot is cut (see :meth:`of`), and how many entries at the end keep their length
+    # behind a tail that moves them (the replica check's, staged after every written entry).
+    breaks: frozenset[int] = field(default=frozenset(), compare=False, repr=False)
+    fixed: int = 0
 
     @classmethod
     def of(cls, items: list[tuple[str, torch.Tensor]], breaks: frozenset[int] = frozenset(),
-           tail: int | None = None) -> Layout:
+           tail: int | None = None, fixed: int = 0) -> Layout:
         """Entries of 1 MiB or more start 4 KiB-aligned, smaller ones 64 bytes apart (the padding
         would otherwise be most of a state of small tensors, in RAM and in every file written from
         the slot), and so does the entry at each index in ``breaks``: the store cuts the slot there
         (frozen entries first, replica-check entries last). With a ``tail``, the slot keeps room for
-        the tail's entries to grow (to twice their bytes, at least 4 KiB more) without a new one."""
+        the tail's entries but the ``fixed`` last ones to grow (to twice their bytes, at least 4 KiB
+        more) without a new one."""
         entries, pos = [], 0
         for i, (key, t) in enumerate(items):
             name = dtype_name(t.dtype)
@@ -119,10 +124,10 @@ class Layout:
             pos = align_up(pos) if nbytes >= SMALL_BYTES or i in breaks else align_up(pos, SMALL_ALIGN)
             entries.append(SlotEntry(key, name, tuple(t.shape), pos, nbytes))
             pos += nbytes
-        if tail is None or tail >= len(entries):
+        if tail is None or tail >= len(entries) - fixed:
             return cls(tuple(entries), max(align_up(pos), 4096))
-        spare = max(sum(e.nbytes for e in entries[tail:]), 4096)
-        return cls(tuple(entries), max(align_up(pos + spare), 4096), tail)
+        spare = max(sum(e.nbytes for e in entries[tail : len(entries) - fixed]), 4096)
+        return cls(tuple(entries), max(align_up(pos + spare), 4096), tail, breaks=breaks, fixed=fixed)
 
     def with_tail(self, items: list[tuple[str, torch.Tensor]]) -> Layout | None:
         """This layout with its tail's entries laid out again for ``items`` (the tail's new values,
@@ -131,14 +136,14 @@ class Layout:
         head = self.entries[: self.tail]
         pos = head[-1].offset + head[-1].nbytes if head else 0
         entries = list(head)
-        for (key, t), old in zip(items, self.entries[self.tail :]):
+        for i, ((key, t), old) in enumerate(zip(items, self.entries[self.tail :]), self.tail):
             nbytes = t.numel() * t.element_size()
-            pos = align_up(pos) if nbytes >= SMALL_BYTES else align_up(pos, SMALL_ALIGN)
+            pos = align_up(pos) if nbytes >= SMALL_BYTES or i in self.breaks else align_up(pos, SMALL_ALIGN)
             entries.append(SlotEntry(key, old.dtype, tuple(t.shape), pos, nbytes))
             pos += nbytes
         if align_up(pos) > self.total:
             return None
-        return Layout(tuple(entries), self.total, self.tail, self.base or self)
+        return Layout(tuple(entries), self.total, self.tail, self.base or self, self.breaks, self.fixed)
 
     @functools.cached_property
     def family(self) -> str:
