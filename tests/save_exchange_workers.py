@@ -81,27 +81,39 @@ def _replicated_state(rank: int, world: int, step: int, *, corrupt: str = "") ->
     """Plain tensors every rank holds alike, a DTensor replicated over the first dimension of a
     (2, world / 2) mesh (HSDP-like: pairs of ranks hold each box) and a plain tensor of each rank's
     own, which gives every rank a structure of its own (as the TP columns of an FSDP x TP job have):
-    the plain tensors are compared across structures. ``corrupt``: the last rank holds other bytes
-    in one plain tensor ("plain") or in its box of the DTensor ("dtensor")."""
+    the plain tensors are compared across structures. And a DTensor replicated over the first mesh
+    dimension and strided over the second (FSDP2 over TP's `_StridedShard`), which leaves a rank
+    of four two separate boxes of one key. ``corrupt``: the last rank holds other bytes in one plain
+    tensor ("plain"), in its box of the DTensor ("dtensor") or in its last box of the strided one
+    ("strided")."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(step)
     state: dict[str, object] = {f"w{i}": torch.randn(4, 3, generator=g) for i in range(40)}
     state["h"] = distribute_tensor(torch.randn(8, 6, generator=g), mesh, [Replicate(), Shard(0)])
     state[f"own{rank}"] = torch.randn(7, generator=torch.Generator().manual_seed(step * 10 + rank))
+    # _StridedShard(0, split_factor=2) over the second dimension: this rank's cut of each half of the rows.
+    full = torch.randn(8, 3, generator=g)
+    cut, at = 4 // (world // 2), mesh.get_coordinate()[1]
+    local = torch.cat([full[half + at * cut: half + (at + 1) * cut] for half in (0, 4)])
+    state["x"] = DTensor.from_local(local, mesh, [Replicate(), _StridedShard(0, split_factor=2)], run_check=False,
+                                    shape=full.shape, stride=full.stride())
     if corrupt == "plain" and rank == world - 1:
         state["w3"][1, 2] += 1.0  # type: ignore[index]
     if corrupt == "dtensor" and rank == world - 1:
         state["h"].to_local()[0, 0] += 1.0  # type: ignore[attr-defined]
+    if corrupt == "strided" and rank == world - 1:
+        state["x"].to_local()[-1, 0] += 1.0  # type: ignore[attr-defined]
     return state
 
 
 def replica_check_job(rank: int, world: int, name: str, root: str, out: str) -> None:
     """``sdc="warn"`` on one node's local directory: steps 1-4 saved with every replica alike (3 and
     4 counted as steady saves), step 5 with the last rank's copy of a plain tensor changed, step 6
-    with its box of the DTensor changed. Writes ``out/sdc-w<world>-r<rank>.json``: bytes and
+    with its box of the DTensor changed, step 7 its last box of the strided DTensor. Writes ``out/sdc-w<world>-r<rank>.json``: bytes and
     collectives by group of the steady saves, and the bytes of the neighbours' swap apart."""
     from ckptstore import collective
 
@@ -115,8 +127,8 @@ def replica_check_job(rank: int, world: int, name: str, root: str, out: str) -> 
     collective.Group.swap_int64 = counted  # type: ignore[method-assign]
     store = ckptstore.CheckpointStore(name, local=os.path.join(root, f"sdc-local-{world}"), keep_local=10, sdc="warn")
     got: dict[str, dict[str, float]] = {}
-    for step in (1, 2, 3, 4, 5, 6):
-        state = _replicated_state(rank, world, step, corrupt={5: "plain", 6: "dtensor"}.get(step, ""))
+    for step in (1, 2, 3, 4, 5, 6, 7):
+        state = _replicated_state(rank, world, step, corrupt={5: "plain", 6: "dtensor", 7: "strided"}.get(step, ""))
         if step in (3, 4):
             swapped[0] = 0
             with counting() as traffic:

@@ -98,7 +98,7 @@ def test_the_replica_check_names_the_changed_replica_and_its_rank_across_structu
     tensors they all hold are still compared over every rank."""
     root, _got = checked
     for world in (2, 4):
-        for step in (1, 2, 3, 4):
+        for step in (1, 2, 3, 4):  # every replica alike: nothing named
             assert _sdc(root, world, step) == {"policy": "warn", "mismatches": []}, (world, step)
         last = world - 1
         (plain,) = _sdc(root, world, 5)["mismatches"]
@@ -108,6 +108,12 @@ def test_the_replica_check_names_the_changed_replica_and_its_rank_across_structu
         (box,) = _sdc(root, world, 6)["mismatches"]
         assert box["key"] == "h" and box["offsets"] == [0 if world == 2 else 4, 0], (world, box)
         assert box["suspects"] == ([last - 2, last] if world > 2 else [0, 1]), box
+        # At four ranks each holds two boxes of the strided DTensor (rows 2-3 and 6-7 on the last):
+        # the second is the one named, with the pair that holds it.
+        (strided,) = _sdc(root, world, 7)["mismatches"]
+        assert (strided["key"], strided["offsets"], strided["sizes"]) == (
+            ("x", [0, 0], [8, 3]) if world == 2 else ("x", [6, 0], [2, 3])), (world, strided)
+        assert strided["suspects"] == ([last - 2, last] if world > 2 else [0, 1]), strided
 
 
 @pytest.fixture(scope="module")

@@ -46,8 +46,8 @@ class StepJob:
     own: dict[str, Any] | None = None
     check: set[str] = field(default_factory=set)  # keys staged only to compare replicas (sdc), never written
     live: dict[str, Any] = field(default_factory=dict)  # CPU replicas another rank writes: hashed in place (sdc)
-    # key -> (offsets, sizes, kind, group) of the replicated boxes this rank holds (group: the store's
-    # ranks holding the same box)
+    # slot entry name -> (key, offsets, sizes, kind, group) of the replicated boxes this rank holds
+    # (group: the store's ranks holding the same box)
     replicated: dict[str, tuple] = field(default_factory=dict)
     sdc: list[dict[str, Any]] | None = None  # replica mismatches found at this step (None: not checked)
     suspect: int = 0  # 1 when a replica group's neighbour held other bytes (round one of the check)

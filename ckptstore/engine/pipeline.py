@@ -408,7 +408,8 @@ class Pipeline:
         items = [(name, local.items[(m.key, m.offsets, m.sizes)]) for name, m in zip(names, frozen + rest)]
         breaks = frozenset({len(frozen), len(items)})  # where the frozen and the replica-check entries end
         tail = len(items) - len(own) if own else None
-        checked = self.check.items(local, mine, job, structure.same, structure.plain)
+        written = {(m.key, m.offsets, m.sizes): name for name, m in zip(names, frozen + rest)}
+        checked = self.check.items(local, written, job, structure.same, structure.plain)
         items += checked
         job.header = {"tree": local.tree, "tensors": local.tensors, "layouts": local.layouts}
         job.shared = job.header if structure.representative else {}

@@ -24,6 +24,9 @@ from .job import StepJob
 
 log = logging.getLogger("ckptstore")
 
+# Between a key and a box's offsets in the slot entry name of a replica staged only to be compared.
+_CHECK_MARK = "@check@"
+
 
 class ReplicaCheck:
     def __init__(self, mode: str, rank: int, world: int,
@@ -33,33 +36,43 @@ class ReplicaCheck:
         self._group_ranks = group_ranks  # global ranks (a DTensor mesh's) -> the store's group ranks
         self._groups: dict[tuple[int, ...], tuple[int, ...]] = {}
 
-    def items(self, local: Any, mine: list[Any], job: StepJob, same: Sequence[int] | None = None,
-              plain: Mapping[str, tuple[int, ...]] | None = None) -> list[tuple[str, Any]]:
+    def items(self, local: Any, written: Mapping[tuple[str, tuple[int, ...], tuple[int, ...]], str], job: StepJob,
+              same: Sequence[int] | None = None, plain: Mapping[str, tuple[int, ...]] | None = None
+              ) -> list[tuple[str, Any]]:
         """Every replica's bytes get a checksum: the replicated boxes this rank holds but another
         rank writes are hashed in place while save blocks when they sit contiguous in host memory
         (reading costs less than copying), and staged after everything written (never written)
-        otherwise. Each box's replica group is noted: for a plain tensor every rank holding it as
-        one (``plain``, from the ranks' agreement on their structures; else ``same``, the ranks of
-        this rank's structure, all by default), for a DTensor's box the ranks along its replicated
-        mesh dimensions. Returns the entries to stage for the check."""
+        otherwise. ``written``: the slot entry name of each box this rank writes. Each box's replica
+        group is noted: for a plain tensor every rank holding it as one (``plain``, from the ranks'
+        agreement on their structures; else ``same``, the ranks of this rank's structure, all by
+        default), for a DTensor's box the ranks along its replicated mesh dimensions. A rank may
+        hold several boxes of one key (a strided layout): each is noted under its entry's name.
+        Returns the entries to stage for the check."""
         if not self.on:
             return []
         everyone = tuple(range(self.world)) if same is None else tuple(same)
         plain = plain or {}
-        writes = {(m.key, m.offsets, m.sizes) for m in mine}
         extra = []
+        taken = set(written.values())
         for box, tensor in local.items.items():
             holders = local.holders[box]
             if holders[0] == "own" or (holders[0] == "replicas" and holders[1] < 2) or tensor.numel() == 0:
                 continue
             group = plain.get(box[0], everyone) if holders[0] == "all" else self._ranks(holders[3])
-            job.replicated[box[0]] = (box[1], box[2], holders[0], group)
-            if box in writes:
+            name = written.get(box)
+            if name is None:
+                # Never written: a name no written entry has (offsets tell a key's boxes apart).
+                name = f"{box[0]}{_CHECK_MARK}{','.join(map(str, box[1]))}"
+                while name in taken:  # a key of the state spelled like that
+                    name += "'"
+                taken.add(name)
+            job.replicated[name] = (box[0], box[1], box[2], holders[0], group)
+            if box in written:
                 continue
             if tensor.device.type == "cpu" and tensor.is_contiguous():
-                job.live[box[0]] = tensor
+                job.live[name] = tensor
             else:
-                extra.append((box[0], tensor))
+                extra.append((name, tensor))
         job.check = {k for k, _ in extra}
         return extra
 
@@ -86,7 +99,7 @@ class ReplicaCheck:
     def neighbours(self, group: Group, job: StepJob) -> int:
         """Round one, once every rank staged the step (so every rank knows its groups): swap each
         replica group's digest with the group's neighbours; 1 when a neighbour's differs, else 0."""
-        digests = sdc.group_digests(self._held(job), {k: v[3] for k, v in job.replicated.items()})
+        digests = sdc.group_digests(self._held(job), {v[0]: v[4] for v in job.replicated.values()})
         send, expect = sdc.ring(digests, group.rank)
         got = group.swap_int64(send, {r: len(v) for r, v in expect.items()})
         return int(any(got[r] != v for r, v in expect.items()))

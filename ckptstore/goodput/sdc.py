@@ -19,8 +19,11 @@ from typing import Any
 
 
 def boxes(replicated: dict[str, tuple], sums: dict[str, Any]) -> list[list[Any]]:
-    """``[key, offsets, sizes, kind, checksum]`` of every replicated box this rank holds, sorted."""
-    return sorted([k, list(v[0]), list(v[1]), v[2], sums[k]["checksum"]] for k, v in replicated.items() if k in sums)
+    """``[key, offsets, sizes, kind, checksum]`` of every replicated box this rank holds, sorted;
+    ``replicated`` maps each box's slot entry name to (key, offsets, sizes, kind, group), ``sums``
+    each entry name to its checksums."""
+    return sorted([v[0], list(v[1]), list(v[2]), v[3], sums[name]["checksum"]]
+                  for name, v in replicated.items() if name in sums)
 
 
 def _int64(value: Any) -> int:
