@@ -208,3 +208,42 @@ def replica_check_reuse_job(rank: int, world: int, name: str, root: str, out: st
                     assert torch.equal(a, b), (rank, step, k)
     with open(os.path.join(out, f"reuse-w{world}-r{rank}.json"), "w") as fh:
         json.dump({"reused": reused}, fh)
+
+
+def replica_check_replan_job(rank: int, world: int, name: str, root: str, out: str) -> None:
+    """``sdc="warn"``, three ranks holding "x" and "y" alike; the last rank drops "x" from step 3
+    on, so at step 3 the others take their reused plan and then plan again after the vote. Saves
+    are not waited for, rank 0's round one of step 2 is held back 2 s and rank 1 reaches step 3
+    1.5 s late: step 2 is still being compared while step 3 is planned. Writes
+    ``out/replan-r<rank>.json``: the replica groups each step's round one saw, and its mismatches."""
+    import time
+
+    from ckptstore.engine import pipeline, replicas
+
+    jobs: dict[int, object] = {}
+    seen: dict[int, dict[str, list[int]]] = {}
+    collect, neighbours = pipeline.Pipeline._collect, replicas.ReplicaCheck.neighbours
+
+    def remembered(self, job, state):  # type: ignore[no-untyped-def]
+        jobs[job.step] = job
+        return collect(self, job, state)
+
+    def held_back(self, group, job):  # type: ignore[no-untyped-def]
+        if rank == 0 and job.step == 2:
+            time.sleep(2.0)
+        seen[job.step] = {v[0]: list(v[4]) for v in job.replicated.values()}
+        return neighbours(self, group, job)
+
+    pipeline.Pipeline._collect = remembered  # type: ignore[method-assign]
+    replicas.ReplicaCheck.neighbours = held_back  # type: ignore[method-assign]
+    with ckptstore.CheckpointStore(name, local=os.path.join(root, f"replan-{rank}"), sdc="warn") as store:
+        for step in (1, 2, 3, 4):
+            if rank == 1 and step == 3:
+                time.sleep(1.5)
+            g = torch.Generator().manual_seed(step)
+            state = {"x": torch.randn(64, generator=g), "y": torch.randn(64, generator=g)}
+            if rank == world - 1 and step >= 3:
+                del state["x"]
+            store.save(step, state)
+    with open(os.path.join(out, f"replan-r{rank}.json"), "w") as fh:
+        json.dump({"seen": seen, "sdc": {s: j.sdc for s, j in jobs.items()}}, fh)  # type: ignore[attr-defined]

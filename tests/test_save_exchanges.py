@@ -135,3 +135,22 @@ def test_the_replica_check_keeps_a_structures_plan_and_still_finds_every_kind_of
                ["meta"]["sdc"]["mismatches"] for step in range(1, 8)}
         assert {step: [m["key"] for m in found] for step, found in sdc.items()} == {
             1: [], 2: [], 3: ["t"], 4: [], 5: ["w3"], 6: ["h"], 7: []}, (world, sdc)
+
+
+def test_a_step_still_being_compared_keeps_its_replica_groups_when_the_next_save_plans_again(tmp_path):
+    """A reused plan's replica groups belong to each save that reuses them: a save that plans again
+    after the vote (another rank dropped a key) used to rewrite them in place while the previous step
+    was still being compared, whose round one then swapped other messages than its neighbours'."""
+    out = tmp_path / "out"
+    out.mkdir()
+    name = f"test-replan-{tmp_path.name}"
+    try:
+        dist_workers.spawn(3, "save_exchange_workers:replica_check_replan_job", tmp_path, name=name,
+                           root=str(tmp_path), out=str(out))
+    finally:
+        wipe_ram(name)
+    got = [json.loads((out / f"replan-r{r}.json").read_text()) for r in range(3)]
+    for r in (0, 1):
+        assert got[r]["seen"]["2"] == {"x": [0, 1, 2], "y": [0, 1, 2]}, got[r]
+        assert got[r]["seen"]["3"] == {"x": [0, 1], "y": [0, 1, 2]}, got[r]
+    assert all(g["sdc"][s] == [] for g in got for s in ("1", "2", "3", "4")), got

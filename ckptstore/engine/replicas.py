@@ -50,6 +50,10 @@ class ReplicaCheck:
         Returns the entries to stage for the check."""
         if not self.on:
             return []
+        # Fresh for each plan: a reused plan hands its own to every save that reuses it, and a save
+        # that planned again after the vote (another rank's structure changed) must not rewrite
+        # what an earlier step, still being compared, reads.
+        job.replicated, job.live = {}, {}
         everyone = tuple(range(self.world)) if same is None else tuple(same)
         plain = plain or {}
         extra = []
@@ -114,14 +118,16 @@ class ReplicaCheck:
 
     def verdict(self, job: StepJob, event: Callable[..., None]) -> None:
         """Report the mismatches found at ``job``'s step; under ``sdc="raise"`` the save fails (the
-        step stays in RAM and local for inspection, and is never promoted)."""
+        step stays in RAM, and on the local tier where it went there, for inspection, and is never
+        promoted)."""
         if not job.sdc:
             return
         message = sdc.describe(job.step, job.sdc)
         event("sdc", step=job.step, mismatches=job.sdc)
         if self.mode == "raise":
-            raise CheckpointError(message + " (the step is kept in RAM and local for inspection; a restore skips it, "
-                                            "and moves its local copy to <local>/damaged/)")
+            raise CheckpointError(message + " (the step is kept for inspection in RAM, and on the local tier where "
+                                            "it went there; a restore skips it, and moves a local copy to "
+                                            "<local>/damaged/)")
         if self.rank == 0:
             log.warning("ckptstore: %s", message)
 
