@@ -8,6 +8,7 @@ store's restore into another layout falls back from the damaged local copy to th
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_workers import spawn
 
 from ckptstore.checkpoint import coop
@@ -76,6 +77,30 @@ def test_plan_spreads_the_reading_and_keeps_rounds_within_the_budget():
     # The saved layout: reads are disjoint, nothing to exchange.
     rowwise = [[("t", (c.offsets, c.sizes))] for c in manifest.tensors["t"].chunks]
     assert coop.plan(manifest, rowwise, budget).rounds == []
+
+
+def test_the_rounds_of_a_load_carve_one_buffer_grown_to_the_fullest_round():
+    """Each round's reads, sends and receives are views of one buffer, not fresh tensors: freed
+    per round they stayed resident in glibc's heap, 2-3x buffer_bytes after a load."""
+    arena = coop._Arena()
+    arena.reset()
+    first = [arena.take((3, 5), torch.float32), arena.take((7,), torch.uint8)]  # no buffer yet: on their own
+    assert [t.untyped_storage().nbytes() for t in first] == [60, 7]
+    arena.reset()
+    a = arena.take((3, 5), torch.float32)
+    b = arena.take((7,), torch.uint8)
+    c = arena.take((2,), torch.complex128)
+    storage = a.untyped_storage().data_ptr()
+    assert b.untyped_storage().data_ptr() == storage and b.data_ptr() >= a.data_ptr() + a.nbytes  # one buffer
+    assert all(t.data_ptr() % 16 == 0 for t in (a, b, c))
+    a.fill_(1.0), b.fill_(2), c.fill_(3)  # the third outgrew the buffer this round: on its own
+    assert c.untyped_storage().data_ptr() != storage
+    assert a.sum() == 15 and b.sum() == 14 and c.real.sum() == 6
+    arena.reset()  # the next round: from the front of a buffer grown to the fullest round
+    again = [arena.take((3, 5), torch.float32), arena.take((7,), torch.uint8), arena.take((2,), torch.complex128)]
+    assert len({t.untyped_storage().data_ptr() for t in again}) == 1
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in again)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two overlap
 
 
 def test_a_restore_from_the_nodes_reads_whole_chunks_itself_and_shares_only_slices():

@@ -361,9 +361,10 @@ def _json(obj: Any) -> bytes:
 
 
 def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_bytes: int,
-         read_direct: Callable[[list[ReadTarget]], None], where: str = "", *, share_whole: bool = True) -> Plan | None:
-    """Fill ``targets`` (this rank's boxes) cooperatively; ``read_direct`` is the load's own read
-    path (verified reads of the given boxes). Collective: every rank of ``group`` calls this or
+         read_direct: Callable[..., None], where: str = "", *, share_whole: bool = True) -> Plan | None:
+    """Fill ``targets`` (this rank's boxes) cooperatively; ``read_direct(targets, staging=None)`` is
+    the load's own read path (verified reads of the given boxes; ``staging(nbytes)``, when given,
+    hands out the memory it stages in). Collective: every rank of ``group`` calls this or
     :func:`abstain`. Returns this rank's part of the plan, or None where each rank read on its own.
 
     ``share_whole=False`` (alike on every rank) leaves out chunks that every rank needing them needs
@@ -505,15 +506,22 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
     the_plan = _local_plan(me, world, owned, rounds_owned, incoming, rounds_in)
 
     last = max(rounds_owned + rounds_in, default=-1)
+    arena = _Arena()
     t = 0
     while True:
         now = [u for u, r in zip(owned, rounds_owned) if r == t]
         bufs: dict[int, torch.Tensor] = {}
+        arena.reset()
         if local is None and now:
             try:
                 for n, u in enumerate(now):
-                    bufs[n] = torch.empty(u.box[1], dtype=dtype_from_name(manifest.tensors[u.key].dtype, where=u.key))
-                read_direct([ReadTarget(u.key, [], bufs[n], u.box) for n, u in enumerate(now)])
+                    bufs[n] = arena.take(u.box[1], dtype_from_name(manifest.tensors[u.key].dtype, where=u.key))
+                # The reads stage in the same buffer, behind the units; the sends and receives
+                # reuse that room once they are done.
+                mark = arena.mark()
+                read_direct([ReadTarget(u.key, [], bufs[n], u.box) for n, u in enumerate(now)],
+                            staging=lambda nbytes: arena.take((nbytes,), torch.uint8))
+                arena.rewind(mark)
             except Exception as exc:  # noqa: BLE001 - every rank learns it below; none may be left waiting
                 local = exc
         failed, active = group.max_int64([int(local is not None), int(t <= last)])
@@ -524,7 +532,8 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
         if not active:
             break
         _exchange(group, [(u, bufs[n]) for n, u in enumerate(now)],
-                  [u for u, r in zip(incoming, rounds_in) if r == t], targets)
+                  [u for u, r in zip(incoming, rounds_in) if r == t], targets, arena)
+        bufs.clear()
         t += 1
     _read_solo(manifest, targets, the_plan.shared, read_direct)
     return the_plan
@@ -619,10 +628,47 @@ def _fail(group: Group, manifest: Manifest, now: list[Unit], local: BaseExceptio
         raise _relayed(json.loads(got[owner]), owner)
 
 
+class _Arena:
+    """One buffer a load's rounds carve their reads, sends and receives from, grown to the fullest
+    round: fresh tensors per round would come from the C heap once glibc's mmap threshold has risen
+    to their size, and stay resident after the load (2-3x ``buffer_bytes`` measured; docs/benchmarks.md,
+    "Peak memory per rank of a resharded load through the exchange")."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._at = 0
+        self._need = 0
+
+    def reset(self) -> None:
+        """The previous round's views are no longer used: start again from the front, in a buffer
+        as large as the fullest round so far."""
+        if self._need > self._buf.numel():
+            self._buf = torch.empty(0, dtype=torch.uint8)  # freed before its successor is made
+            self._buf = torch.empty(self._need, dtype=torch.uint8)
+        self._at = 0
+
+    def mark(self) -> int:
+        return self._at
+
+    def rewind(self, mark: int) -> None:
+        """Give back what was taken since ``mark`` (its views are no longer used)."""
+        self._at = mark
+
+    def take(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = _padded(self._at)
+        self._at = start + nbytes
+        self._need = max(self._need, self._at)
+        if self._at > self._buf.numel():  # this round outgrew the buffer: on its own this time
+            return torch.empty(tuple(shape), dtype=dtype)
+        return self._buf[start:start + nbytes].view(dtype).view(tuple(shape))
+
+
 def _exchange(group: Group, read: list[tuple[Unit, torch.Tensor]], incoming: list[Unit],
-              targets: list[ReadTarget]) -> None:
+              targets: list[ReadTarget], arena: _Arena | None = None) -> None:
     """One round's slices: each owner's read units to the ranks needing them (its own part copied
     in place), packed for each rank in the common order of units, in one all_to_all."""
+    arena = arena or _Arena()
     me, world = group.rank, group.world
     send_sizes, recv_sizes = [0] * world, [0] * world
     for u, _buf in read:
@@ -631,8 +677,8 @@ def _exchange(group: Group, read: list[tuple[Unit, torch.Tensor]], incoming: lis
     for u in incoming:
         es = u.nbytes // max(1, volume(u.box))
         recv_sizes[u.owner] += sum(_padded(volume(ov) * es) for _r, _i, ov in u.needers)
-    send = torch.empty(sum(send_sizes), dtype=torch.uint8)
-    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    send = arena.take((sum(send_sizes),), torch.uint8)
+    recv = arena.take((sum(recv_sizes),), torch.uint8)
     pos = [sum(send_sizes[:r]) for r in range(world)]
     for u, buf in read:
         for r, i, ov in u.needers:
@@ -656,7 +702,7 @@ def _exchange(group: Group, read: list[tuple[Unit, torch.Tensor]], incoming: lis
 
 
 def _read_solo(manifest: Manifest, targets: list[ReadTarget], shared: set[tuple[str, int]],
-               read_direct: Callable[[list[ReadTarget]], None]) -> None:
+               read_direct: Callable[..., None]) -> None:
     """Read what no unit brought: a target that touches no shared chunk whole (the ordinary path),
     else its part in each chunk only this rank needs."""
     todo: list[ReadTarget] = []

@@ -1347,7 +1347,8 @@ def load_manifest(
         if cooperate and coop.usable(group):
             # Ranks split the reading of chunks several of them need and exchange the slices.
             coop.read(group, manifest, ctx.targets, buffer_bytes,
-                      lambda targets: read_targets(display, open_file, manifest, targets, buffer_bytes), display,
+                      lambda targets, staging=None: read_targets(display, open_file, manifest, targets, buffer_bytes,
+                                                                 staging=staging), display,
                       share_whole=share_whole)
         else:
             read_targets(display, open_file, manifest, ctx.targets, buffer_bytes)
@@ -1552,11 +1553,14 @@ def read_targets(
     manifest: Manifest,
     targets: list[ReadTarget],
     buffer_bytes: int,
+    *,
+    staging: Callable[[int], torch.Tensor] | None = None,
 ) -> None:
     """Fill every target box from the chunks that overlap it, at most ``buffer_bytes`` staged at once.
 
     ``open_file(rel)`` opens a chunk's file (``None``: the single-file container itself, which the
-    caller owns and closes).
+    caller owns and closes). ``staging(nbytes)``: where the staging memory comes from (a fresh
+    buffer by default; a cooperative load's rounds pass their own).
     """
     jobs: list[_ReadJob] = []
     for t in targets:
@@ -1610,7 +1614,7 @@ def read_targets(
         staged = [job for job in host if job.staged]
         slot = -(-max((job.length for job in staged), default=0) // 64) * 64
         nslots = max(1, min(len(staged), buffer_bytes // max(1, slot))) if staged else 0
-        arena = alloc_bytes(nslots * slot)
+        arena = (staging or alloc_bytes)(nslots * slot)
         free: queue.Queue[torch.Tensor] = queue.Queue()
         for i in range(nslots):
             free.put(arena[i * slot : (i + 1) * slot])
