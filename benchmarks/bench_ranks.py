@@ -523,6 +523,12 @@ def summary(per_rank: list[dict[str, Any]], key: str) -> dict[str, float] | None
     return {"median": statistics.median(rest), "max": max(rest), "rank0": per_rank[0].get(key, values[0])}
 
 
+# Thread-ranks per simulated node in the store cells (0: every rank on one node, as before). Each
+# node has a RAM directory and a local directory of its own, so what a rank finds of its node (the
+# restore's inventory, the local manifest) covers its node's ranks, as on a cluster, not the world.
+RANKS_PER_NODE = 0
+
+
 def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, Any]:
     """CheckpointStore with a RAM and a local tier: ``saves`` saves of one structure, then restore."""
     from torch.distributed.tensor import Shard
@@ -530,7 +536,14 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
     from ckptstore import CheckpointStore
 
     job = f"benchranks-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid: a test finds what this run left
-    local_dir = os.path.join(tmp, "local")
+    per_node = RANKS_PER_NODE if 0 < RANKS_PER_NODE < world else world
+    nodes = -(-world // per_node)
+
+    def node_dirs(rank: int) -> tuple[str, str]:
+        if nodes == 1:
+            return os.path.join(tmp, "local"), "/dev/shm"
+        node = rank // per_node
+        return os.path.join(tmp, f"local-n{node}"), os.path.join("/dev/shm", f"{job}-n{node}")
     rows, cols = 2 * world, 8
     shape = (rows, cols)
     manifest_info: dict[str, Any] = {}
@@ -538,12 +551,15 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
     def rank_main(rank: int) -> dict[str, Any]:
         me = threading.current_thread()
         mesh = mesh_of(world)
+        local_dir, ram_dir = node_dirs(rank)
+        os.makedirs(ram_dir, exist_ok=True)
+        where = {} if nodes == 1 else {"ram_dir": ram_dir, "node": f"n{rank // per_node}"}
         start, n = chunk_range(rows, world, rank)
         state = {f"layers.{i}.w": dtensor(fill(rank, i, (n, cols), torch.float32), mesh, Shard(0), shape)
                  for i in range(tensors)}
         out: dict[str, Any] = {}
         late: list[int] = []
-        with CheckpointStore(job, local=local_dir, keep_local=2, ram_budget_bytes=None) as store, \
+        with CheckpointStore(job, local=local_dir, keep_local=2, ram_budget_bytes=None, **where) as store, \
                 WORLD.failing_together():
             for step in range(1, saves + 1):
                 marks: dict[str, tuple[float, float, dict[str, float]]] = {}
@@ -587,7 +603,7 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
                     out[f"{prefix}blocking_{k}"] = m1.get(k, 0) - m0.get(k, 0)
                     out[f"{prefix}ram_{k}"] = m2.get(k, 0) - m1.get(k, 0)
                 out["ram_mark_late"] = step in late
-            segs = glob.glob(f"/dev/shm/ckptstore-{job}-r{rank:05d}-s*.json")
+            segs = glob.glob(os.path.join(ram_dir, f"ckptstore-{job}-r{rank:05d}-s*.json"))
             out["ram_manifest_bytes"] = max((os.path.getsize(p) for p in segs), default=0)
             # Restore the last step into fresh tensors of the same layout.
             target = {k: dtensor(torch.zeros(n, cols), mesh, Shard(0), shape) for k in state}
@@ -606,7 +622,7 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
             # buffers handed to them, sent and received alike, so an upper bound on what was received.
             out["restore_meta_tensor_bytes"] = m1.get("meta_tensor_bytes", 0) - m0.get("meta_tensor_bytes", 0)
             out["own_bytes"] = sum(t.to_local().numel() * 4 for t in state.values())
-            if rank == world // 2:
+            if rank == world // 2 and nodes == 1:  # several nodes' local directories hold parts, no manifest
                 # The local tier commits a format 2.0 manifest (part files named, not chunks), which
                 # parse_manifest refuses: read_manifest assembles it from the parts, as a load does.
                 path = os.path.join(local_dir, f"step-{saves:012d}")
@@ -629,10 +645,14 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
         # A failed rank's store closes without releasing its RAM segments (its close stopped in a
         # collective): they would stay in /dev/shm. A store that succeeded removes its own, which
         # the tests check, so this is the failure's path only.
-        for seg in glob.glob(f"/dev/shm/ckptstore-{job}-*"):
+        for seg in glob.glob(f"/dev/shm/ckptstore-{job}-*") + glob.glob(f"/dev/shm/{job}-n*/ckptstore-{job}-*"):
             with contextlib.suppress(OSError):
                 os.remove(seg)
         raise
+    finally:
+        for d in glob.glob(f"/dev/shm/{job}-n*"):
+            shutil.rmtree(d, ignore_errors=True)
+    manifest_info["ranks_per_node"] = per_node
     return finish_cell("store", world, tensors, per_rank, manifest_info)
 
 
@@ -651,6 +671,9 @@ def sharded_cell(world: int, tensors: int, tmp: str) -> dict[str, Any]:
     def rank_main(rank: int) -> dict[str, Any]:
         me = threading.current_thread()
         mesh = mesh_of(world)
+        local_dir, ram_dir = node_dirs(rank)
+        os.makedirs(ram_dir, exist_ok=True)
+        where = {} if nodes == 1 else {"ram_dir": ram_dir, "node": f"n{rank // per_node}"}
         start, n = chunk_range(rows, world, rank)
         state = {f"layers.{i}.w": dtensor(fill(rank, i, (n, cols), torch.uint8), mesh, Shard(0), shape)
                  for i in range(tensors)}
@@ -1400,6 +1423,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="8-256 ranks at 1,000 tensors, 1,000-50,000 tensors at 8 ranks, planning up to 1,000 "
                          "tensors, budgets of hours")
     ap.add_argument("--dir", default="/dev/shm", help="where the tiers and checkpoints go (tmpfs: the disk stays out)")
+    ap.add_argument("--ranks-per-node", type=int, default=0,
+                    help="store cells: thread-ranks per simulated node, each node with RAM and local directories "
+                         "of its own (default 0: every rank on one node)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
     ap.add_argument("--name", default="ranks", help="the JSON is <out>/<name>.json")
     ap.add_argument("--plot", default=None, help="plot path (default <out>/ranks.png)")
@@ -1409,6 +1435,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--labels", nargs="+", help="with --compare: one label per JSON (default before, after); "
                     "runs with the same label are plotted as one series (a default run and a longer store run)")
     args = ap.parse_args(argv)
+    global RANKS_PER_NODE
+    RANKS_PER_NODE = args.ranks_per_node
     if args.long:
         args.worlds, args.tensors = [8, 16, 32, 64, 128, 256], [1000, 5000, 10000, 50000]
         args.plan_tensors = [10, 100, 1000]
