@@ -394,10 +394,11 @@ def test_bench_ranks_store_cell_spreads_ranks_over_nodes_and_cleans_up(tmp_path)
     """--ranks-per-node 1 at 2 ranks: two simulated nodes, each with RAM and local directories of
     its own; the cell saves and restores bitwise (checked inside) and leaves nothing in /dev/shm."""
     script = os.path.join(ROOT, "benchmarks", "bench_ranks.py")
-    proc = subprocess.run([sys.executable, script, "--kinds", "store", "--worlds", "2", "--tensors", "2",
-                           "--ranks-per-node", "1", "--out", str(tmp_path / "out"), "--no-plot", "--dir", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, script, "--kinds", "store", "--worlds", "2", "--tensors", "2",
+                             "--ranks-per-node", "1", "--out", str(tmp_path / "out"), "--no-plot", "--dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     (cell,) = json.loads((tmp_path / "out" / "ranks.json").read_text())["cells"]
     assert "error" not in cell and cell["ranks_per_node"] == 1
     left = [n for n in os.listdir("/dev/shm") if n.startswith(f"benchranks-{proc.pid}-")
