@@ -101,6 +101,8 @@ def test_the_rounds_of_a_load_carve_one_buffer_grown_to_the_fullest_round():
     assert len({t.untyped_storage().data_ptr() for t in again}) == 1
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in again)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two overlap
+    arena.release()  # the reads after the rounds stage in memory of their own
+    assert arena.take((3, 5), torch.float32).untyped_storage().data_ptr() != again[0].untyped_storage().data_ptr()
 
 
 def test_a_restore_from_the_nodes_reads_whole_chunks_itself_and_shares_only_slices():

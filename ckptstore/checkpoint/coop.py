@@ -526,6 +526,8 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
                 local = exc
         failed, active = group.max_int64([int(local is not None), int(t <= last)])
         if failed:
+            bufs.clear()
+            arena.release()
             _fail(group, manifest, now, local)
             read_direct(targets)  # nothing this rank needs was lost: it reads all of its boxes itself
             return the_plan
@@ -535,6 +537,7 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
                   [u for u, r in zip(incoming, rounds_in) if r == t], targets, arena)
         bufs.clear()
         t += 1
+    arena.release()
     _read_solo(manifest, targets, the_plan.shared, read_direct)
     return the_plan
 
@@ -638,14 +641,20 @@ class _Arena:
         self._buf = torch.empty(0, dtype=torch.uint8)
         self._at = 0
         self._need = 0
+        self._fresh = True
 
     def reset(self) -> None:
-        """The previous round's views are no longer used: start again from the front, in a buffer
-        as large as the fullest round so far."""
-        if self._need > self._buf.numel():
-            self._buf = torch.empty(0, dtype=torch.uint8)  # freed before its successor is made
-            self._buf = torch.empty(self._need, dtype=torch.uint8)
+        """The previous round's views are no longer used: the next take starts from the front, in a
+        buffer grown to the fullest round so far (grown then, so a round that takes nothing
+        allocates nothing)."""
         self._at = 0
+        self._fresh = True
+
+    def release(self) -> None:
+        """Done with the rounds: what the load reads afterwards stages in memory of its own."""
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._need = 0
+        self.reset()
 
     def mark(self) -> int:
         return self._at
@@ -655,7 +664,14 @@ class _Arena:
         self._at = mark
 
     def take(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        if self._fresh:
+            self._fresh = False
+            if self._need > self._buf.numel():
+                self._buf = torch.empty(0, dtype=torch.uint8)  # freed before its successor is made
+                self._buf = torch.empty(self._need, dtype=torch.uint8)
         nbytes = math.prod(shape) * dtype.itemsize
+        if not nbytes:
+            return torch.empty(tuple(shape), dtype=dtype)
         start = _padded(self._at)
         self._at = start + nbytes
         self._need = max(self._need, self._at)

@@ -1597,9 +1597,10 @@ def read_targets(
         # that jobs take turns on: freed and re-allocated buffers would stay resident in the
         # allocator's per-thread arenas (measured: 234-586 MiB of extra RSS for budgets of 16-64
         # MiB), an arena does not. Only jobs that neither read straight into the caller's tensor nor
-        # find their bytes in memory take a slot. Slots start at multiples of 64 bytes: a slot is
-        # viewed as the chunk's dtype (0-dim tensors), which needs an offset divisible by the element
-        # size even when another job has an odd length.
+        # find their bytes in memory take a slot. Slots are multiples of 64 bytes apart from a base
+        # aligned to 16 at least (``staging``'s, or a fresh tensor's): a slot is viewed as the
+        # chunk's dtype (0-dim tensors), which needs an offset divisible by the element size even
+        # when another job has an odd length.
         # Each source's bytes in this process's memory, and each job's direct destination, are
         # looked up once here: a lookup is an fstat or a narrow of the caller's tensor, and asking
         # again in every worker for every job cost more than the first copy's wait.
