@@ -38,12 +38,13 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import spawn_ranks  # noqa: E402 - shared by the benchmark scripts
 
 _WHAT: contextvars.ContextVar[str] = contextvars.ContextVar("what", default="")
 
@@ -195,16 +196,8 @@ def run(world: int, tensors: int, saves: int, replicas: int = 0, sdc: bool = Fal
     root = tempfile.mkdtemp(prefix="ckptstore-bench-cp-")
     out = os.path.join(root, "out")
     os.makedirs(out)
-    init = f"file://{root}/init-{uuid.uuid4().hex}"
     try:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank, args=(r, world, init, root, tensors, saves, out, replicas, sdc)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"a rank failed at world {world}")
+        spawn_ranks(world, _rank, root, tensors, saves, out, replicas, sdc)
         ranks = []
         for r in range(world):
             with open(os.path.join(out, f"rank-{r}.json")) as fh:

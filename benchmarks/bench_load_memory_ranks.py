@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
 import sys
 import tempfile
 import traceback
-import uuid
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import spawn_ranks  # noqa: E402 - shared by the benchmark scripts
 
 ROWS, COLS, TENSORS = 4096, 2048, 16
 
@@ -89,15 +90,7 @@ def _rank(rank: int, world: int, init: str, task: str, path: str, budget: int, l
 
 
 def _spawn(world: int, task: str, path: str, budget: int, layout: str, out: str) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    init = f"file://{out}/init-{uuid.uuid4().hex}"
-    procs = [ctx.Process(target=_rank, args=(r, world, init, task, path, budget, layout, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"{task} ({layout}, budget {budget}) failed on a rank")
+    spawn_ranks(world, _rank, task, path, budget, layout, out, what=f"{task}, {layout}, budget {budget}")
     if task.startswith("save"):
         return []
     ranks = []

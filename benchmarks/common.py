@@ -96,3 +96,23 @@ def pyplot() -> Any:
         return None
     return plt
 
+
+def spawn_ranks(world: int, target: Any, *args: Any, what: str = "") -> None:
+    """Run ``target(rank, world, init, *args)`` on ``world`` fresh processes (spawned: no state of
+    this one leaks into them), ``init`` a file:// rendezvous for their process group in the
+    directory of ``args[0]`` when it is one, else in the temporary directory; raise when a rank
+    failed (its traceback is on stderr)."""
+    import multiprocessing as mp
+    import tempfile
+    import uuid
+
+    where = args[0] if args and isinstance(args[0], str) and os.path.isdir(args[0]) else tempfile.gettempdir()
+    init = f"file://{where}/init-{uuid.uuid4().hex}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, init, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"a rank failed{' (' + what + ')' if what else ''} at world {world}")
