@@ -633,6 +633,14 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
                 t = time.thread_time()
                 _sharded.chunks_needed(target, manifest, path, rank, world)
                 out["load_plan_cpu_s"] = time.thread_time() - t
+                # What load_sharded plans with when the step has its index (a store's tiers write
+                # one): the index and this rank's own part, not the assembled manifest above.
+                from ckptstore.checkpoint.index import plan_spread
+                t = time.thread_time()
+                own = plan_spread(_sharded.Directory(path, None).read_small, target, rank, world, path)
+                out["index_plan_cpu_s"] = time.thread_time() - t
+                if own is None or own.planned != "own":
+                    raise AssertionError(f"rank {rank}: the step's index did not plan its own part ({own})")
                 manifest_info.update(manifest_bytes=os.path.getsize(os.path.join(path, "manifest.json")),
                                      manifest_read_bytes=METER.snapshot(rank).get("manifest_read_bytes", 0) - read0,
                                      checkpoint_bytes=sum(e.nbytes for e in manifest.tensors.values()))
@@ -1028,6 +1036,7 @@ PER_RANK_FIGURES = {  # (cell kind, figure, summary, must stay flat in world siz
     "store.coordinator_cpu_s": ("store", "control_plane_cpu_s", "rank0", False),
     "store.ram_manifest_bytes": ("store", "ram_manifest_bytes", "median", True),
     "store.load_plan_cpu_s": ("store", "load_plan_cpu_s", "rank0", True),
+    "store.index_plan_cpu_s": ("store", "index_plan_cpu_s", "rank0", True),
     "store.restore_cpu_s": ("store", "restore_cpu_s", "median", True),
     "store.restore_plan_cpu_s": ("store", "restore_plan_cpu_s", "median", True),
     "store.restore_load_cpu_s": ("store", "restore_load_cpu_s", "median", True),
@@ -1277,6 +1286,7 @@ MARKDOWN_CELLS = [  # (column, cell kind, figure, summary, unit)
     ("restore: metadata received per rank (objects)", "store", "restore_meta_recv_bytes", "median", "B"),
     ("restore: tensor collectives' buffers per rank", "store", "restore_meta_tensor_bytes", "median", "B"),
     ("one rank's load plan (chunks_needed)", "store", "load_plan_cpu_s", "max", "s"),
+    ("one rank's load plan from the index (load_sharded's)", "store", "index_plan_cpu_s", "max", "s"),
 ]
 MARKDOWN_SHARDED = [
     ("save_sharded per rank (CPU)", "sharded", "save_cpu_s", "median", "s"),
