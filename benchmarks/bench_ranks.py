@@ -679,9 +679,6 @@ def sharded_cell(world: int, tensors: int, tmp: str) -> dict[str, Any]:
     def rank_main(rank: int) -> dict[str, Any]:
         me = threading.current_thread()
         mesh = mesh_of(world)
-        local_dir, ram_dir = node_dirs(rank)
-        os.makedirs(ram_dir, exist_ok=True)
-        where = {} if nodes == 1 else {"ram_dir": ram_dir, "node": f"n{rank // per_node}"}
         start, n = chunk_range(rows, world, rank)
         state = {f"layers.{i}.w": dtensor(fill(rank, i, (n, cols), torch.uint8), mesh, Shard(0), shape)
                  for i in range(tensors)}
