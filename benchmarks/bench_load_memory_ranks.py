@@ -1,6 +1,6 @@
 """Peak extra host memory per rank of a resharded load_sharded through the ranks' exchange, against
-its ``buffer_bytes`` budget (issue 19: "peak memory per rank stays within buffer_bytes plus a fixed
-overhead").
+its ``buffer_bytes`` budget: what a rank holds at once, and what stays resident, should stay within
+the budget plus a fixed overhead.
 
 ``--ranks`` processes over gloo (loopback) save 16 tensors of 4096 x 2048 float32 (512 MiB in all)
 as ``Shard(0)`` DTensors, then, in fresh processes per budget, allocate and touch their

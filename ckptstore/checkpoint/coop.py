@@ -681,10 +681,10 @@ class _Arena:
 
 
 def _exchange(group: Group, read: list[tuple[Unit, torch.Tensor]], incoming: list[Unit],
-              targets: list[ReadTarget], arena: _Arena | None = None) -> None:
+              targets: list[ReadTarget], arena: _Arena) -> None:
     """One round's slices: each owner's read units to the ranks needing them (its own part copied
-    in place), packed for each rank in the common order of units, in one all_to_all."""
-    arena = arena or _Arena()
+    in place), packed for each rank in the common order of units, in one all_to_all; the send and
+    receive buffers come from the round's ``arena``."""
     me, world = group.rank, group.world
     send_sizes, recv_sizes = [0] * world, [0] * world
     for u, _buf in read:

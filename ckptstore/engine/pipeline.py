@@ -474,7 +474,7 @@ class Pipeline:
                         breaks=breaks, layout=job.layout, shared=job.shared, header=job.header, boxes=job.boxes,
                         whole=order == list(range(len(leaves))) and not any(v is not None for v in views),
                         plain=all(t.device.type == "cpu" and t.is_contiguous() and not t.is_complex() for _, t in items),
-                        replicated=dict(job.replicated) if self.check.on else None, check=frozenset(job.check),
+                        replicated=job.replicated if self.check.on else None, check=frozenset(job.check),
                         live=live)
 
     def _reuse(self, job: StepJob, found: tuple[list[Any], list[Any]] | None) -> tuple[list[tuple[str, Any]], int, frozenset[int]] | None:
