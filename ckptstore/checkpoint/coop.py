@@ -46,6 +46,7 @@ match the checkpoint) abstains, so every rank reads as before and none waits in 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import zlib
@@ -493,8 +494,13 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
     got = group.send_bytes({r: _json(v) for r, v in told.items()})
     rounds_in: list[int] = []
     from_owner = {o: [int(t) for t in json.loads(v)] for o, v in got.items()}
+    # Grouped in one pass: a rank of a Shard(0) -> Shard(1) load receives a unit of every tensor
+    # from every other rank, so a pass over its units per sender would be O(ranks^2 x tensors).
+    by_owner: dict[int, list[Unit]] = {o: [] for o in senders}
+    for u in incoming:
+        by_owner[u.owner].append(u)
     for o in senders:
-        theirs = [u for u in incoming if u.owner == o]
+        theirs = by_owner[o]
         when = from_owner.get(o, [])
         if len(when) != len(theirs):
             if local is None:
@@ -502,7 +508,7 @@ def read(group: Group, manifest: Manifest, targets: list[ReadTarget], buffer_byt
                                         f"expects {len(theirs)} (ranks planned from different tables)")
             when = [0] * len(theirs)
         rounds_in.extend(when)
-    incoming = [u for o in senders for u in incoming if u.owner == o]
+    incoming = [u for o in senders for u in by_owner[o]]
     the_plan = _local_plan(me, world, owned, rounds_owned, incoming, rounds_in)
 
     last = max(rounds_owned + rounds_in, default=-1)
@@ -695,7 +701,7 @@ def _exchange(group: Group, read: list[tuple[Unit, torch.Tensor]], incoming: lis
         recv_sizes[u.owner] += sum(_padded(volume(ov) * es) for _r, _i, ov in u.needers)
     send = arena.take((sum(send_sizes),), torch.uint8)
     recv = arena.take((sum(recv_sizes),), torch.uint8)
-    pos = [sum(send_sizes[:r]) for r in range(world)]
+    pos = [0, *itertools.accumulate(send_sizes)][:world]  # O(ranks), not a sum per rank
     for u, buf in read:
         for r, i, ov in u.needers:
             part = _region(buf, u.box, ov)
@@ -707,7 +713,7 @@ def _exchange(group: Group, read: list[tuple[Unit, torch.Tensor]], incoming: lis
             pos[r] += _padded(nb)
     read.clear()
     group.all_to_all(recv, send, recv_sizes, send_sizes)  # every rank, even one with nothing to move
-    at = [sum(recv_sizes[:r]) for r in range(world)]
+    at = [0, *itertools.accumulate(recv_sizes)][:world]
     for u in incoming:
         for _r, i, ov in u.needers:
             t = targets[i]
