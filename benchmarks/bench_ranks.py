@@ -1109,12 +1109,15 @@ def growth(cells: list[dict[str, Any]]) -> dict[str, Any]:
         anchor_w, anchor_t, anchor_v = max(pts, key=lambda p: (p[0], p[1]))
         row["anchor"] = {"world": anchor_w, "tensors": anchor_t, "value": anchor_v}
         if a is not None:
-            beta = b if b is not None else 1.0
+            # Without a tensor sweep a cost is taken as linear in tensors per rank; a ratio of
+            # bytes read to the checkpoint's does not scale with the tensors at all.
+            beta = b if b is not None else (0.0 if figure.endswith("ratio") else 1.0)
             row["extrapolated"] = {
                 f"{w}x{EXTRAPOLATE_TENSORS}": anchor_v * (w / anchor_w) ** a * (EXTRAPOLATE_TENSORS / anchor_t) ** beta
                 for w in EXTRAPOLATE_TO}
             if b is None:
-                row["extrapolation_note"] = "no tensor sweep: assumed linear in tensors per rank"
+                row["extrapolation_note"] = "no tensor sweep: assumed " + (
+                    "flat" if figure.endswith("ratio") else "linear") + " in tensors per rank"
         if flat and a is not None and t_fix is not None:
             ws = sorted(by_t[t_fix])
             ratio = ws[-1][1] / ws[0][1] if ws[0][1] > 0 else math.inf
