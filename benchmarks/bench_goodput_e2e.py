@@ -1160,6 +1160,27 @@ def print_steps_after_restore(paths: list[str]) -> int:
     return 0
 
 
+def steps_reached(events: list[dict[str, Any]], at_s: list[float]) -> dict[float, int]:
+    """The step rank 0 had reached at each of ``at_s`` seconds after the log's first record: work a
+    failure loses is trained again, so the step reached is the training done by then, whichever
+    configuration ran and however its time was spent (0 before the first step)."""
+    t0 = float(events[0]["t"]) if events else 0.0
+    ticks = [(float(e["t"]) - t0, int(e["step"])) for e in events if e["event"] == "tick"]
+    out: dict[float, int] = {}
+    for at in at_s:
+        out[at] = next((step for t, step in reversed(ticks) if t <= at), 0)
+    return out
+
+
+def print_steps_reached(argv: list[str]) -> int:
+    """``--steps-reached T1,T2,... LOG...``: the step each log's job had reached at those seconds."""
+    at_s = [float(v) for v in argv[0].split(",")]
+    for path in argv[1:]:
+        got = steps_reached(_records(path), at_s)
+        print(f"{path}: step reached at " + ", ".join(f"{t:g} s {n}" for t, n in got.items()))
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--zygote"]:
         zygote_main()
@@ -1169,6 +1190,8 @@ if __name__ == "__main__":
         sys.exit(print_steps_in_flight(sys.argv[2:]))
     elif sys.argv[1:2] == ["--steps-after-restore"]:
         sys.exit(print_steps_after_restore(sys.argv[2:]))
+    elif sys.argv[1:2] == ["--steps-reached"]:
+        sys.exit(print_steps_reached(sys.argv[2:]))
     elif len(sys.argv) >= 2 and sys.argv[1] == "--worker":
         worker(sys.argv[2], int(sys.argv[3]))
     else:

@@ -107,3 +107,21 @@ def test_cpu_breakdown_splits_intervals_by_saves_in_flight(tmp_path):
     assert split["rank0"]["MainThread"] == {"idle": 2.0, "in_flight": 8.0}
     assert split["rank0"]["ckptstore-loop"] == {"idle": 0.0, "in_flight": 6.5}
     assert split["others"]["s3-server"] == {"idle": 0.5, "in_flight": 7.5}
+
+
+def test_steps_reached_follows_a_rollback_and_counts_the_training_done_by_each_instant(tmp_path, capsys):
+    # Steps 1-3, a failure rolls the job back to step 1 (step 2 and 3 are trained again): the step
+    # reached at each instant is the last tick's at or before it, not the highest seen before.
+    events = [{"t": 100.0, "event": "setup", "pid": 1},
+              {"t": 101.0, "event": "tick", "pid": 2, "step": 1, "step_s": 1.0},
+              {"t": 102.0, "event": "tick", "pid": 2, "step": 2, "step_s": 1.0},
+              {"t": 103.0, "event": "tick", "pid": 2, "step": 3, "step_s": 1.0},
+              {"t": 103.5, "event": "kill", "pid": 1},
+              {"t": 105.0, "event": "tick", "pid": 3, "step": 2, "step_s": 1.0},
+              {"t": 106.0, "event": "tick", "pid": 3, "step": 3, "step_s": 1.0},
+              {"t": 107.0, "event": "tick", "pid": 3, "step": 4, "step_s": 1.0}]
+    assert _bench().steps_reached(events, [0.5, 1.0, 3.2, 4.0, 5.0, 60.0]) == {
+        0.5: 0, 1.0: 1, 3.2: 3, 4.0: 3, 5.0: 2, 60.0: 4}
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert _bench().print_steps_reached(["2,6", str(tmp_path / "events.jsonl")]) == 0
+    assert capsys.readouterr().out.strip().endswith("step reached at 2 s 2, 6 s 3")
