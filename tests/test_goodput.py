@@ -308,6 +308,76 @@ def test_store_options_are_checked(tmp_path, job):
     assert sorted(os.listdir(tmp_path / "l")) == ["step-000000000001"]  # no event log unless asked
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_auto_interval_counts_the_steps_a_save_in_flight_slowed(monkeypatch):
+    # Steps of 1 s; a save blocks 0.2 s and then slows the two steps it overlaps to 1.5 s each: it
+    # costs training 0.2 + 2 x 0.5 = 1.2 s, and Daly's interval is planned on that, not on 0.2 s.
+    from ckptstore.goodput import tracker as tr
+
+    clock = _Clock()
+    monkeypatch.setattr(tr, "time", clock)
+    t = tr.GoodputTracker(interval="auto", mtbf_s=80.0, events=False, rank=0, world=1, job="j", local=None)
+    left = 0
+    t.in_flight = lambda: left > 0
+    for step in range(25):
+        t.should_save(step)
+        if step and step % 5 == 0:
+            clock.now += 0.2
+            left = 2  # the save hands its work to the background before it returns
+            t.saved(step, 0.2, 0.0, 0.2, 0, 0)
+        clock.now += 1.5 if left else 1.0
+        left = max(0, left - 1)
+    t.should_save(25)
+    inputs = t.inputs()
+    assert inputs["cost_s"] == pytest.approx(1.2)
+    assert t._idle_s == pytest.approx(1.0)  # the in-flight steps are kept out of the idle step time
+    t.planned(25, inputs)
+    assert t.plan["interval_s"] == pytest.approx(planner.daly(1.2, inputs["mtbf_s"]))
+
+    # Step noise while a save is in flight does not add up to a cost (the excess is signed: one step
+    # 0.1 s slower and one 0.1 s faster cost nothing), and a synchronous save, after which nothing
+    # is in flight, costs what it blocked.
+    for sync in (False, True):
+        s = tr.GoodputTracker(interval="auto", mtbf_s=80.0, events=False, rank=0, world=1, job="j", local=None)
+        s.in_flight = lambda: flight["left"] > 0  # noqa: B023 - the loop's own flight
+        flight = {"left": 0}
+        for step in range(40):
+            s.should_save(step)
+            if step and step % 5 == 0:
+                clock.now += 0.3
+                flight["left"] = 0 if sync else 2
+                s.saved(step, 0.3, 0.0, 0.3, 0, 0)
+            if sync:  # the steps after a save are slow, but no save is in flight to blame
+                clock.now += 1.05 if step % 5 < 2 else 1.0
+            else:
+                clock.now += {2: 1.1, 1: 0.9, 0: 1.0}[flight["left"]]
+            flight["left"] = max(0, flight["left"] - 1)
+        s.should_save(40)
+        assert s.inputs()["cost_s"] == pytest.approx(0.3), sync
+
+
+def test_the_store_tells_its_tracker_while_a_save_is_in_flight(tmp_path, job):
+    with ckptstore.CheckpointStore(job, local=tmp_path / "l", interval="auto", mtbf="1h") as store:
+        tracker = store._tracker
+        assert not tracker.in_flight()
+        # 64 MiB written and fsynced to the local tier takes tens of milliseconds after save returns.
+        handle = store.save(1, {"w": torch.ones(16 << 20)})
+        assert tracker.in_flight()
+        handle.wait("local")
+        store._pipeline.drain()
+        assert not tracker.in_flight()
+
+
 # ---------------------------------------------------------------------------- stragglers
 
 

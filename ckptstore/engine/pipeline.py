@@ -256,6 +256,7 @@ class Pipeline:
         self._busy: dict[int, concurrent.futures.Future] = {}  # slot -> the step that still reads it
         self._last_ram: concurrent.futures.Future | None = None  # the RAM commit of the newest save
         self._outstanding: set[concurrent.futures.Future] = set()
+        tracker.in_flight = self._in_flight  # the interval plan counts the steps a save slows
         self._last: StepJob | None = None  # the newest step committed in RAM (close promotes it)
         self._promoted: set[int] = set()
         # The newest step due in the durable tier that is not there yet: local retention keeps it
@@ -1061,6 +1062,9 @@ class Pipeline:
         except (CheckpointError, OSError) as exc:
             log.warning("ckptstore: cannot read this rank's part of step %d on this node: %s", step, exc)
         return None, None
+
+    def _in_flight(self) -> bool:
+        return any(not f.done() for f in self._outstanding)
 
     def drain(self) -> None:
         """Wait until every step handed to the background is done (committed or failed)."""

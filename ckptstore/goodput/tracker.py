@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._aio import LoopThread
@@ -30,10 +31,19 @@ class GoodputTracker:
     def __init__(self, *, interval: float | str | None, mtbf_s: float | None, events: bool | str, rank: int,
                  world: int, job: str, local: str | None, loop: LoopThread | None = None) -> None:
         self._interval, self._mtbf = interval, mtbf_s
-        self._costs: list[float] = []
+        self._costs: list[list[float]] = []  # per save: what it blocked, the slowdown of the steps it overlapped
         self._step_s: float | None = None
         self._last_call: tuple[int, float] | None = None
         self._blocked = 0.0  # what saves blocked since the last should_save (not part of the step time)
+        # An asynchronous save also slows the steps it overlaps (its copies, hashes and writes share
+        # the cores and the memory bandwidth): measured, that costs training several times what save
+        # blocks (docs/goodput.md). Steps are timed apart while a save is in flight and while none
+        # is; the in-flight steps' excess over the idle step time is added to the cost of the save
+        # that was in flight.
+        self.in_flight: Callable[[], bool] = lambda: False  # set by the pipeline
+        self._idle_s: float | None = None
+        self._was_busy = False  # a save was in flight at the last should_save, or when one returned
+        self._slowdown = 0.0  # excess of in-flight steps since the last save
         self._next_save: int | None = None
         self._tick = 0.0
         self._started = time.time()
@@ -66,9 +76,17 @@ class GoodputTracker:
             raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
         now = time.monotonic()
         if self._last_call is not None and step > self._last_call[0]:
-            per_step = max(0.0, now - self._last_call[1] - self._blocked) / (step - self._last_call[0])
+            steps = step - self._last_call[0]
+            per_step = max(0.0, now - self._last_call[1] - self._blocked) / steps
             self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step
+            busy = self._was_busy or self.in_flight()
+            if not busy:
+                self._idle_s = per_step if self._idle_s is None else 0.8 * self._idle_s + 0.2 * per_step
+            elif self._idle_s is not None:
+                # Signed: a fast in-flight step offsets a slow one, so step noise does not add up to a cost.
+                self._slowdown += (per_step - self._idle_s) * steps
         self._last_call, self._blocked = (step, now), 0.0
+        self._was_busy = self.in_flight()
         # Ticks date a crash for the goodput report: once a minute, or ten times per planned interval.
         period = min(60.0, max(1.0, ((self.plan or {}).get("interval_s") or 600.0) / 10.0))
         if self._events is not None and now - self._tick >= period:
@@ -82,8 +100,15 @@ class GoodputTracker:
             return None
         # The first save of a process also faults the staging slots in and pays one-time imports (often
         # ten times a warm save): it is never planned from, so auto plans start at the third save.
-        costs = self._costs[1:][-5:]
-        cost = sorted(costs)[len(costs) // 2] if costs else None
+        # The newest save's slowdown so far counts; the signed excess is summed before the median is
+        # taken, so noise around the idle step time cancels instead of adding up.
+        costs = [list(c) for c in self._costs[1:][-5:]]
+        if costs:
+            costs[-1][1] += self._slowdown
+        cost = None
+        if costs:
+            median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            cost = max(median([b for b, _s in costs]), median([b + s for b, s in costs]))
         mtbf = None
         if self._mtbf is not None:
             failures, ran = self._history
@@ -106,8 +131,13 @@ class GoodputTracker:
         self.event("plan", step=step, **self.plan)
 
     def saved(self, step: int, blocking: float, waited_s: float, staged_s: float, nbytes: int, copied: int) -> None:
-        """A save returned after ``blocking`` seconds: the cost the interval plan is made from."""
-        self._costs = (self._costs + [blocking])[-50:]
+        """A save returned after ``blocking`` seconds: with the slowdown of the steps it overlaps
+        (added at the next save), the cost the interval plan is made from."""
+        if self._costs:
+            self._costs[-1][1] += self._slowdown
+        self._slowdown = 0.0
+        self._costs = (self._costs + [[blocking, 0.0]])[-50:]
+        self._was_busy = self.in_flight()
         self._blocked += blocking
         self.event("save", step=step, blocking_s=round(blocking, 6), waited_s=round(waited_s, 6),
                    staged_s=round(staged_s, 6), bytes=nbytes, copied=copied)
