@@ -32,9 +32,11 @@ Configurations (every one saves the same flat state of tensors every ``k`` steps
 Rank 0 and the supervisor write one event log per run (``<out>/<config>/events.jsonl``), which
 ``ckptstore goodput LOG... --simulate`` splits into productive time, checkpoint stalls, lost work,
 restart and reload, and replays in the simulator from the measured costs and the actual failure
-times. ``--interval plan`` reads each configuration's blocking cost from an earlier run's log
-(``--cost-from DIR``) and saves at Daly's interval (what ``ckptstore plan`` prints) for that cost and
-``--mtbf``; a number is a fixed common interval in seconds, converted to steps with ``--step-s``.
+times. ``--interval plan`` reads what a save of each configuration cost training in an earlier
+measurement (``--cost-from DIR|JSON...``: its blocking time plus, with the default ``--plan-cost
+total``, the slowdown of the steps it overlapped) and saves at Daly's interval (what ``ckptstore
+plan`` prints) for that cost and ``--mtbf``; a number is a fixed common interval in seconds,
+converted to steps with ``--step-s``.
 
     python benchmarks/bench_goodput_e2e.py --configs torch.save,dcp,ckptstore-local,ckptstore-full \\
         --interval 20 --window 300 --mtbf 50 --seed 1 --out /tmp/e2e-fixed
@@ -792,20 +794,26 @@ class Supervisor:
     def wipe_node(self, rank: int, ram_only: bool = False) -> None:
         """The node's RAM and local directories are lost (and its agent): a replacement node starts
         with empty ones at once. Deleting a gigabyte of files is not part of a real node loss, so
-        the old directories are moved aside (one rename each) and removed when the window ends."""
+        the old directories are moved aside (one rename each): a local one is removed when the
+        window ends, a RAM one at once by a thread at the lowest priority. A RAM directory kept
+        until the end held its segments in /dev/shm, which cannot be paged out: ckptstore-local
+        sets aside both nodes' at every failure, 2-3 GB each time, and 9 failures of a 20-minute
+        window filled this machine's 24 GiB (the kernel's OOM killer took a rank at 751 s)."""
         node = self.nodes[rank]
         if not ram_only:
             for pid in agent_pids(node["ram"]):
                 _kill(pid, group=False)
                 _wait_dead(pid)
-            self._set_aside(node["local"])
-        self._set_aside(node["ram"])
+            self.lost.append(self._set_aside(node["local"]))
+        gone = self._set_aside(node["ram"])
+        threading.Thread(target=_remove_quietly, args=(gone,), daemon=True, name="bench-remove").start()
 
-    def _set_aside(self, path: str) -> None:
+    @staticmethod
+    def _set_aside(path: str) -> str:
         gone = f"{path}.lost-{uuid.uuid4().hex[:8]}"
         os.rename(path, gone)
         os.makedirs(path)
-        self.lost.append(gone)
+        return gone
 
     def run(self, failures: list[dict], window: float) -> dict[str, Any]:
         from ckptstore.goodput.events import EventLog
@@ -904,6 +912,14 @@ class Supervisor:
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
 
+def _remove_quietly(path: str) -> None:
+    """Remove ``path`` from a thread of the lowest priority, off the restarts' cores as far as the
+    scheduler allows (freeing a gigabyte of shared memory takes ~0.1 s of CPU)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def state_bytes(args: argparse.Namespace) -> int:
     per_layer = args.width * args.width + args.width
     return 3 * 4 * per_layer * args.layers + 4 * 2 * args.layers  # params, exp_avg, exp_avg_sq; Adam's step
@@ -931,19 +947,60 @@ def object_store(needed: bool, nice: int = 0) -> Iterator[Any]:
         s3.stop()
 
 
+def save_cost(name: str, sources: list[str]) -> dict[str, float]:
+    """What a save of ``name`` cost training in an earlier measurement, per save: ``blocking`` (the
+    mean time ``save`` blocked), ``slowdown`` (the steps' excess over the median step, which for an
+    asynchronous checkpoint is mostly the steps slowed while it is in flight) and ``step`` (the
+    median step). ``sources``: earlier ``--out`` directories or JSON files holding this benchmark's
+    reports; the last one that measured ``name`` counts."""
+    from ckptstore.goodput.events import account, read_events
+
+    found = None
+    for src in sources:
+        if os.path.isdir(src):
+            path = os.path.join(src, name, "events.jsonl")
+            if os.path.exists(path):
+                acc = account(read_events(path))
+                per = acc.per_save()
+                if per is not None:
+                    found = {"checkpoint_s": per[0], "slowdown_s": per[1], "saves": 1, "step_s": acc.step_s,
+                             "from": path}
+        else:
+            with open(src) as fh:
+                stack: list[Any] = [json.load(fh)]
+            reports = []
+            while stack:  # every report in the file, in document order
+                node = stack.pop(0)
+                # A report at another configuration's (common) step time would charge its own
+                # slower steps to its saves: only those at its own median step count.
+                if (isinstance(node, dict) and node.get("config") == name and "slowdown_s" in node
+                        and node.get("step", "the median step") == "the median step"):
+                    reports.append({**node, "from": src})
+                elif isinstance(node, dict):
+                    stack[:0] = list(node.values())
+                elif isinstance(node, list):
+                    stack[:0] = node
+            found = reports[-1] if reports else found
+    if found is None or not found.get("saves") or not found.get("step_s"):
+        raise SystemExit(f"--cost-from: no measurement of {name!r} with saves and step times in {sources}: run it "
+                         f"at a fixed interval first (its --out), or name a JSON file with its report")
+    return {"blocking": found["checkpoint_s"] / found["saves"],
+            "slowdown": max(0.0, found["slowdown_s"]) / found["saves"], "step": found["step_s"], "from": found["from"]}
+
+
 def planned_every(name: str, args: argparse.Namespace) -> int:
-    """Daly's interval for the blocking cost measured in ``--cost-from``'s log of this configuration."""
-    from ckptstore.goodput.events import read_events
+    """Daly's interval for what a save of this configuration cost in ``--cost-from``: its blocking
+    time alone (``--plan-cost blocking``, what ``interval="auto"`` sees) or with the slowdown of the
+    steps it overlapped (``total``, what it takes from training)."""
     from ckptstore.goodput.planner import daly
 
-    events = read_events(os.path.join(args.cost_from, name, "events.jsonl"))
-    costs = [e["blocking_s"] for e in events if e["event"] == "save"]
-    steps = [e["step_s"] for e in events if e["event"] == "tick"]
-    cost, step_s = statistics.median(costs), statistics.median(steps)
+    c = save_cost(name, args.cost_from)
+    cost = c["blocking"] + (c["slowdown"] if args.plan_cost == "total" else 0.0)
     tau = daly(cost, args.mtbf)
-    every = max(1, round(tau / step_s))
-    print(f"{name}: measured cost {cost:.3f} s, step {step_s:.3f} s -> `ckptstore plan --ckpt-cost {cost:.3f}s "
-          f"--mtbf {args.mtbf:g}s`: every {tau:.1f} s of training = {every} steps", flush=True)
+    every = max(1, round(tau / c["step"]))
+    print(f"{name}: measured per save {c['blocking']:.3f} s blocking + {c['slowdown']:.3f} s slowdown, step "
+          f"{c['step']:.3f} s (from {c['from']}); planned on {args.plan_cost} {cost:.3f} s -> `ckptstore plan "
+          f"--ckpt-cost {cost:.3f}s --mtbf {args.mtbf:g}s`: every {tau:.1f} s of training = {every} steps", flush=True)
     return every
 
 
@@ -951,7 +1008,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--interval", default="20", help="seconds of training between saves, or 'plan' (with --cost-from)")
-    p.add_argument("--cost-from", help="an earlier --out: each configuration's measured cost, for --interval plan")
+    p.add_argument("--cost-from", nargs="+", metavar="SRC",
+                   help="earlier --out directories or report JSON files: each configuration's measured cost, for "
+                        "--interval plan")
+    p.add_argument("--plan-cost", choices=("total", "blocking"), default="total",
+                   help="plan on a save's blocking time plus the slowdown of the steps it overlaps (total), or on "
+                        "the blocking time alone")
     p.add_argument("--every", type=int, default=None, help="a fixed interval in steps (instead of --interval)")
     p.add_argument("--step-s", type=float, default=0.3, help="the step time that converts --interval to steps")
     p.add_argument("--window", type=float, default=300.0, help="wall seconds per configuration")

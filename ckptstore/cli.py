@@ -568,6 +568,10 @@ def _print_account(doc: dict[str, Any], acc: Any, human: Any) -> None:
     for part in _PARTS:
         print(f"  {part:11s} {human(getattr(acc, part)):>10s}  {fr[part] * 100:5.1f}%")
     print(f"  goodput {acc.goodput * 100:.1f}%")
+    per = acc.per_save()
+    if per is not None:
+        print(f"  per save: {per[0]:.3g} s blocking + {per[1]:.3g} s slowdown = {sum(per):.3g} s; the interval for "
+              f"it: ckptstore plan --ckpt-cost {sum(per):.3g}s --mtbf ...")
     sim = doc.get("simulated")
     if sim:
         sf = sim["fractions"]

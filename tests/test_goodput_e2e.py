@@ -125,3 +125,45 @@ def test_steps_reached_follows_a_rollback_and_counts_the_training_done_by_each_i
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     assert _bench().print_steps_reached(["2,6", str(tmp_path / "events.jsonl")]) == 0
     assert capsys.readouterr().out.strip().endswith("step reached at 2 s 2, 6 s 3")
+
+
+def test_planned_interval_counts_the_steps_a_save_slowed_and_reads_a_log_or_a_report(tmp_path, capsys):
+    # Nine steps of 1 s, but the two after the save (blocking 0.2 s) took 1.5 s: per save 0.2 s
+    # blocking and 1.0 s of slowdown against the median step.
+    ts = [1.0, 2.0, 3.0, 4.7, 6.2, 7.2, 8.2, 9.2, 10.2]
+    steps = [1.0, 1.0, 1.0, 1.5, 1.5, 1.0, 1.0, 1.0, 1.0]
+    events = ([{"t": 0.0, "event": "start", "pid": 2}]
+              + [{"t": t, "event": "tick", "pid": 2, "step": i + 1, "step_s": s} for i, (t, s) in enumerate(zip(ts, steps))]
+              + [{"t": 3.2, "event": "save", "pid": 2, "step": 3, "blocking_s": 0.2},
+                 {"t": 10.2, "event": "close", "pid": 2}])
+    (tmp_path / "run" / "dcp").mkdir(parents=True)
+    (tmp_path / "run" / "dcp" / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    bench = _bench()
+    from ckptstore.goodput.planner import daly
+
+    cost = bench.save_cost("dcp", [str(tmp_path / "run")])
+    assert cost["blocking"] == pytest.approx(0.2) and cost["slowdown"] == pytest.approx(1.0) and cost["step"] == 1.0
+
+    args = bench.argparse.Namespace(cost_from=[str(tmp_path / "run")], mtbf=80.0, plan_cost="total")
+    assert bench.planned_every("dcp", args) == round(daly(1.2, 80.0)) == 13
+    args.plan_cost = "blocking"
+    assert bench.planned_every("dcp", args) == round(daly(0.2, 80.0)) == 6
+    assert "0.200 s blocking + 1.000 s slowdown" in capsys.readouterr().out
+    assert main(["goodput", str(tmp_path / "run" / "dcp" / "events.jsonl")]) == 0
+    assert "per save: 0.2 s blocking + 1 s slowdown = 1.2 s; the interval for it: ckptstore plan --ckpt-cost 1.2s" \
+        in capsys.readouterr().out
+
+    # A report JSON (as docs/benchmarks/goodput_e2e_s16.json holds them): the last report of the
+    # configuration, among the sources named, counts; mean blocking = checkpoint_s / saves.
+    report = {"windows": [{"reports": [{"config": "dcp", "checkpoint_s": 9.0, "slowdown_s": 90.0, "saves": 300,
+                                        "step_s": 0.5}]},
+                          {"reports": [{"config": "dcp", "checkpoint_s": 18.0, "slowdown_s": 120.0, "saves": 300,
+                                        "step_s": 0.6}],
+                           # at the pair's common step time: not this configuration's own cost
+                           "at_common_step": [{"config": "dcp", "checkpoint_s": 18.0, "slowdown_s": 200.0,
+                                               "saves": 300, "step_s": 0.5, "step": "the common step"}]}]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    cost = bench.save_cost("dcp", [str(tmp_path / "run"), str(tmp_path / "report.json")])
+    assert (cost["blocking"], cost["slowdown"], cost["step"]) == (pytest.approx(0.06), pytest.approx(0.4), 0.6)
+    with pytest.raises(SystemExit, match="no measurement of 'torch.save'"):
+        bench.save_cost("torch.save", [str(tmp_path / "run"), str(tmp_path / "report.json")])

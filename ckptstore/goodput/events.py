@@ -166,6 +166,14 @@ class Account:
         return {"productive": self.productive / w, "checkpoint": self.checkpoint / w, "lost": self.lost / w,
                 "restart": self.restart / w, "reload": self.reload / w}
 
+    def per_save(self) -> tuple[float, float] | None:
+        """What a save cost training, on average: the time it blocked, and the slowdown of the steps
+        (their excess over the median step, most of it an asynchronous save's steps in flight); the
+        sum is the cost to plan an interval with. None without saves or step times."""
+        if not self.saves or self.useful_steps is None:
+            return None
+        return self.checkpoint / self.saves, max(0.0, self.productive - self.useful) / self.saves
+
     @property
     def goodput(self) -> float:
         """Useful steps x step time / wall when the log has step times, else the productive share."""
