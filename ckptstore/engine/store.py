@@ -87,7 +87,8 @@ class CheckpointStore:
 
     ``interval`` (seconds, a duration such as ``"20m"``, or ``"auto"`` with ``mtbf``) makes
     :meth:`should_save` answer when to checkpoint; ``"auto"`` plans Daly's optimal interval from the
-    blocking cost the store measures and the MTBF, which the failure history in the event log refines.
+    cost of a save the store measures (what it blocked, plus the slowdown of the steps its background
+    work overlapped) and the MTBF, which the failure history in the event log refines.
     ``events=True`` keeps an append-only event log (saves, restores, restarts) in ``<local>/events.jsonl``
     (or ``events=PATH``) for ``ckptstore goodput``. ``sdc="warn"`` or ``"raise"`` compares the checksums of
     tensors that data-parallel replicas must hold identically, and records any mismatch in the manifest.
@@ -384,7 +385,7 @@ class CheckpointStore:
         """Whether to checkpoint at ``step``, under ``interval``: call it once per training step.
 
         The answer compares ``step`` with the next save step that every rank computed at the last
-        ``save`` from the same numbers (rank 0's measured step time, blocking cost and MTBF estimate,
+        ``save`` from the same numbers (rank 0's measured step time, cost per save and MTBF estimate,
         carried by the per-save vote), so all ranks get the same answer without a collective per step.
         The first call says yes: that checkpoint measures the cost cold, and the next two follow a step
         apart to measure it warm (a process's first save also pays one-time costs); from then on the
