@@ -75,18 +75,18 @@ class GoodputTracker:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
         now = time.monotonic()
+        busy_now = self.in_flight()
         if self._last_call is not None and step > self._last_call[0]:
             steps = step - self._last_call[0]
             per_step = max(0.0, now - self._last_call[1] - self._blocked) / steps
             self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step
-            busy = self._was_busy or self.in_flight()
-            if not busy:
+            if not (self._was_busy or busy_now):
                 self._idle_s = per_step if self._idle_s is None else 0.8 * self._idle_s + 0.2 * per_step
             elif self._idle_s is not None:
                 # Signed: a fast in-flight step offsets a slow one, so step noise does not add up to a cost.
                 self._slowdown += (per_step - self._idle_s) * steps
         self._last_call, self._blocked = (step, now), 0.0
-        self._was_busy = self.in_flight()
+        self._was_busy = busy_now
         # Ticks date a crash for the goodput report: once a minute, or ten times per planned interval.
         period = min(60.0, max(1.0, ((self.plan or {}).get("interval_s") or 600.0) / 10.0))
         if self._events is not None and now - self._tick >= period:
@@ -103,10 +103,9 @@ class GoodputTracker:
         # The newest save's slowdown so far counts; the signed excess is summed before the median is
         # taken, so noise around the idle step time cancels instead of adding up.
         costs = [list(c) for c in self._costs[1:][-5:]]
-        if costs:
-            costs[-1][1] += self._slowdown
         cost = None
         if costs:
+            costs[-1][1] += self._slowdown
             median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
             cost = max(median([b for b, _s in costs]), median([b + s for b, s in costs]))
         mtbf = None
