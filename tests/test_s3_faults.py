@@ -171,8 +171,9 @@ def test_reads_cut_every_time_fail_clearly_and_boundedly(s3, proxy):
 def test_save_returns_while_an_upload_is_stuck(s3, proxy, job, tmp_path, policy):
     """While step 1's parts hang in the proxy, the saves that follow return and commit locally
     under either policy, none skipped: a promotion reads the step's local files, not its RAM slot,
-    so a stuck upload holds no slot. Once the store answers, every promotion completes and loads
-    bitwise equal."""
+    so a stuck upload holds no slot. Once the store answers, step 1's promotion completes, step 2's,
+    queued behind it and overtaken by step 3's, is dropped without a request (its wait returns),
+    and step 3 is promoted next: both load bitwise equal, and step 2 stays in the local tier."""
     proxy.add("hold", "UploadPart")
     url = _durable(s3, job)
     store = CheckpointStore(job, local=tmp_path / "local", durable=url, durable_every=1, policy=policy,
@@ -190,11 +191,16 @@ def test_save_returns_while_an_upload_is_stuck(s3, proxy, job, tmp_path, policy)
         proxy.clear()
         for h in (h1, h2, h3):
             h.wait("durable")
+        assert store.durable.steps_sync() == [1, 3]
     finally:
         proxy.clear()
         store.close()
-    for step in (1, 2, 3):
+    for step in (1, 3):
         assert_same(_from_durable(s3, url, step), _state(step), f"step {step}")
+    assert not [k for k in s3_keys(s3, s3["prefix"]) if "step-000000000002" in k]
+    local2: dict = {"w": None, "b": None}
+    ckptstore.load_sharded(local2, tmp_path / "local" / "step-000000000002")
+    assert_same(local2, _state(2), "local copy of step 2")
     assert s3_pending_uploads(s3, s3["prefix"]) == []
 
 

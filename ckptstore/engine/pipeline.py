@@ -31,7 +31,9 @@ holds up the next step's RAM and local commits):
 7. *peer*: replicate to ranks on other nodes (every ``peer_every``-th save), from the RAM commit on,
    beside the local write;
 8. *durable*: promote to the durable URL (every ``durable_every``-th save, and the last one on
-   close), reading the step's local files rather than its slot, then apply retention.
+   close), reading the step's local files rather than its slot, then apply retention. A queued
+   promotion that every rank has queued a newer one behind is dropped (an object store slower
+   than the saves would otherwise fall further behind at every save).
 
 A failure in a stage fails the step there and in the stages after it, reaches every rank's trainer
 at its next ``save``, ``wait`` or ``close`` with its original class, and never touches the steps
@@ -262,6 +264,13 @@ class Pipeline:
         # The newest step due in the durable tier that is not there yet: local retention keeps it
         # until a promotion of it or of a later step succeeds (retention tied to promotion).
         self._owed: int | None = None
+        # Promotions queue in the durable lane when the object store is slower than the saves. The
+        # newest step this rank queued there, and the oldest such step over the ranks as the last
+        # durable commit agreed it (its flag carries it): a queued promotion older than that is
+        # overtaken on every rank and dropped, so the uploads never fall further behind the
+        # saves and the durable tier gets the newest step soonest.
+        self._queued: int = -1
+        self._overtaken_below: int = -1
         # The newest step replicated to peers, and those on their way there: the local tier keeps
         # its copy of them beyond keep_local, so that a node loss, which takes the lost node's
         # replicas of the others' parts, still finds every part of that step on the nodes left.
@@ -657,6 +666,7 @@ class Pipeline:
                     # or stuck object store then never holds a RAM slot, so it never blocks the next saves.
                     job.durable_data = self._local_view(job)
                     lanes.append((self.durable_lane.reserve(), self._promote, "durable"))
+                    self._queued = max(self._queued, job.step)
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
                 self._failed(job, exc)
         finally:
@@ -799,6 +809,15 @@ class Pipeline:
 
     async def _promote(self, job: StepJob) -> None:
         assert self.durable is not None and job.snap is not None
+        if job.step < self._overtaken_below:
+            # Every rank agreed (at the last durable commit) that it had queued a newer promotion:
+            # the same decision everywhere, with no collective of its own. The step stays in the
+            # tiers it reached; waiting for its durable copy returns, as for a step not promoted.
+            job.durable_data = None
+            log.info("ckptstore: step %d is not promoted: step %d or newer is queued for the durable tier on "
+                     "every rank (the object store is slower than the saves)", job.step, self._overtaken_below)
+            self.tracker.event("overtaken", step=job.step, by=self._overtaken_below)
+            return
         # The deadline bounds the whole promotion, retries included (one retry layer, botocore's,
         # bounded per request: storage/s3.py); past it the step fails in the durable tier only.
         deadline = time.monotonic() + self.options.durable.timeout_s
@@ -851,7 +870,9 @@ class Pipeline:
                             body = await asyncio.to_thread(self._parted, job, summaries, shared)
                             await self.durable.commit_document(job.step, body)
 
-                    await concur_async(group, committing, commit)
+                    # The commit's flag also carries the oldest newest-queued step over the ranks.
+                    _none, (neg,) = await concur_max_async(group, committing, commit, lambda: [-self._queued])
+                    self._overtaken_below = max(self._overtaken_below, -neg)
                     return part
                 if tier is self.local and job.own is not None:
                     return await self._to_local(job, group, source)

@@ -9,6 +9,7 @@ The log is one JSON object per line, appended and fsynced by rank 0 of a store c
   right after it, so the log itself carries the failure history the interval planner adapts to;
 - ``save``: ``step``, ``blocking_s`` (what ``save`` cost the training loop), ``waited_s``, ``staged_s``, ``bytes``;
 - ``skip``: a save dropped under ``policy="skip"``;
+- ``overtaken``: ``step``, ``by``: a queued promotion dropped, every rank having queued a newer one;
 - ``plan``: the interval the store planned (``interval_s``, ``cost_s``, ``mtbf_s``, ``step_s``, ``next_step``);
 - ``restore``: ``step`` (null when nothing was found), ``seconds``, ``tier``;
 - ``tick``: ``step``, written at most once a minute from ``should_save``: how far a run got before it died;
