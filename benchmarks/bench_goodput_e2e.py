@@ -419,7 +419,9 @@ class Store:
                     future.add_done_callback(functools.partial(self._committed, handle.step, tier))
 
     def _committed(self, step: int, tier: str, future: Any) -> None:
-        if not future.cancelled() and future.exception() is None:
+        # A dropped (overtaken) promotion's future resolves to the newer step that was committed
+        # instead: only a tier's own commit of this step is logged as one.
+        if not future.cancelled() and future.exception() is None and future.result() == step:
             self.watch.submit(self.on_commit, step, tier)  # one thread writes the log, in order
 
     def close(self) -> None:

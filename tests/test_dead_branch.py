@@ -121,6 +121,39 @@ def test_a_restore_past_a_damaged_step_lets_the_job_save_that_step_again(job, tm
         shutil.rmtree(ram_dir, ignore_errors=True)
 
 
+def test_the_same_process_promotes_the_new_branch_after_restoring_past_a_dead_one(job, tmp_path):
+    """A store that saved and promoted steps 5, 10 and 15 restores, in the same process, past
+    damaged copies of 10 and 15: the new branch's steps 10 and 15 are promoted like any other (the
+    durable lane's record of the newest step queued before the restore must not make them look
+    overtaken by the dead branch's numbers), and a store on the durable tier alone restores them."""
+    ram_dir = f"/dev/shm/{job}-same"
+    os.makedirs(ram_dir)
+    try:
+        local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+        opts = dict(local=local, durable=durable, durable_every=1, keep_local=None, ram_dir=ram_dir)
+        with CheckpointStore(job, **opts) as store:
+            for step in (5, 10, 15):
+                store.save(step, _state(step)).wait("durable")
+            for step in (10, 15):
+                _damage_ram(ram_dir, job, step)
+                _damage_step(local, step)
+                _damage_step(durable, step)
+            state = _blank()
+            assert store.restore(state) == 5
+            assert_same(state, _state(5))
+            assert _committed(durable) == [5]
+            for step in (10, 15):
+                store.save(step, _state(step, run=1)).wait("durable", timeout=60)
+            assert _committed(durable) == [5, 10, 15]
+            store.close()
+        with CheckpointStore(job, **dict(opts, local=None, ram_dir=str(tmp_path))) as store:
+            state = _blank()
+            assert store.restore(state, step=10) == 10
+            assert_same(state, _state(10, run=1))
+    finally:
+        shutil.rmtree(ram_dir, ignore_errors=True)
+
+
 def test_an_export_that_falls_back_past_a_damaged_step_removes_nothing(job, tmp_path):
     """An export reads a step; it is not the training job resuming. ``hf.export_step`` of the
     newest sound step (step 5, every copy of step 10 damaged) leaves step 10 where it is in every

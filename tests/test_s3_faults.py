@@ -172,8 +172,10 @@ def test_save_returns_while_an_upload_is_stuck(s3, proxy, job, tmp_path, policy)
     """While step 1's parts hang in the proxy, the saves that follow return and commit locally
     under either policy, none skipped: a promotion reads the step's local files, not its RAM slot,
     so a stuck upload holds no slot. Once the store answers, step 1's promotion completes, step 2's,
-    queued behind it and overtaken by step 3's, is dropped without a request (its wait returns),
-    and step 3 is promoted next: both load bitwise equal, and step 2 stays in the local tier."""
+    queued behind it and overtaken by step 3's, is dropped without a request, and step 3 is
+    promoted next: step 2's wait("durable") returns only once step 3 is committed there (the
+    durable tier holds step 2 or a newer one), steps 1 and 3 load bitwise equal, and step 2 stays
+    in the local tier."""
     proxy.add("hold", "UploadPart")
     url = _durable(s3, job)
     store = CheckpointStore(job, local=tmp_path / "local", durable=url, durable_every=1, policy=policy,
@@ -189,9 +191,10 @@ def test_save_returns_while_an_upload_is_stuck(s3, proxy, job, tmp_path, policy)
         h3.wait("local")
         assert not h1.done("durable"), "save must not have waited for the stuck upload"
         proxy.clear()
-        for h in (h1, h2, h3):
-            h.wait("durable")
-        assert store.durable.steps_sync() == [1, 3]
+        h1.wait("durable")
+        h2.wait("durable")
+        assert store.durable.steps_sync() == [1, 3], "step 2's wait returned before step 3 was committed"
+        h3.wait("durable")
     finally:
         proxy.clear()
         store.close()
@@ -202,6 +205,46 @@ def test_save_returns_while_an_upload_is_stuck(s3, proxy, job, tmp_path, policy)
     ckptstore.load_sharded(local2, tmp_path / "local" / "step-000000000002")
     assert_same(local2, _state(2), "local copy of step 2")
     assert s3_pending_uploads(s3, s3["prefix"]) == []
+
+
+def test_an_overtaken_promotion_fails_with_the_one_that_overtook_it(s3, proxy, job, tmp_path):
+    """Step 2's promotion, overtaken by step 3's while step 1's upload hangs, is dropped; then
+    every request for step 3 is reset, so its promotion fails. Step 2's wait("durable") raises that
+    failure rather than returning, since the durable tier holds neither: step 1 is its only step,
+    no multipart upload is left, and steps 2 and 3 load bitwise from the local tier."""
+    hold = proxy.add("hold", "UploadPart", where="step-000000000001")
+    proxy.add("outage", where="step-000000000003")
+    url = _durable(s3, job)
+    local = tmp_path / "local"
+    store = CheckpointStore(job, local=local, durable=url, durable_every=1, durable_timeout_s=120,
+                            storage_options=_through(s3, proxy))
+    try:
+        h1 = store.save(1, _state(1))
+        assert proxy.held.wait(60), "the upload never reached the proxy"
+        h2 = store.save(2, _state(2))
+        h3 = store.save(3, _state(3))
+        h3.wait("local")
+        assert not h1.done("durable"), "the upload was meant to be stuck still"
+        with proxy.lock:
+            proxy.rules.remove(hold)
+        proxy.release()
+        h1.wait("durable")
+        with pytest.raises(StorageError, match=r"promoting step 3 to .* failed"):
+            h3.wait("durable")
+        with pytest.raises(StorageError, match=r"promoting step 3 to .* failed"):
+            h2.wait("durable")
+        assert proxy.faults["outage"] > 0
+        assert store.durable.steps_sync() == [1]
+        with pytest.raises(ckptstore.CheckpointError, match=r"background save \(step 3\) failed"):
+            store.save(4, _state(4))  # reported to the trainer once, as step 3's
+    finally:
+        proxy.clear()
+        store.close()
+    assert s3_pending_uploads(s3, s3["prefix"]) == []
+    for step in (2, 3):
+        got: dict = {"w": None, "b": None}
+        ckptstore.load_sharded(got, local / f"step-{step:012d}")
+        assert_same(got, _state(step), f"local copy of step {step}")
 
 
 def _wait_until(cond, what: str, limit: float = 30.0) -> None:

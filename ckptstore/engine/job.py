@@ -30,6 +30,9 @@ class StepJob:
     snap: Snapshot | None = None
     replicate: bool = False
     promote: bool = False
+    # Its queued promotion was dropped for a newer step's (pipeline ``_promote``): its durable
+    # future takes that promotion's outcome, not its own lane's.
+    overtaken: bool = False
     to_local: bool = False  # the step goes to the local tier (every local_every-th save, a promoted or replicated one)
     cadence: dict[str, int] = field(default_factory=dict)  # saves since the newest promoted / replicated / local one
     # Done once nothing reads the staged slot any more (the next save into it waits for this).

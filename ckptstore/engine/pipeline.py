@@ -126,7 +126,10 @@ class SaveHandle:
     def wait(self, tier: str = "local", timeout: float | None = None) -> None:
         """Block until the snapshot is committed at ``tier``; re-raises a background failure.
         Returns at once for a durable or peer tier this step does not go to (or for a skipped
-        save); for a step the local tier skips (``local_every``), once it is committed in RAM."""
+        save); for a step the local tier skips (``local_every``), once it is committed in RAM. A
+        promotion a newer step's overtook in the durable queue (the object store slower than the
+        saves) is dropped: ``wait("durable")`` then returns once that newer step is committed
+        there, or raises its failure; either way the durable tier holds this step or a newer one."""
         f = self._future(tier)
         if f is not None:
             f.result(timeout)
@@ -271,6 +274,10 @@ class Pipeline:
         # saves and the durable tier gets the newest step soonest.
         self._queued: int = -1
         self._overtaken_below: int = -1
+        # The durable futures of dropped promotions: each takes the outcome of the next promotion
+        # that runs (the one that overtook it), so a wait("durable") that returns still means the
+        # durable tier holds that step or a newer one, and resolves to the newer step.
+        self._overtaken: list[concurrent.futures.Future] = []
         # The newest step replicated to peers, and those on their way there: the local tier keeps
         # its copy of them beyond keep_local, so that a node loss, which takes the lost node's
         # replicas of the others' parts, still finds every part of that step on the nodes left.
@@ -697,7 +704,8 @@ class Pipeline:
         async def guarded() -> None:
             try:
                 await work(job)
-                _resolve(job.futures.get(lane), job.step)
+                if not job.overtaken:
+                    _resolve(job.futures.get(lane), job.step)
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next save/wait/close
                 if lane == "peer":
                     self._replication_failed(job, exc)
@@ -807,17 +815,40 @@ class Pipeline:
         if f is not None and not f.done():
             f.set_exception(exc)
 
-    async def _promote(self, job: StepJob) -> None:
+    async def _promote(self, job: StepJob, *, may_drop: bool = True) -> None:
         assert self.durable is not None and job.snap is not None
-        if job.step < self._overtaken_below:
+        if may_drop and job.step < self._overtaken_below:
             # Every rank agreed (at the last durable commit) that it had queued a newer promotion:
             # the same decision everywhere, with no collective of its own. The step stays in the
-            # tiers it reached; waiting for its durable copy returns, as for a step not promoted.
+            # tiers it reached; its durable future waits for the promotion that overtook it.
             job.durable_data = None
+            job.overtaken = True
+            f = job.futures.get("durable")
+            if f is not None:
+                self._overtaken.append(f)
             log.info("ckptstore: step %d is not promoted: step %d or newer is queued for the durable tier on "
                      "every rank (the object store is slower than the saves)", job.step, self._overtaken_below)
             self.tracker.event("overtaken", step=job.step, by=self._overtaken_below)
             return
+        try:
+            await self._upload(job)
+        except BaseException as exc:
+            self._settle_overtaken(exc)  # nothing left to settle when it failed after its commit
+            raise
+
+    def _settle_overtaken(self, outcome: int | BaseException) -> None:
+        """Give the dropped promotions the outcome of the one that overtook them: the step it
+        committed, or its failure (then the durable tier holds neither)."""
+        pending, self._overtaken = self._overtaken, []
+        for f in pending:
+            if f.done():
+                continue
+            if isinstance(outcome, BaseException):
+                f.set_exception(outcome)
+            else:
+                f.set_result(outcome)
+
+    async def _upload(self, job: StepJob) -> None:
         # The deadline bounds the whole promotion, retries included (one retry layer, botocore's,
         # bounded per request: storage/s3.py); past it the step fails in the durable tier only.
         deadline = time.monotonic() + self.options.durable.timeout_s
@@ -834,6 +865,7 @@ class Pipeline:
         finally:
             job.durable_data = None  # unmaps the local files
         self._promoted.add(job.step)
+        self._settle_overtaken(job.step)
         if self._owed is not None and self._owed <= job.step:
             self._owed = None
         assert self.durable_retention is not None
@@ -1008,6 +1040,9 @@ class Pipeline:
         if durable_holds_it:
             since["durable"] = 0
         self.since = since
+        # The steps counted from here may be lower than the ones queued before (a restore that
+        # dropped a dead branch): promotions of them must not look overtaken by the old numbers.
+        self._queued = self._overtaken_below = -1
 
     def promote_restored(self, step: int, meta: dict[str, Any]) -> concurrent.futures.Future | None:
         """After a restart, promote the step a restore loaded when the durable tier lacks it: a job
@@ -1041,7 +1076,7 @@ class Pipeline:
 
         async def run() -> None:
             try:
-                await Lane.run(place, lambda: self._promote(job))
+                await Lane.run(place, lambda: self._promote(job, may_drop=False))
                 _resolve(job.futures["durable"], step)
             except CheckpointError as exc:
                 # Another writer committed the step meanwhile (the node agent persisting what the
@@ -1095,27 +1130,33 @@ class Pipeline:
         """Drain, promote the last snapshot if it was not; the caller stops the loop. Without
         ``agree`` (this rank alone is leaving on an exception) no collective runs and nothing is
         promoted."""
-        self.drain()
-        self._handoff.close()
-        last = self._last
-        ok = agree and last is not None and self.errors.pending() is None
-        promote = ok and self.durable is not None and last is not None and last.step not in self._promoted
-        # With local_every > 1 the last snapshot may have reached no disk: it goes to the local tier
-        # too, so that a closed store leaves its newest step on the node's disk, not in RAM alone.
-        local = ok and self.local is not None and last is not None and not last.to_local
-        if not agree:
-            return
-        if self.world > 1:
-            # Every rank must want each: one all-reduce (the MAX of "this rank does not"), whatever
-            # the world, not a gather of every rank's answer.
-            refused = self.groups.trainer.max_int64([int(not promote), int(not local)])
-            promote, local = not refused[0], not refused[1]
-        if local:
-            assert last is not None
-            self.loop.submit(self._close_local(last)).result()
-        if promote:
-            assert last is not None
-            self.loop.submit(self._close_promote(last)).result()
+        try:
+            self.drain()
+            self._handoff.close()
+            last = self._last
+            ok = agree and last is not None and self.errors.pending() is None
+            promote = ok and self.durable is not None and last is not None and last.step not in self._promoted
+            # With local_every > 1 the last snapshot may have reached no disk: it goes to the local tier
+            # too, so that a closed store leaves its newest step on the node's disk, not in RAM alone.
+            local = ok and self.local is not None and last is not None and not last.to_local
+            if not agree:
+                return
+            if self.world > 1:
+                # Every rank must want each: one all-reduce (the MAX of "this rank does not"), whatever
+                # the world, not a gather of every rank's answer.
+                refused = self.groups.trainer.max_int64([int(not promote), int(not local)])
+                promote, local = not refused[0], not refused[1]
+            if local:
+                assert last is not None
+                self.loop.submit(self._close_local(last)).result()
+            if promote:
+                assert last is not None
+                self.loop.submit(self._close_promote(last)).result()
+        finally:
+            # The newest queued promotion is never dropped, so one always ran after a dropped one:
+            # this only keeps a wait("durable") from hanging should that ever not hold.
+            self._settle_overtaken(StorageError("the promotion that overtook this step's never ran; the step is in "
+                                                "the RAM and local tiers only"))
 
     async def _close_local(self, job: StepJob) -> None:
         try:
