@@ -1168,7 +1168,7 @@ class Pipeline:
 
     async def _close_promote(self, job: StepJob) -> None:
         try:
-            await Lane.run(self.durable_lane.reserve(), lambda: self._promote(job))
+            await Lane.run(self.durable_lane.reserve(), lambda: self._promote(job, may_drop=False))
         except BaseException as exc:  # noqa: BLE001 - surfaced by close()
             log.error("ckptstore: promoting step %d on close failed: %s", job.step, exc)
             self.errors.add(job.step, exc)
