@@ -34,6 +34,13 @@ with the world and does (exponent above 0.1 for byte counts, 0.2 for CPU times, 
 1.5x from the smallest world to the largest), and every load whose bytes read across ranks exceed
 1.05x the checkpoint's data.
 
+``--count-calls`` adds the work each rank's code does, counted in function calls on the rank's
+threads (a profile hook), for the steady save, the restore, ``save_sharded`` and each load: a
+count does not grow with the load or with the number of threads sharing the cores, so where a
+CPU figure grows with the world and its count does not, the growth is the harness's contention,
+and where the count grows, the code does more work. The hook slows every call several times:
+such a run's CPU figures are not figures.
+
 Cells run smallest first; a cell whose predicted duration (from the growth fitted on the cells
 of its kind already run) would exceed ``--cell-budget-s``, or take the run past
 ``--budget-s``, is skipped and recorded with its prediction, so the same command finishes on
@@ -208,6 +215,7 @@ class ThreadedWorld:
 
         def main(rank: int) -> None:
             threading.current_thread()._bench_rank = rank  # type: ignore[attr-defined]
+            RANK_MAIN[rank] = threading.current_thread()
             dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
             try:
                 results[rank] = fn(rank)
@@ -217,6 +225,7 @@ class ThreadedWorld:
                 dist.destroy_process_group()
 
         RANK_THREADS.clear()
+        RANK_MAIN.clear()
         threads = [threading.Thread(target=main, args=(r,), name=f"rank-{r}") for r in range(world)]
         for t in threads:
             t.start()
@@ -235,6 +244,7 @@ class ThreadedWorld:
 
 
 RANK_THREADS: dict[int, list[threading.Thread]] = {}
+RANK_MAIN: dict[int, threading.Thread] = {}
 
 
 def thread_cpu(thread: threading.Thread) -> float:
@@ -254,6 +264,48 @@ def background_cpu(rank: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ counting
+
+
+class _Calls:
+    """Python and C function calls made on one thread, counted by its profile hook."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def hit(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" or event == "c_call":
+            self.n += 1
+
+
+def _first_call(frame: Any, event: str, arg: Any) -> None:
+    # Each thread's first profile event gives it a counter of its own, so counting takes no lock
+    # and a rank's calls are the sum over the threads that are its own (RANK_MAIN, RANK_THREADS).
+    calls = _Calls()
+    threading.current_thread()._bench_calls = calls  # type: ignore[attr-defined]
+    sys.setprofile(calls.hit)
+    calls.hit(frame, event, arg)
+
+
+COUNTING_CALLS = False
+
+
+def count_calls() -> None:
+    """Count every function call of every thread started from now on (``--count-calls``).
+
+    A call count is the work a rank's code does, whatever the load: CPU clocks of thread-ranks
+    sharing two cores and one interpreter grow with the number of threads (GIL hand-offs, caches)
+    even where the code's work does not, and the count separates the two. The hook slows every
+    call several times, so a counting run's CPU figures are not figures."""
+    global COUNTING_CALLS
+    COUNTING_CALLS = True
+    threading.setprofile(_first_call)
+
+
+def rank_calls(rank: int) -> int:
+    threads = [RANK_MAIN[rank]] if rank in RANK_MAIN else []
+    return sum(getattr(t, "_bench_calls", _Calls()).n for t in threads + RANK_THREADS.get(rank, []))
 
 
 class Meter:
@@ -278,7 +330,10 @@ class Meter:
 
     def snapshot(self, rank: int) -> dict[str, float]:
         with self.lock:
-            return dict(self.counts.get(rank, {}))
+            out = dict(self.counts.get(rank, {}))
+        if COUNTING_CALLS:
+            out["calls"] = rank_calls(rank)
+        return out
 
     def overhead(self, rank: int) -> float:
         return self.snapshot(rank).get("overhead_cpu_s", 0.0)
@@ -597,6 +652,9 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
                 out[f"{prefix}ram_commit_cpu_s"] = max(0.0, b2 - b0)
                 out[f"{prefix}local_commit_cpu_s"] = max(0.0, b3 - b2)
                 out[f"{prefix}control_plane_cpu_s"] = out[f"{prefix}save_cpu_s"] + out[f"{prefix}ram_commit_cpu_s"]
+                if COUNTING_CALLS:
+                    out[f"{prefix}save_calls"] = m1["calls"] - m0["calls"]
+                    out[f"{prefix}control_plane_calls"] = m2["calls"] - m0["calls"]
                 for k in ("meta_sent_bytes", "meta_recv_bytes", "meta_wire_recv_bytes", "meta_tensor_bytes",
                           "collectives"):
                     out[f"{prefix}{k}"] = m3.get(k, 0) - m0.get(k, 0)
@@ -615,6 +673,8 @@ def store_cell(world: int, tensors: int, tmp: str, saves: int = 3) -> dict[str, 
                 raise AssertionError(f"rank {rank}: the restore of step {saves} is not bitwise equal to what was saved")
             out["restore_cpu_s"] = c1 - c0 + b1 - b0 - (m1.get("overhead_cpu_s", 0) - m0.get("overhead_cpu_s", 0))
             out["restore_read_bytes"] = m1.get("read_bytes", 0) - m0.get("read_bytes", 0)
+            if COUNTING_CALLS:
+                out["restore_calls"] = m1["calls"] - m0["calls"]
             for figure in sorted(set(RESTORE_PHASES.values())):
                 out[figure] = m1.get(figure, 0.0) - m0.get(figure, 0.0)
             out["restore_meta_recv_bytes"] = m1.get("meta_recv_bytes", 0) - m0.get("meta_recv_bytes", 0)
@@ -689,6 +749,8 @@ def sharded_cell(world: int, tensors: int, tmp: str) -> dict[str, Any]:
             save_sharded(state, url)
             c1, m1 = thread_cpu(me), METER.snapshot(rank)
         out["save_cpu_s"] = c1 - c0 - (m1.get("overhead_cpu_s", 0) - m0.get("overhead_cpu_s", 0))
+        if COUNTING_CALLS:
+            out["save_calls"] = m1["calls"] - m0["calls"]
         for k in ("meta_sent_bytes", "meta_recv_bytes", "meta_wire_recv_bytes"):
             out[f"save_{k}"] = m1.get(k, 0) - m0.get(k, 0)
         url = f"{where}-timed"
@@ -728,6 +790,8 @@ def sharded_cell(world: int, tensors: int, tmp: str) -> dict[str, Any]:
                     break  # a few keys checked per rank: the check is not the benchmark
             out[f"{name}_cpu_s"] = c1 - c0 - (m1.get("overhead_cpu_s", 0) - m0.get("overhead_cpu_s", 0))
             out[f"{name}_read_bytes"] = m1.get("read_bytes", 0) - m0.get("read_bytes", 0)
+            if COUNTING_CALLS:
+                out[f"{name}_calls"] = m1["calls"] - m0["calls"]
             out[f"{name}_manifest_read_bytes"] = m1.get("manifest_read_bytes", 0) - m0.get("manifest_read_bytes", 0)
             out[f"{name}_meta_recv_bytes"] = m1.get("meta_recv_bytes", 0) - m0.get("meta_recv_bytes", 0)
             if rank == world // 2:
@@ -1057,6 +1121,15 @@ PER_RANK_FIGURES = {  # (cell kind, figure, summary, must stay flat in world siz
     "plan.shard1_plan_cpu_s": ("plan", "shard1_plan_cpu_s", None, True),
     "plan.shard0_uneven_plan_cpu_s": ("plan", "shard0_uneven_plan_cpu_s", None, True),
     "plan.agree_merge_cpu_s": ("plan", "agree_merge_cpu_s", None, False),
+    # --count-calls: the work of a rank's code in calls, which the load does not inflate.
+    "store.control_plane_calls": ("store", "control_plane_calls", "median", True),
+    "store.save_calls": ("store", "save_calls", "median", True),
+    "store.restore_calls": ("store", "restore_calls", "median", True),
+    "sharded.save_calls": ("sharded", "save_calls", "median", True),
+    "sharded.shard0_uneven_calls": ("sharded", "shard0_uneven_calls", "median", True),
+    # A column slice of row slabs meets every slab: one piece per rank per tensor, by the layout.
+    "sharded.shard1_calls": ("sharded", "shard1_calls", "median", False),
+    "sharded.replicate_calls": ("sharded", "replicate_calls", "median", False),
     "commit.coordinator_cpu_s": ("commit", "coordinator_cpu_s", None, False),
     "commit.manifest_bytes": ("commit", "manifest_bytes", None, False),
     "commit.rank_plan_cpu_s": ("commit", "rank_plan_cpu_s", None, True),
@@ -1121,7 +1194,8 @@ def growth(cells: list[dict[str, Any]]) -> dict[str, Any]:
         if flat and a is not None and t_fix is not None:
             ws = sorted(by_t[t_fix])
             ratio = ws[-1][1] / ws[0][1] if ws[0][1] > 0 else math.inf
-            limit = 0.1 if ("bytes" in figure or "ratio" in figure) else 0.2
+            # Bytes and calls do not move with the load: a smaller rise is already the code's.
+            limit = 0.1 if ("bytes" in figure or "ratio" in figure or figure.endswith("calls")) else 0.2
             if figure.endswith("read_ratio"):
                 grows = any(v > 1.05 for _, v in ws)
                 row["flag"] = grows and f"bytes read across ranks reach {max(v for _, v in ws):.2f}x the checkpoint (limit 1.05x)"
@@ -1170,6 +1244,8 @@ def predicted(kind: str, world: int, tensors: int, done: list[dict[str, Any]]) -
 
 def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     install_counters()
+    if args.count_calls:
+        count_calls()
     tag = commit_tag()  # at the start: what was measured, even if the checkout moves during the run
     started = time.perf_counter()
     cells: list[dict[str, Any]] = []
@@ -1235,6 +1311,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
         "started_unix": round(time.time() - (time.perf_counter() - started), 1),
         "seconds": round(time.perf_counter() - started, 1),
         "mode": "threads: every rank a thread of one process, torch's threaded process group",
+        "count_calls": COUNTING_CALLS,
         "cells": cells,
         "growth": growth(cells),
         "machine": machine(),
@@ -1249,6 +1326,8 @@ def fmt(v: float | None, unit: str) -> str:
         return "-"
     if unit == "s":
         return f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
+    if unit == "calls":
+        return f"{v:,.0f} calls"
     if unit == "B":
         for u, s in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
             if v >= 1 << s:
@@ -1257,12 +1336,16 @@ def fmt(v: float | None, unit: str) -> str:
     return f"{v:.2f}{unit}"
 
 
+def unit_of(figure: str) -> str:
+    return "B" if "bytes" in figure else "x" if "ratio" in figure else "calls" if figure.endswith("calls") else "s"
+
+
 def print_report(doc: dict[str, Any]) -> None:
     print(f"\ncommit {doc.get('describe', '?')}{' (dirty)' if doc.get('dirty') else ''}; "
           f"load average at the end {doc['machine']['loadavg']}")
     print(f"{'figure':38s} {'exp. world':>10s} {'exp. tensors':>12s} {'at 4096x10k':>12s} {'at 16384x10k':>13s}  flag")
     for name, row in doc["growth"].items():
-        unit = "B" if "bytes" in name else ("x" if "ratio" in name else "s")
+        unit = unit_of(name)
         ex = row.get("extrapolated", {})
         a, b = row["world_exponent"], row["tensor_exponent"]
         print(f"{name:38s} {'-' if a is None else f'{a:.2f}':>10s} {'-' if b is None else f'{b:.2f}':>12s} "
@@ -1287,6 +1370,9 @@ MARKDOWN_CELLS = [  # (column, cell kind, figure, summary, unit)
     ("restore: tensor collectives' buffers per rank", "store", "restore_meta_tensor_bytes", "median", "B"),
     ("one rank's load plan (chunks_needed)", "store", "load_plan_cpu_s", "max", "s"),
     ("one rank's load plan from the index (load_sharded's)", "store", "index_plan_cpu_s", "max", "s"),
+    ("calls per rank, steady save's control plane", "store", "control_plane_calls", "median", "calls"),
+    ("of it: save() blocking", "store", "save_calls", "median", "calls"),
+    ("calls per rank, restore", "store", "restore_calls", "median", "calls"),
 ]
 MARKDOWN_SHARDED = [
     ("save_sharded per rank (CPU)", "sharded", "save_cpu_s", "median", "s"),
@@ -1300,6 +1386,10 @@ MARKDOWN_SHARDED = [
     ("load Replicate per rank (CPU)", "sharded", "replicate_cpu_s", "median", "s"),
     ("exchange held at once, Shard(1), largest rank", "sharded", "shard1_exchange_peak_bytes", "max", "B"),
     ("exchange held at once, Replicate, largest rank", "sharded", "replicate_exchange_peak_bytes", "max", "B"),
+    ("calls per rank, save_sharded", "sharded", "save_calls", "median", "calls"),
+    ("calls per rank, load Shard(1)", "sharded", "shard1_calls", "median", "calls"),
+    ("calls per rank, load uneven Shard(0)", "sharded", "shard0_uneven_calls", "median", "calls"),
+    ("calls per rank, load Replicate", "sharded", "replicate_calls", "median", "calls"),
 ]
 MARKDOWN_PLAN = [
     ("build_manifest (every rank, RAM commit)", "plan", "build_manifest_cpu_s", None, "s"),
@@ -1331,6 +1421,8 @@ def markdown(doc: dict[str, Any]) -> str:
                     s = c.get("per_rank", {}).get(figure)
                     v = None if s is None else s[which]
                 vals.append(fmt(v, unit) if unit != "x" else ("-" if v is None else f"{v:.2f}x"))
+            if unit == "calls" and set(vals) == {"-"}:
+                continue  # counted only with --count-calls
             lines.append(f"| {label} | " + " | ".join(vals) + " |")
         lines.append("")
     skipped = [c for c in doc["cells"] if c.get("skipped")]
@@ -1341,7 +1433,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines.append("| figure | exponent in ranks | exponent in tensors | at 4,096 x 10,000 | at 16,384 x 10,000 | flag |")
     lines.append("|---|---|---|---|---|---|")
     for name, row in doc["growth"].items():
-        unit = "B" if "bytes" in name else ("x" if "ratio" in name else "s")
+        unit = unit_of(name)
         ex = row.get("extrapolated", {})
         a, b = row["world_exponent"], row["tensor_exponent"]
         def show(v: float | None, unit: str = unit) -> str:
@@ -1400,7 +1492,7 @@ def plot(docs: list[tuple[str, dict[str, Any]]], path: str) -> bool:
         ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("ranks")
-        ax.set_ylabel({"s": "seconds", "B": "bytes", "x": "ratio"}[unit])
+        ax.set_ylabel({"s": "seconds", "B": "bytes", "x": "ratio", "calls": "calls"}[unit])
         if unit == "x":
             ax.axhline(1.05, color="grey", lw=0.8)
         if ax.get_legend_handles_labels()[0]:
@@ -1436,6 +1528,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks-per-node", type=int, default=0,
                     help="store cells: thread-ranks per simulated node, each node with RAM and local directories "
                          "of its own (default 0: every rank on one node)")
+    ap.add_argument("--count-calls", action="store_true",
+                    help="count every function call per rank (the *_calls figures: work that the load does not "
+                         "inflate); the hook slows every call, so this run's CPU figures are not figures")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
     ap.add_argument("--name", default="ranks", help="the JSON is <out>/<name>.json")
     ap.add_argument("--plot", default=None, help="plot path (default <out>/ranks.png)")

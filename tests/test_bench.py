@@ -406,6 +406,38 @@ def test_bench_ranks_store_cell_spreads_ranks_over_nodes_and_cleans_up(tmp_path)
     assert left == [], left
 
 
+def test_bench_ranks_counts_each_ranks_calls_on_its_own_threads(tmp_path):
+    """--count-calls: every rank's steady save, restore, save_sharded and loads are counted in calls
+    on that rank's threads, the save's blocking part within its control plane, the fit covers the
+    counts, and the Markdown tables show them (they are left out of a run without counting)."""
+    script = os.path.join(ROOT, "benchmarks", "bench_ranks.py")
+    proc = subprocess.run([sys.executable, script, "--kinds", "store", "sharded", "--worlds", "2", "4", "--tensors", "2",
+                           "--count-calls", "--out", str(tmp_path / "out"), "--no-plot", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "out" / "ranks.json").read_text())
+    assert doc["count_calls"] is True
+    cells = {(c["kind"], c["world"]): c for c in doc["cells"]}
+    for world in (2, 4):
+        store, sharded = cells[("store", world)]["per_rank"], cells[("sharded", world)]["per_rank"]
+        assert 0 < store["save_calls"]["median"] < store["control_plane_calls"]["median"]
+        assert store["restore_calls"]["median"] > 0
+        for name in ("save_calls", "shard1_calls", "shard0_uneven_calls", "replicate_calls"):
+            assert sharded[name]["median"] > 0, name
+    assert doc["growth"]["store.control_plane_calls"]["world_exponent"] is not None
+    spec = importlib.util.spec_from_file_location("bench_ranks", script)
+    assert spec is not None and spec.loader is not None
+    bench_ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_ranks)
+    table = bench_ranks.markdown(doc)
+    assert "calls per rank, steady save's control plane" in table and " calls |" in table
+    for cell in doc["cells"]:
+        for figure in list(cell["per_rank"]):
+            if figure.endswith("calls"):
+                del cell["per_rank"][figure]
+    assert "calls per rank" not in bench_ranks.markdown(doc)
+
+
 # Slow, like the other benchmarks' smoke runs: the default run keeps the quick suite smoke above.
 @pytest.mark.slow
 def test_bench_ranks_smoke_measures_real_ranks_and_compares(tmp_path):
