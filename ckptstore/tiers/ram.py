@@ -1355,8 +1355,14 @@ class _Template:
 # Documents scan() read, by path, with the identity of the file they were read from. A document
 # is published by rename (a new file) and never written in place, so a file with the same device,
 # inode, size and modification time holds the same bytes; every save and restore lists the
-# segments several times.
-_parsed_docs: dict[str, tuple[tuple[int, int, int, int], dict[str, Any]]] = {}
+# segments several times. Kept per directory, so that a listing prunes the documents of its own
+# directory only: a process holding several nodes' directories (a test, a harness of thread-ranks)
+# must not make each listing cost the documents of every node.
+_parsed_docs: dict[str, dict[str, tuple[tuple[int, int, int, int], dict[str, Any]]]] = {}
+
+
+def _cached_docs() -> int:
+    return sum(len(docs) for docs in list(_parsed_docs.values()))
 
 
 def read_doc(path: str, *, cached: bool = False) -> dict[str, Any]:
@@ -1372,7 +1378,8 @@ def read_doc(path: str, *, cached: bool = False) -> dict[str, Any]:
         st = os.fstat(fd)
         size = st.st_size
         identity = (st.st_dev, st.st_ino, size, st.st_mtime_ns)
-        seen = _parsed_docs.get(path) if cached else None
+        where, name = os.path.split(path)
+        seen = _parsed_docs.get(where, {}).get(name) if cached else None
         if seen is not None and seen[0] == identity:
             return seen[1]
         check_manifest_size(size, where=path)
@@ -1382,7 +1389,7 @@ def read_doc(path: str, *, cached: bool = False) -> dict[str, Any]:
     finally:
         os.close(fd)
     if cached:
-        _parsed_docs[path] = (identity, doc)
+        _parsed_docs.setdefault(where, {})[name] = (identity, doc)
     return doc
 
 
@@ -1648,8 +1655,8 @@ def doc_part(doc: dict[str, Any], where: str) -> NodePart | None:
     if lazy is not None:
         lazy.part = part
         return part
-    if len(_checked_parts) > 2 * len(_parsed_docs) + 16:  # keep only documents still listed
-        live = {id(d) for _identity, d in list(_parsed_docs.values())}
+    if len(_checked_parts) > 2 * _cached_docs() + 16:  # keep only documents still listed
+        live = {id(d) for docs in list(_parsed_docs.values()) for _identity, d in list(docs.values())}
         for key in [k for k in list(_checked_parts) if k not in live]:
             _checked_parts.pop(key, None)
     _checked_parts[id(doc)] = (doc, where, part)
@@ -1668,10 +1675,11 @@ def scan(job: str, ram_dir: str) -> list[tuple[Segment, str, dict[str, Any]]]:
     except OSError:
         return []
     present = set(names)
-    for known in list(_parsed_docs):  # a copy: other threads list segments too
-        where, name = os.path.split(known)
-        if where == ram_dir and name not in present:
-            _parsed_docs.pop(known, None)
+    # Keyed as read_doc keys a path of this directory (a trailing slash dropped).
+    cached = _parsed_docs.get(os.path.split(os.path.join(ram_dir, "x"))[0], {})
+    for name in list(cached):  # a copy: other threads list segments too
+        if name not in present:
+            cached.pop(name, None)
     out = []
     for name in names:
         seg = parse_segment(name)
