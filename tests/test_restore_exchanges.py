@@ -75,3 +75,16 @@ def test_a_rank_killed_mid_restore_gives_the_others_a_ckptstore_error_naming_the
     assert "Restart the job" in message and "checkpoints are intact" in message, message
     assert got["cause"] in ("RuntimeError", "DistBackendError", "DistNetworkError"), got
     dist_workers.spawn(2, "restore_exchange_workers:restore_job", tmp_path, out=str(out), **args)
+
+
+def test_a_restore_agreed_by_hash_answers_without_a_pass_over_the_world():
+    """When every rank said the same of its node's copies (agreed by one all-reduced hash), the
+    agreement is read from this rank's own word: the same answer as from every rank's, at any
+    world size, without a list of the world's words (thousands of ranks on a large job)."""
+    from ckptstore.engine import restore
+
+    for said in ([(0, "a"), (1, "b"), (2, "a")], True, True), ([(1, "b")], True, False), ([], False, False):
+        for world in (1, 2, 7):
+            assert restore._agreed(None, said, world) == restore._agreed([said] * world, None, world)
+    bare, ownless, preference = restore._agreed(None, ([(3, "x"), (1, "x")], True, True), 4096)
+    assert (bare, ownless, preference) == (frozenset(), frozenset(), {"x": 1})

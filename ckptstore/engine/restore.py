@@ -503,7 +503,7 @@ class Restorer:
                     said = _said(node)
                 gathered = fg.all_gather(said)
             elif got[0] == -got[1] and not got[2] and not got[3]:
-                gathered = [said] * self.world
+                gathered = None  # every rank said what this one did
             else:
                 gathered = fg.all_gather(said)
         excluded: set[str] = set()  # damaged copies, by where they lie: never read again in this step
@@ -511,7 +511,7 @@ class Restorer:
         details: list[str] = []
         tried: dict[str, Inventory] = {}  # the layouts tried with the RAM tiers' copies alone
         while True:
-            bare, ownless, preference = _agreed(gathered)
+            bare, ownless, preference = _agreed(gathered, said, self.world)
             order: list[str | None] = [d for d in sorted(preference, key=lambda d: (preference[d], d))]
             if tried:
                 grown = [int(_grown(tried[d], node.layout(d))) for d in order if d in tried]
@@ -545,7 +545,7 @@ class Restorer:
             node, quick = self._inventory(step), None
             said = _said(node)
             alike = self.world > 1 and _same_everywhere(fg, [said], flags=[not node.holds_any(), not node.own])
-            gathered = [said] * self.world if alike else fg.all_gather(said) if self.world > 1 else [said]
+            gathered = None if alike else fg.all_gather(said) if self.world > 1 else [said]
         verdict = _DAMAGED if _DAMAGED in kinds else _MISSING if kinds == {_MISSING} else _OTHER
         return False, "; then ".join(details), verdict
 
@@ -771,12 +771,21 @@ def _said(node: NodeInventory) -> tuple[list[tuple[int, str]], bool, bool]:
     return sorted((inv.preference, d) for d, inv in node.layouts.items()), node.holds_any(), node.own
 
 
-def _agreed(gathered: list[Any]) -> tuple[frozenset[int], frozenset[int], dict[str, int]]:
+def _agreed(gathered: list[Any] | None, said: Any, world: int) -> tuple[frozenset[int], frozenset[int], dict[str, int]]:
     """From every rank's :func:`_said`: the ranks whose node holds nothing of the step; those whose
     node holds no copy of its own (nothing at all, or only other nodes' replicas: their own copies
     went with a lost node or to retention, so a part only they wrote that no other node holds never
     got out of reach, it is missing, not damaged; a file lacking from a copy the writer's node still
-    holds is damage); and each layout's best preference on any node."""
+    holds is damage); and each layout's best preference on any node.
+    ``gathered`` None: every rank said ``said`` (the common case, agreed by a hash), answered
+    without a pass over the world, which is thousands of ranks on a large job."""
+    if gathered is None:
+        listed, holds, own = said
+        everyone = frozenset(range(world))
+        best: dict[str, int] = {}
+        for p, d in listed:
+            best[d] = min(best.get(d, p), p)
+        return frozenset() if holds else everyone, frozenset() if own else everyone, best
     bare = frozenset(r for r, (_listed, holds, _own) in enumerate(gathered) if not holds)
     ownless = frozenset(r for r, (_listed, _holds, own) in enumerate(gathered) if not own)
     preference: dict[str, int] = {}
