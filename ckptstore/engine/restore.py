@@ -779,17 +779,16 @@ def _agreed(gathered: list[Any] | None, said: Any, world: int) -> tuple[frozense
     holds is damage); and each layout's best preference on any node.
     ``gathered`` None: every rank said ``said`` (the common case, agreed by a hash), answered
     without a pass over the world, which is thousands of ranks on a large job."""
+    words = [said] if gathered is None else gathered
     if gathered is None:
-        listed, holds, own = said
+        _listed, holds, own = said
         everyone = frozenset(range(world))
-        best: dict[str, int] = {}
-        for p, d in listed:
-            best[d] = min(best.get(d, p), p)
-        return frozenset() if holds else everyone, frozenset() if own else everyone, best
-    bare = frozenset(r for r, (_listed, holds, _own) in enumerate(gathered) if not holds)
-    ownless = frozenset(r for r, (_listed, _holds, own) in enumerate(gathered) if not own)
+        bare, ownless = frozenset() if holds else everyone, frozenset() if own else everyone
+    else:
+        bare = frozenset(r for r, (_listed, holds, _own) in enumerate(gathered) if not holds)
+        ownless = frozenset(r for r, (_listed, _holds, own) in enumerate(gathered) if not own)
     preference: dict[str, int] = {}
-    for listed, _holds, _own in gathered:
+    for listed, _holds, _own in words:
         for p, d in listed:
             preference[d] = min(preference.get(d, p), p)
     return bare, ownless, preference

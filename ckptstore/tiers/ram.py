@@ -1675,8 +1675,7 @@ def scan(job: str, ram_dir: str) -> list[tuple[Segment, str, dict[str, Any]]]:
     except OSError:
         return []
     present = set(names)
-    # Keyed as read_doc keys a path of this directory (a trailing slash dropped).
-    cached = _parsed_docs.get(os.path.split(os.path.join(ram_dir, "x"))[0], {})
+    cached = _parsed_docs.get(os.path.dirname(os.path.join(ram_dir, "x")), {})  # read_doc's key for this directory
     for name in list(cached):  # a copy: other threads list segments too
         if name not in present:
             cached.pop(name, None)
